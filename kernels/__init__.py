@@ -1,0 +1,5 @@
+"""Triton kernels of tritonllm; kernels/reference.py holds the PyTorch reference of each."""
+from tritonllm.kernels.activation import silu_and_mul
+from tritonllm.kernels.kv_cache import store_kv_cache
+from tritonllm.kernels.norm import fused_add_rms_norm, rms_norm
+from tritonllm.kernels.rotary import rotary_embedding

@@ -1,0 +1,138 @@
+"""PyTorch references of every public kernel, with the same signatures.
+
+They are the oracle of the tests (call them on float64 inputs for an exact answer), the baseline
+of the benchmarks and an engine backend for side-by-side runs. Each rounds to the input dtype at
+the points HF transformers' Qwen3 does and computes in at least float32 in between.
+"""
+import torch
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def store_kv_cache(k, v, k_cache, v_cache, slot_mapping):
+    """Write k[t], v[t] ([T, Hkv, D]) to slot slot_mapping[t] of the caches; slot < 0 skips. In place."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
+
+
+def rms_norm(x, weight, eps):
+    """HF Qwen3RMSNorm over the last dim of x; returns x.dtype."""
+    xf = x.to(_compute_dtype(x.dtype))
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * normed.to(x.dtype)).to(x.dtype)
+
+
+def fused_add_rms_norm(x, residual, weight, eps):
+    """h = x + residual (rounded to x.dtype), y = rms_norm(h); returns new tensors (y, h)."""
+    h = (x.to(_compute_dtype(x.dtype)) + residual).to(x.dtype)
+    return rms_norm(h, weight, eps), h
+
+
+def rotary_embedding(positions, q, k, cos_sin_cache):
+    """Neox rotary on q [T, Hq, D] and k [T, Hkv, D] in float32, one rounding; returns new (q, k)."""
+    half = cos_sin_cache.shape[1] // 2
+    cos_sin = cos_sin_cache[positions.long()]
+    cos, sin = cos_sin[:, None, :half], cos_sin[:, None, half:]
+
+    def rotate(x):
+        xf = x.to(_compute_dtype(x.dtype))
+        x1, x2 = xf[..., :half], xf[..., half:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+    return rotate(q), rotate(k)
+
+
+def silu_and_mul(x):
+    """x [T, 2I] -> silu(x[:, :I]) * x[:, I:] with HF's rounding (silu rounded, then the product)."""
+    inter = x.shape[-1] // 2
+    xf = x.to(_compute_dtype(x.dtype))
+    gate = torch.nn.functional.silu(xf[..., :inter]).to(x.dtype)
+    return (gate.to(xf.dtype) * xf[..., inter:]).to(x.dtype)
+
+
+def gather_kv(cache, block_table, length):
+    """The first `length` rows [length, Hkv, D] of a sequence from a paged cache."""
+    block_size = cache.shape[1]
+    blocks = block_table[: (length + block_size - 1) // block_size].long()
+    return cache[blocks].reshape(-1, *cache.shape[2:])[:length]
+
+
+def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale=None):
+    """Causal attention of the new tokens q [T, Hq, D] over the paged cache; returns o [T, Hq, D].
+
+    Query i of sequence b sits at position seq_lens[b] - q_len_b + i and sees keys at or before it.
+    """
+    head_dim = q.shape[-1]
+    scale = head_dim**-0.5 if scale is None else scale
+    group = q.shape[1] // k_cache.shape[2]
+    dtype = _compute_dtype(q.dtype)
+    out = torch.empty_like(q)
+    cu = cu_seqlens_q.tolist()
+    for b, length in enumerate(seq_lens.tolist()):
+        start, end = cu[b], cu[b + 1]
+        if end == start:
+            continue
+        k = gather_kv(k_cache, block_tables[b], length).to(dtype).repeat_interleave(group, dim=1)
+        v = gather_kv(v_cache, block_tables[b], length).to(dtype).repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[start:end].to(dtype), k) * scale
+        q_pos = torch.arange(length - (end - start), length, device=q.device)
+        visible = torch.arange(length, device=q.device)[None, :] <= q_pos[:, None]
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+        out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+    return out
+
+
+def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale=None):
+    """One new token per sequence, q [B, Hq, D], attending to keys [0, seq_lens[b])."""
+    cu_seqlens_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+    return prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale)
+
+
+def sampling_probs(logits, temperature, top_k, top_p, min_p):
+    """The exact distribution `sample` draws from, [B, V] float64, zero outside the allowed set.
+
+    Rows with temperature 0 put all mass on the argmax (lowest index on ties). The filters are
+    thresholds: top-k keeps tokens at or above the k-th largest probability; top-p keeps, on the
+    top-k set renormalized, tokens at or above the probability where the most-likely-first
+    cumulative mass reaches top_p; min-p keeps tokens with p >= min_p * p_max.
+    """
+    batch, vocab = logits.shape
+    out = torch.zeros(batch, vocab, dtype=torch.float64, device=logits.device)
+    for b in range(batch):
+        row = logits[b].double()
+        t = float(temperature[b])
+        if t == 0:
+            out[b, int(torch.argmax(row))] = 1.0
+            continue
+        probs = torch.softmax(row / t, dim=-1)
+        ordered = probs.sort(descending=True).values
+        keep = torch.ones(vocab, dtype=torch.bool, device=logits.device)
+        k = int(top_k[b])
+        if 0 < k < vocab:
+            keep &= probs >= ordered[k - 1]
+        p = float(top_p[b])
+        if p < 1:
+            kept = ordered[: int(keep.sum())]
+            cumulative = (kept / kept.sum()).cumsum(0)
+            last = min(int((cumulative < p).sum()), len(kept) - 1)
+            keep &= probs >= kept[last]
+        keep &= probs >= float(min_p[b]) * ordered[0]
+        masked = torch.where(keep, probs, torch.zeros_like(probs))
+        out[b] = masked / masked.sum()
+    return out
+
+
+def sample(logits, temperature, top_k, top_p, min_p, seeds=None):
+    """Sort-based sampler with the same semantics as the kernel; one torch.Generator per seeded row."""
+    probs = sampling_probs(logits, temperature, top_k, top_p, min_p)
+    ids = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+    for b in range(logits.shape[0]):
+        generator = None
+        if seeds is not None:
+            generator = torch.Generator(device=logits.device).manual_seed(int(seeds[b]))
+        ids[b] = torch.multinomial(probs[b], 1, generator=generator)
+    return ids

@@ -1,0 +1,115 @@
+"""Autotuning: config spaces, bucketed shape keys and the tuned-config file.
+
+Each kernel family declares a `Tunable`: a config space and a heuristic default, both functions
+of a bucket (a tuple of the shape features that matter, rounded up to powers of two, plus the
+dtype). At run time `Tunable.config(bucket)` answers from the tuned-config JSON of this GPU and
+Triton version when it has the bucket, else from the default. Serving never tunes unless
+TRITONLLM_AUTOTUNE=1; bench/kernels.py tunes with `Tunable.tune` and writes the file with `save`.
+
+A config is a dict of the kernel's constexpr meta-parameters plus `num_warps` / `num_stages`,
+passed straight to the launch: `kernel[grid](*args, **config)`.
+"""
+import json
+import math
+import os
+from pathlib import Path
+
+import torch
+import triton
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+CONFIG_DIR = Path(__file__).with_name("configs")
+REGISTRY: dict[str, "Tunable"] = {}
+
+_table: dict[str, dict[str, dict]] | None = None  # kernel name -> bucket key -> config
+
+
+def pow2(n: int) -> int:
+    """The bucket of a size: the next power of two (at least 1)."""
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def bucket_key(bucket: tuple) -> str:
+    return "/".join(str(part) for part in bucket)
+
+
+def config_path() -> Path:
+    """The tuned-config file of the current GPU and Triton version (TRITONLLM_TUNED_CONFIGS overrides)."""
+    if "TRITONLLM_TUNED_CONFIGS" in os.environ:
+        return Path(os.environ["TRITONLLM_TUNED_CONFIGS"])
+    gpu = torch.cuda.get_device_name().replace(" ", "_") if torch.cuda.is_available() else "cpu"
+    return CONFIG_DIR / f"{gpu}__triton-{triton.__version__}.json"
+
+
+def tuned_table() -> dict[str, dict[str, dict]]:
+    """The tuned configs, loaded from `config_path()` on first use (empty under the interpreter)."""
+    global _table
+    if _table is None:
+        path = config_path()
+        _table = {}
+        if not INTERPRET and path.exists():
+            _table = json.loads(path.read_text())["kernels"]
+    return _table
+
+
+def save(path: Path | None = None) -> Path:
+    """Write every tuned config of this process to the tuned-config file."""
+    path = Path(path or config_path())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    body = {
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "triton": triton.__version__,
+        "kernels": {name: dict(sorted(rows.items())) for name, rows in sorted(tuned_table().items())},
+    }
+    path.write_text(json.dumps(body, indent=1) + "\n")
+    return path
+
+
+def autotune_enabled() -> bool:
+    return os.environ.get("TRITONLLM_AUTOTUNE") == "1" and not INTERPRET
+
+
+class Tunable:
+    """A kernel's config space and heuristic default, keyed by bucket.
+
+    space(*bucket) -> list of configs to try; default(*bucket) -> the config used untuned.
+    """
+
+    def __init__(self, name: str, space, default):
+        self.name = name
+        self.space = space
+        self.default = default
+        REGISTRY[name] = self
+
+    def config(self, bucket: tuple, launch=None, restore=()) -> dict:
+        """The config for `bucket`: tuned if known; tuned now on `launch` if TRITONLLM_AUTOTUNE=1."""
+        tuned = tuned_table().get(self.name, {}).get(bucket_key(bucket))
+        if tuned is not None:
+            return tuned
+        if launch is not None and autotune_enabled():
+            return self.tune(bucket, launch, restore)[0][0]
+        return self.default(*bucket)
+
+    def tune(self, bucket: tuple, launch, restore=()) -> list[tuple[dict, float]]:
+        """Time `launch(config)` for every config of the space; record and return the results.
+
+        restore: tensors the launch modifies in place; they are put back after each config.
+        Returns [(config, median ms)] fastest first; configs that fail to compile get inf.
+        """
+        saved = [t.clone() for t in restore]
+        results = []
+        for config in self.space(*bucket):
+            try:
+                ms = triton.testing.do_bench(lambda: launch(config), warmup=10, rep=50, return_mode="median")
+            except (triton.runtime.errors.OutOfResources, triton.CompilationError):
+                ms = math.inf
+            for tensor, copy in zip(restore, saved):
+                tensor.copy_(copy)
+            results.append((config, ms))
+        results.sort(key=lambda row: row[1])
+        tuned_table().setdefault(self.name, {})[bucket_key(bucket)] = results[0][0]
+        return results

@@ -1,0 +1,1 @@
+import tritonllm  # noqa: F401  (sets TRITON_INTERPRET before any kernel module is imported)

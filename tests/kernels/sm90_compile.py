@@ -1,0 +1,120 @@
+"""Compile every Triton kernel of tritonllm.kernels for sm_90 on any machine, GPU or not.
+
+Run as a script (tests/kernels/test_compile.py does): the public wrappers are called on CPU
+tensors with kernel launches intercepted, so each launch's kernel, arguments and default config
+are recorded instead of run; each is then compiled with triton.compile for GPUTarget("cuda", 90,
+32). A kernel the interpreter accepts but the GPU compiler rejects fails here. Prints one line a
+kernel and exits non-zero if any failed. `--ptx NAME` prints the PTX of the kernel NAME instead.
+"""
+import inspect
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "0"  # real JITFunctions, whatever the machine
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32",
+         torch.int64: "i64", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}
+SM90 = GPUTarget("cuda", 90, 32)
+
+
+def record_launches(calls):
+    """Run each call with JITFunction.run intercepted; return [(kernel, bound args, options)]."""
+    launches = []
+
+    def fake_run(self, *args, grid, warmup, **kwargs):
+        bound = dict(zip(self.arg_names, args))
+        bound.update({k: v for k, v in kwargs.items() if k in self.arg_names})
+        options = {k: v for k, v in kwargs.items() if k not in self.arg_names}
+        launches.append((self, bound, options))
+
+    real_run = JITFunction.run
+    JITFunction.run = fake_run
+    try:
+        for call in calls:
+            call()
+    finally:
+        JITFunction.run = real_run
+    return launches
+
+
+def arg_type(value):
+    if isinstance(value, torch.Tensor):
+        return "*" + TYPES[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"no Triton type for {value!r}")
+
+
+def compile_sm90(kernel: JITFunction, bound: dict, options: dict):
+    """Compile one recorded launch for sm_90; returns the compiled kernel (asm in .asm)."""
+    defaults = inspect.signature(kernel.fn).parameters
+    signature, constexprs = {}, {}
+    for param in kernel.params:
+        value = bound.get(param.name, defaults[param.name].default)
+        if param.is_constexpr or value is None:
+            signature[param.name] = "constexpr"
+            constexprs[param.name] = value
+        else:
+            signature[param.name] = arg_type(value)
+    source = triton.compiler.ASTSource(kernel, signature, constexprs)
+    return triton.compile(source, target=SM90, options=options)
+
+
+def cases():
+    """Calls that reach every kernel with its default config, in realistic shapes and every dtype."""
+    from tritonllm.kernels import fused_add_rms_norm, rms_norm, rotary_embedding, silu_and_mul, store_kv_cache
+
+    calls = []
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        def t(*shape, dtype=dtype):
+            return torch.zeros(*shape, dtype=dtype)
+
+        calls += [
+            lambda t=t: rms_norm(t(16384, 4096), t(4096), 1e-6),
+            lambda t=t: rms_norm(t(64, 16, 128), t(128), 1e-6),
+            lambda t=t: fused_add_rms_norm(t(16384, 4096), t(16384, 4096), t(4096), 1e-6),
+            lambda t=t: silu_and_mul(t(8192, 2 * 3072)),
+            lambda t=t: rotary_embedding(t(8192, dtype=torch.int64), t(8192, 16, 128), t(8192, 8, 128),
+                                         t(40960, 128, dtype=torch.float32)),
+            lambda t=t: store_kv_cache(t(8192, 8, 128), t(8192, 8, 128), t(600, 16, 8, 128), t(600, 16, 8, 128),
+                                       t(8192, dtype=torch.int32)),
+        ]
+    return calls
+
+
+def main(argv):
+    launches = record_launches(cases())
+    if argv[:1] == ["--ptx"]:
+        for kernel, bound, options in launches:
+            if kernel.__name__ == argv[1]:
+                print(compile_sm90(kernel, bound, options).asm["ptx"])
+                return 0
+        return 1
+    failed = 0
+    seen = set()
+    for kernel, bound, options in launches:
+        key = (kernel.__name__, repr(sorted((k, arg_type(v) if isinstance(v, torch.Tensor) else v) for k, v in bound.items())), repr(options))
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            compile_sm90(kernel, bound, options)
+            print(f"ok      {kernel.__name__} {options}")
+        except Exception as error:  # report every failing kernel, not only the first
+            failed += 1
+            print(f"FAILED  {kernel.__name__} {options}: {type(error).__name__}: {str(error)[:2000]}")
+    print(f"{len(seen) - failed} compiled, {failed} failed")
+    return 1 if failed or not seen else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,11 @@
+"""tritonllm: an offline inference engine for Qwen3 whose hot paths are Triton kernels."""
+import os
+
+import torch
+
+# Without a GPU the kernels run through Triton's interpreter. The variable is read when a kernel
+# is decorated, so it must be set before any module of tritonllm.kernels is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+__version__ = "0.1.0"
