@@ -22,6 +22,7 @@ CONFIG_DIR = Path(__file__).with_name("configs")
 REGISTRY: dict[str, "Tunable"] = {}
 
 _table: dict[str, dict[str, dict]] | None = None  # kernel name -> bucket key -> config
+_tuning_run = False  # set by start_tuning(): every bucket is tuned afresh on first use
 
 
 def pow2(n: int) -> int:
@@ -56,21 +57,32 @@ def tuned_table() -> dict[str, dict[str, dict]]:
     return _table
 
 
+def start_tuning():
+    """Forget the loaded configs and tune every bucket on its first call (bench/kernels.py)."""
+    global _table, _tuning_run
+    if INTERPRET:
+        raise RuntimeError("tuning needs a GPU: Triton's interpreter cannot time kernels")
+    _table, _tuning_run = {}, True
+
+
 def save(path: Path | None = None) -> Path:
-    """Write every tuned config of this process to the tuned-config file."""
+    """Merge the configs tuned in this process into the tuned-config file; returns its path."""
     path = Path(path or config_path())
-    path.parent.mkdir(parents=True, exist_ok=True)
+    kernels = json.loads(path.read_text())["kernels"] if path.exists() else {}
+    for name, rows in tuned_table().items():
+        kernels[name] = dict(sorted({**kernels.get(name, {}), **rows}.items()))
     body = {
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "triton": triton.__version__,
-        "kernels": {name: dict(sorted(rows.items())) for name, rows in sorted(tuned_table().items())},
+        "kernels": dict(sorted(kernels.items())),
     }
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(body, indent=1) + "\n")
     return path
 
 
 def autotune_enabled() -> bool:
-    return os.environ.get("TRITONLLM_AUTOTUNE") == "1" and not INTERPRET
+    return (_tuning_run or os.environ.get("TRITONLLM_AUTOTUNE") == "1") and not INTERPRET
 
 
 class Tunable:
@@ -83,6 +95,7 @@ class Tunable:
         self.name = name
         self.space = space
         self.default = default
+        self.results: dict[str, list[tuple[dict, float]]] = {}  # bucket key -> timings of the last tune
         REGISTRY[name] = self
 
     def config(self, bucket: tuple, launch=None, restore=()) -> dict:
@@ -111,5 +124,6 @@ class Tunable:
                 tensor.copy_(copy)
             results.append((config, ms))
         results.sort(key=lambda row: row[1])
+        self.results[bucket_key(bucket)] = results
         tuned_table().setdefault(self.name, {})[bucket_key(bucket)] = results[0][0]
         return results

@@ -1,1 +1,17 @@
 import tritonllm  # noqa: F401  (sets TRITON_INTERPRET before any kernel module is imported)
+
+import pytest  # noqa: E402
+
+from tiny_qwen3 import build_tiny_qwen3  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory):
+    """Path of a tiny random float32 Qwen3 checkpoint with tied embeddings and a tokenizer."""
+    return build_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_untied(tmp_path_factory):
+    """The same with untied embeddings (a separate lm_head.weight)."""
+    return build_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3-untied"), tie_word_embeddings=False, seed=1)

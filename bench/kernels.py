@@ -1,0 +1,102 @@
+"""Autotune every kernel over its benchmark shapes and report it against its anchors.
+
+    python bench/kernels.py [--quick] [--only NAME ...] [--configs PATH] [--report PATH]
+
+For each case: every config tried with its median time, the best, the achieved GB/s or TFLOP/s
+and its percent of the H200 ceiling, and the speed ratio to each anchor (the PyTorch reference,
+torch.compile of it, vendor kernels) timed in the same run. Writes the tuned configs to the
+tuned-config JSON of this GPU and Triton version (merged with what it holds). Needs a GPU.
+"""
+import argparse
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from kernel_cases import all_cases
+from tritonllm.kernels import tuning
+
+COPY_BYTES_PER_S = 4.24e12  # measured H200 device-to-device copy (PERFORMANCE.md)
+BF16_FLOPS_PER_S = 690e12  # measured H200 bf16 GEMM
+
+
+@dataclass
+class Result:
+    case: str
+    config: dict
+    ms: float
+    rate: str
+    percent: float
+    ratios: dict = field(default_factory=dict)
+
+
+def time_ms(fn) -> float:
+    """Median time of fn in ms; do_bench warms up and flushes L2 between repetitions."""
+    return do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+def run_case(case) -> Result:
+    args = case.make()
+    tunable = tuning.REGISTRY[case.kernel]
+    tuned_before = set(tunable.results)
+    case.triton(*args)  # the first call tunes the case's bucket
+    key = next(iter(set(tunable.results) - tuned_before), None)
+    print(f"\n## {case.kernel} {case.label}  (bucket {key})")
+    for config, ms in tunable.results.get(key, []):
+        print(f"   {ms * 1e3:10.1f} us  {config}")
+    ms = time_ms(lambda: case.triton(*args))
+    if case.flops:
+        rate, percent = f"{case.flops / ms / 1e9:.0f} TFLOP/s", 100 * case.flops / (ms * 1e-3) / BF16_FLOPS_PER_S
+    else:
+        rate, percent = f"{case.bytes / ms / 1e6:.0f} GB/s", 100 * case.bytes / (ms * 1e-3) / COPY_BYTES_PER_S
+    ratios = {}
+    for name, anchor in case.anchors.items():
+        try:
+            ratios[name] = time_ms(lambda: anchor(*args)) / ms
+        except Exception as error:  # an anchor that does not run here is reported, not fatal
+            print(f"   anchor {name} failed: {type(error).__name__}: {str(error)[:200]}")
+            ratios[name] = math.nan
+    config = tuning.tuned_table().get(case.kernel, {}).get(key, {})
+    print(f"   best {config}: {ms * 1e3:.1f} us, {rate}, {percent:.0f}% of ceiling; "
+          + ", ".join(f"{ratio:.2f}x {name}" for name, ratio in ratios.items()))
+    return Result(f"{case.kernel} {case.label}", config, ms, rate, percent, ratios)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="one shape per kernel")
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="kernels to run (by name)")
+    parser.add_argument("--configs", type=Path, help="tuned-config JSON to write (default: the shipped file)")
+    parser.add_argument("--report", type=Path, help="also write the summary table (markdown) here")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/kernels.py needs a CUDA GPU (the interpreter cannot time kernels)")
+    tuning.start_tuning()
+    torch.manual_seed(0)
+    cases = [c for c in all_cases(args.quick) if not args.only or c.kernel in args.only]
+    results = [run_case(case) for case in cases]
+    path = tuning.save(args.configs)
+    print(f"\ntuned configs written to {path}")
+    anchors = list(dict.fromkeys(name for r in results for name in r.ratios))
+    lines = [
+        f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
+        "ratio = anchor time / Triton time (> 1: Triton faster)",
+        "",
+        "| kernel and shape | us | rate | % of ceiling | " + " | ".join(f"vs {a}" for a in anchors) + " |",
+        "|---|---|---|---|" + "---|" * len(anchors),
+    ]
+    for r in results:
+        cells = [f"{r.ratios[a]:.2f}x" if a in r.ratios else "" for a in anchors]
+        lines.append(f"| {r.case} | {r.ms * 1e3:.1f} | {r.rate} | {r.percent:.0f}% | " + " | ".join(cells) + " |")
+    table = "\n".join(lines)
+    if args.report:
+        args.report.write_text(table + "\n")
+    print("\n" + table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""Run every tritonllm kernel once on a Qwen3-0.6B-shaped step and compare it with its PyTorch reference.
+
+    python examples/check_kernels.py [--tokens N]
+
+Uses the GPU when there is one, else Triton's interpreter on the CPU (small shapes keep it quick).
+"""
+import argparse
+import time
+
+import torch
+
+from tritonllm import kernels
+from tritonllm.kernels import reference
+
+
+def rel_err(out, ref):
+    return float((out.double() - ref.double()).norm() / ref.double().norm())
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=None, help="tokens in the step (default: 4096 on GPU, 16 on CPU)")
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tokens = args.tokens or (4096 if device == "cuda" else 16)
+    dtype, hidden, heads, kv_heads, head_dim, inter, block_size = torch.bfloat16, 1024, 16, 8, 128, 3072, 16
+    torch.manual_seed(0)
+
+    def randn(*shape, dtype=dtype):
+        return torch.randn(*shape, device=device, dtype=dtype)
+
+    positions = torch.arange(tokens, device=device)
+    inv_freq = 1.0 / 1e6 ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    freqs = torch.arange(tokens, device=device, dtype=torch.float32)[:, None] * inv_freq
+    cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    x, residual, weight = randn(tokens, hidden), randn(tokens, hidden), randn(hidden)
+    q, k, v = randn(tokens, heads, head_dim), randn(tokens, kv_heads, head_dim), randn(tokens, kv_heads, head_dim)
+    gate_up = randn(tokens, 2 * inter)
+    num_blocks = tokens // block_size + 1
+    slots = torch.randperm(num_blocks * block_size, device=device)[:tokens]
+    cache = torch.zeros(num_blocks, block_size, kv_heads, head_dim, device=device, dtype=dtype)
+
+    def store(fn):
+        k_cache, v_cache = cache.clone(), cache.clone()
+        fn(k, v, k_cache, v_cache, slots)
+        return torch.cat([k_cache, v_cache])
+
+    checks = {
+        "rms_norm": (lambda f: f(x, weight, 1e-6), kernels.rms_norm, reference.rms_norm),
+        "fused_add_rms_norm": (lambda f: torch.cat(f(x.clone(), residual.clone(), weight, 1e-6)),
+                               kernels.fused_add_rms_norm, reference.fused_add_rms_norm),
+        "rotary_embedding": (lambda f: torch.cat([t.flatten() for t in f(positions, q.clone(), k.clone(), cos_sin)]),
+                             kernels.rotary_embedding, reference.rotary_embedding),
+        "silu_and_mul": (lambda f: f(gate_up), kernels.silu_and_mul, reference.silu_and_mul),
+        "store_kv_cache": (store, kernels.store_kv_cache, reference.store_kv_cache),
+    }
+    print(f"device {device}{' (Triton interpreter)' if device == 'cpu' else ''}, {tokens} tokens, bfloat16")
+    print(f"{'kernel':22} {'rel. error':>11} {'first call':>11}")
+    for name, (call, triton_fn, reference_fn) in checks.items():
+        start = time.perf_counter()
+        out = call(triton_fn)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        print(f"{name:22} {rel_err(out, call(reference_fn)):11.2e} {elapsed * 1e3:9.1f} ms")
+
+
+if __name__ == "__main__":
+    main()
