@@ -6,7 +6,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/tritonllm-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-pip install -q -e . --no-deps --no-build-isolation > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+python -m pip install -q -e . --no-deps --no-build-isolation > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv > "$OUT/gpu.txt"
 python -m pytest tests -q -p no:cacheprovider > "$OUT/tests.log" 2>&1
 tests_rc=$?

@@ -4,7 +4,8 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
+from transformers.models.qwen3 import Qwen3ForCausalLM
 
 
 @pytest.mark.parametrize("fixture", ["tiny_qwen3", "tiny_qwen3_untied"])
@@ -15,7 +16,7 @@ def test_checkpoint_loads_in_transformers(fixture, request):
     with safe_open(path / "model.safetensors", "pt") as f:
         assert ("lm_head.weight" in f.keys()) == (not config["tie_word_embeddings"])
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32)
     text = "12 + 34 = 46, héllo wörld"
     ids = tokenizer(text)["input_ids"]
     assert tokenizer.decode(ids) == text
