@@ -6,31 +6,38 @@ import triton.language as tl
 from tritonllm.kernels.tuning import Tunable, dtype_name, pow2
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_tokens"])
 def _store_kv_cache_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, n_tokens,
     k_token_stride, k_head_stride, v_token_stride, v_head_stride,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_ROW: tl.constexpr, TOKENS: tl.constexpr,
 ):
-    token = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_ptr + token).to(tl.int64)
-    heads = tl.arange(0, BLOCK_H)
-    dims = tl.arange(0, BLOCK_D)
+    # Each program copies TOKENS rows of Hkv * D elements; a cache row is contiguous.
+    tokens = (tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)).to(tl.int64)
+    slots = tl.load(slot_ptr + tokens, mask=tokens < n_tokens, other=-1).to(tl.int64)
+    cols = tl.arange(0, BLOCK_ROW)
+    heads, dims = cols // HEAD_DIM, cols % HEAD_DIM
     # slot < 0 marks a row that must not be stored (padding).
-    mask = (slot >= 0) & (heads < NUM_HEADS)[:, None] & (dims < HEAD_DIM)[None, :]
-    cache_offsets = slot * (NUM_HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM + dims[None, :]
-    k = tl.load(k_ptr + token * k_token_stride + heads[:, None] * k_head_stride + dims[None, :], mask=mask, other=0.0)
-    v = tl.load(v_ptr + token * v_token_stride + heads[:, None] * v_head_stride + dims[None, :], mask=mask, other=0.0)
+    mask = (slots >= 0)[:, None] & (cols < NUM_HEADS * HEAD_DIM)[None, :]
+    cache_offsets = slots[:, None] * (NUM_HEADS * HEAD_DIM) + cols[None, :]
+    k = tl.load(k_ptr + tokens[:, None] * k_token_stride + (heads * k_head_stride + dims)[None, :], mask=mask, other=0.0)
+    v = tl.load(v_ptr + tokens[:, None] * v_token_stride + (heads * v_head_stride + dims)[None, :], mask=mask, other=0.0)
     tl.store(k_cache_ptr + cache_offsets, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + cache_offsets, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-def _space(dtype, row_bucket, tokens_bucket):
-    return [{"num_warps": warps, "num_stages": 1} for warps in (1, 2, 4, 8) if warps * 32 * 4 <= max(128, row_bucket)]
+def _space(dtype, block_row, tokens_bucket):
+    return [
+        {"TOKENS": tokens, "num_warps": warps, "num_stages": 1}
+        for tokens in (1, 2, 4, 8)
+        for warps in (1, 2, 4, 8)
+        if tokens <= tokens_bucket and warps * 32 * 4 <= tokens * block_row
+    ]
 
 
-def _default(dtype, row_bucket, tokens_bucket):
-    return {"num_warps": min(8, max(1, row_bucket // 512)), "num_stages": 1}
+def _default(dtype, block_row, tokens_bucket):
+    tokens = min(4, tokens_bucket)
+    return {"TOKENS": tokens, "num_warps": min(8, max(1, tokens * block_row // 1024)), "num_stages": 1}
 
 
 _TUNING = Tunable("store_kv_cache", _space, _default)
@@ -52,13 +59,13 @@ def store_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
         raise ValueError(f"slot_mapping must have shape ({n_tokens},), got {tuple(slot_mapping.shape)}")
     if n_tokens == 0:
         return
-    block_h, block_d = triton.next_power_of_2(num_heads), triton.next_power_of_2(head_dim)
+    block_row = triton.next_power_of_2(num_heads * head_dim)
 
     def launch(config):
-        _store_kv_cache_kernel[(n_tokens,)](
-            k, v, k_cache, v_cache, slot_mapping,
+        _store_kv_cache_kernel[(triton.cdiv(n_tokens, config["TOKENS"]),)](
+            k, v, k_cache, v_cache, slot_mapping, n_tokens,
             k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d, **config,
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_ROW=block_row, **config,
         )
 
-    launch(_TUNING.config((dtype_name(k.dtype), block_h * block_d, pow2(n_tokens)), launch))
+    launch(_TUNING.config((dtype_name(k.dtype), block_row, pow2(n_tokens)), launch))
