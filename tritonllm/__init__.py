@@ -8,4 +8,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from tritonllm.llm import LLM, GenerationOutput, StreamOutput  # noqa: E402
+from tritonllm.sampling_params import SamplingParams  # noqa: E402
+
+__all__ = ["LLM", "SamplingParams", "GenerationOutput", "StreamOutput"]
 __version__ = "0.1.0"

@@ -1,0 +1,101 @@
+from tritonllm.engine.block_manager import BlockManager, block_hash
+from tritonllm.engine.sequence import Sequence
+from tritonllm.sampling_params import SamplingParams
+
+BS = 4
+
+
+def seq(tokens):
+    return Sequence(tokens, SamplingParams(), BS)
+
+
+def compute(manager, s):
+    """What a prefill step does: all tokens computed, full blocks registered."""
+    s.num_computed_tokens = len(s)
+    manager.register_computed_blocks(s)
+
+
+def test_hash_chain_depends_on_the_parent():
+    assert block_hash([1, 2, 3, 4], -1) == block_hash([1, 2, 3, 4], -1)
+    assert block_hash([1, 2, 3, 4], -1) != block_hash([1, 2, 3, 4], 7)
+    assert block_hash([1, 2, 3, 4], -1) != block_hash([1, 2, 3, 5], -1)
+
+
+def test_allocate_and_free_count_blocks():
+    manager = BlockManager(10, BS)
+    a = seq(list(range(9)))  # 3 blocks
+    manager.allocate(a)
+    assert len(a.block_table) == 3 and manager.num_free_blocks == 7 and a.num_cached_tokens == 0
+    manager.deallocate(a)
+    assert manager.num_free_blocks == 10 and a.block_table == []
+
+
+def test_prefix_hit_shares_computed_blocks_only():
+    manager = BlockManager(10, BS)
+    a = seq(list(range(10)))
+    manager.allocate(a)
+    b = seq(list(range(8)) + [99, 98, 97])
+    manager.allocate(b)
+    assert b.num_cached_tokens == 0  # a's blocks are not computed yet: no hit
+    compute(manager, a)
+    c = seq(list(range(8)) + [99])
+    manager.allocate(c)
+    assert c.num_cached_tokens == 8 and c.block_table[:2] == a.block_table[:2]
+    assert manager.blocks[a.block_table[0]].ref_count == 2
+
+
+def test_full_prefix_hit_recomputes_the_last_block():
+    manager = BlockManager(10, BS)
+    a = seq(list(range(8)))
+    manager.allocate(a)
+    compute(manager, a)
+    b = seq(list(range(8)))
+    manager.allocate(b)
+    assert b.num_cached_tokens == 4 and b.num_computed_tokens == 4
+    assert b.block_table[0] == a.block_table[0] and b.block_table[1] != a.block_table[1]
+
+
+def test_freed_blocks_stay_cached_until_evicted_lru():
+    manager = BlockManager(4, BS)
+    a = seq(list(range(9)))  # blocks: 2 full + 1 partial
+    manager.allocate(a)
+    compute(manager, a)
+    manager.deallocate(a)
+    hit = seq(list(range(8)) + [5])
+    manager.allocate(hit)
+    assert hit.num_cached_tokens == 8
+    manager.deallocate(hit)
+    # Taking all 4 blocks evicts every cached one; the hashes no longer resolve.
+    big = seq(list(range(100, 116)))
+    manager.allocate(big)
+    assert manager.num_evictions == 2 and not manager.hash_to_block
+    manager.deallocate(big)
+    again = seq(list(range(8)) + [5])
+    manager.allocate(again)
+    assert again.num_cached_tokens == 0
+
+
+def test_hash_collision_guard_compares_tokens():
+    manager = BlockManager(6, BS)
+    a = seq([1, 2, 3, 4, 5])
+    manager.allocate(a)
+    compute(manager, a)
+    block = manager.blocks[a.block_table[0]]
+    block.token_ids = [9, 9, 9, 9]  # as if another prefix had hashed the same
+    b = seq([1, 2, 3, 4, 5])
+    manager.allocate(b)
+    assert b.num_cached_tokens == 0
+
+
+def test_append_slot_takes_a_block_at_each_boundary():
+    manager = BlockManager(3, BS)
+    a = seq([1, 2, 3, 4])
+    manager.allocate(a)
+    a.token_ids.append(5)
+    assert manager.can_append(a)
+    manager.append_slot(a)
+    assert len(a.block_table) == 2 and manager.num_free_blocks == 1
+    for t in (6, 7, 8):
+        a.token_ids.append(t)
+        manager.append_slot(a)
+    assert len(a.block_table) == 2

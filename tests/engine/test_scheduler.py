@@ -1,0 +1,86 @@
+from tritonllm.engine.block_manager import BlockManager
+from tritonllm.engine.scheduler import Scheduler
+from tritonllm.engine.sequence import Sequence, SequenceStatus
+from tritonllm.sampling_params import SamplingParams
+
+BS = 4
+EOS = 0
+
+
+def make(num_blocks=64, max_num_seqs=8, budget=64):
+    return Scheduler(BlockManager(num_blocks, BS), max_num_seqs, budget, {EOS})
+
+
+def add(scheduler, n, **params):
+    s = Sequence(list(range(1, n + 1)), SamplingParams(**params), BS)
+    scheduler.add(s)
+    return s
+
+
+def step(scheduler, token=7):
+    seqs, num_new, is_prefill = scheduler.schedule()
+    done = [s.num_computed_tokens + n == len(s) for s, n in zip(seqs, num_new)] if is_prefill else [True] * len(seqs)
+    finished = scheduler.postprocess(seqs, num_new, [token if d else None for d in done])
+    return seqs, num_new, is_prefill, finished
+
+
+def test_prefill_then_decode_until_max_tokens():
+    s = make()
+    a, b = add(s, 5, max_tokens=3), add(s, 9, max_tokens=3)
+    seqs, num_new, is_prefill, _ = step(s)
+    assert is_prefill and seqs == [a, b] and num_new == [5, 9]
+    seqs, _, is_prefill, _ = step(s)
+    assert not is_prefill and seqs == [a, b]
+    _, _, _, finished = step(s)
+    assert finished == [a, b] and all(x.finish_reason == "length" and x.num_completion_tokens == 3 for x in (a, b))
+    assert s.is_finished() and s.block_manager.num_free_blocks == 64
+
+
+def test_chunked_prefill_respects_the_budget():
+    s = make(budget=8)
+    a = add(s, 20)
+    b = add(s, 3)
+    chunks = []
+    while True:
+        seqs, num_new, is_prefill, _ = step(s)
+        if not is_prefill:
+            break
+        chunks.append(list(zip([x is a for x in seqs], num_new)))
+    assert chunks == [[(True, 8)], [(True, 8)], [(True, 4), (False, 3)]]
+    # The loop ended on a decode step, which computed each prompt's first sampled token too.
+    assert a.num_computed_tokens == 21 and b.num_computed_tokens == 4
+
+
+def test_eos_stops_after_min_tokens_unless_ignored():
+    s = make()
+    a, b, c = add(s, 3, max_tokens=10), add(s, 3, max_tokens=10, ignore_eos=True), add(s, 3, max_tokens=10, min_tokens=2)
+    step(s)  # prefill samples token 7
+    _, _, _, finished = step(s, token=EOS)
+    assert finished == [a] and a.finish_reason == "stop"
+    _, _, _, finished = step(s, token=EOS)
+    assert finished == [c] and c.num_completion_tokens == 3
+    assert b.status == SequenceStatus.RUNNING
+
+
+def test_preemption_when_blocks_run_out_and_everyone_finishes():
+    s = make(num_blocks=6)
+    seqs = [add(s, 4, max_tokens=8) for _ in range(3)]  # 3 blocks now, 9 needed at the end
+    finished = []
+    for _ in range(100):
+        if s.is_finished():
+            break
+        finished += step(s)[3]
+    assert s.num_preemptions > 0
+    assert sorted(x.seq_id for x in finished) == sorted(x.seq_id for x in seqs)
+    assert all(x.num_completion_tokens == 8 for x in seqs)
+    assert s.block_manager.num_free_blocks == 6
+
+
+def test_max_num_seqs_limits_the_batch():
+    s = make(max_num_seqs=2)
+    for _ in range(3):
+        add(s, 2)
+    seqs, _, is_prefill, _ = step(s)
+    assert is_prefill and len(seqs) == 2
+    seqs, _, is_prefill, _ = step(s)
+    assert not is_prefill and len(seqs) == 2

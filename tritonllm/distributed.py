@@ -1,0 +1,45 @@
+"""Tensor-parallel process group and collectives: NCCL on GPUs, gloo on CPU.
+
+Ranks are processes; the engine spawns ranks 1..N-1 itself or they come from torchrun (the
+RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR variables), so the same code runs on one node or many.
+"""
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def tp_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def tp_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def init_distributed(rank: int, world_size: int, device: str, init_method: str | None = None) -> torch.device:
+    """Join the tensor-parallel group (nothing to do for one rank); returns this rank's device."""
+    if device == "cuda":
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        torch.cuda.set_device(local_rank)
+        device = f"cuda:{local_rank}"
+    if world_size > 1 and not dist.is_initialized():
+        backend = "gloo" if device == "cpu" else "nccl"
+        dist.init_process_group(backend, init_method=init_method or "env://", rank=rank, world_size=world_size)
+    return torch.device(device)
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum x over the ranks in place (a no-op on one rank)."""
+    if tp_size() > 1:
+        dist.all_reduce(x)
+    return x
+
+
+def gather_last_dim(x: torch.Tensor) -> torch.Tensor | None:
+    """Concatenate every rank's x along the last dim on rank 0; other ranks get None."""
+    if tp_size() == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(tp_size())] if tp_rank() == 0 else None
+    dist.gather(x, parts, dst=0)
+    return torch.cat(parts, dim=-1) if parts is not None else None

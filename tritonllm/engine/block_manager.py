@@ -1,0 +1,115 @@
+"""Paged KV-cache blocks with reference counts and prefix caching.
+
+A full block is identified by an xxhash of (the previous block's hash, its token ids), so equal
+prefixes map to equal hash chains. A block is registered under its hash only once its K/V are
+computed; a hit is confirmed by comparing token ids. Freed blocks keep their contents and hash
+and are reused least-recently-freed first, so a later request can still hit them.
+"""
+from collections import OrderedDict
+
+import numpy as np
+import xxhash
+
+from tritonllm.engine.sequence import Sequence
+
+
+def block_hash(token_ids: list[int], parent: int) -> int:
+    h = xxhash.xxh64()
+    h.update(parent.to_bytes(8, "little", signed=True))
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return h.intdigest() >> 1  # keep it a non-negative int64
+
+
+class Block:
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash = -1  # -1: not a registered full block
+        self.token_ids: list[int] = []
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int):
+        self.block_size = block_size
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.hash_to_block: dict[int, int] = {}
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU first
+        self.num_evictions = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    def _fresh_block(self) -> Block:
+        """A free block for new contents: evicts what the least recently freed block cached."""
+        block = self.blocks[self.free.popitem(last=False)[0]]
+        if block.hash != -1:
+            if self.hash_to_block.get(block.hash) == block.block_id:
+                del self.hash_to_block[block.hash]
+                self.num_evictions += 1
+            block.hash, block.token_ids = -1, []
+        block.ref_count = 1
+        return block
+
+    def _cached_block(self, seq: Sequence, i: int, parent: int) -> tuple[Block | None, int]:
+        tokens = seq.block_tokens(i)
+        h = block_hash(tokens, parent)
+        block_id = self.hash_to_block.get(h)
+        if block_id is None or self.blocks[block_id].token_ids != tokens:
+            return None, h
+        return self.blocks[block_id], h
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        return self.num_free_blocks >= seq.num_blocks
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give seq blocks for all its tokens, reusing cached full blocks of its prefix.
+
+        The block holding the last token is never taken from the cache, so at least one token
+        is computed (a full prefix hit recomputes its last block).
+        """
+        assert not seq.block_table
+        parent, hits = -1, 0
+        for i in range((len(seq) - 1) // self.block_size):
+            block, parent = self._cached_block(seq, i, parent)
+            if block is None:
+                break
+            if block.ref_count == 0:
+                self.free.pop(block.block_id)
+            block.ref_count += 1
+            seq.block_table.append(block.block_id)
+            hits += 1
+        for _ in range(hits, seq.num_blocks):
+            seq.block_table.append(self._fresh_block().block_id)
+        seq.num_computed_tokens = seq.num_cached_tokens = hits * self.block_size
+        seq.num_hashed_blocks = hits
+
+    def deallocate(self, seq: Sequence) -> None:
+        """Release seq's blocks; the tail is freed first so it is evicted before the shared head."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free[block_id] = None
+        seq.block_table = []
+        seq.num_computed_tokens = seq.num_hashed_blocks = 0
+
+    def can_append(self, seq: Sequence) -> bool:
+        """Whether seq's next token (appended after this check) finds a slot."""
+        return len(seq) < len(seq.block_table) * self.block_size or self.num_free_blocks >= 1
+
+    def append_slot(self, seq: Sequence) -> None:
+        """Make room for the token at index len(seq) - 1."""
+        if len(seq) > len(seq.block_table) * self.block_size:
+            seq.block_table.append(self._fresh_block().block_id)
+
+    def register_computed_blocks(self, seq: Sequence) -> None:
+        """Register the full blocks whose K/V are now computed, so later requests can hit them."""
+        for i in range(seq.num_hashed_blocks, seq.num_computed_tokens // self.block_size):
+            block = self.blocks[seq.block_table[i]]
+            if block.hash == -1:
+                parent = self.blocks[seq.block_table[i - 1]].hash if i else -1
+                block.token_ids = seq.block_tokens(i)
+                block.hash = block_hash(block.token_ids, parent)
+                self.hash_to_block.setdefault(block.hash, block.block_id)
+        seq.num_hashed_blocks = max(seq.num_hashed_blocks, seq.num_computed_tokens // self.block_size)

@@ -1,0 +1,238 @@
+"""One rank's model: weights, KV cache, input preparation, forward, CUDA graphs, sampling.
+
+Rank 0 builds each step's inputs on the host and broadcasts them; every rank runs the same
+forward on its shards; rank 0 samples. Ranks > 0 sit in `worker_loop` until told to exit.
+"""
+import torch
+import torch.distributed as dist
+
+from tritonllm.config import EngineConfig
+from tritonllm.context import Context, set_context
+from tritonllm.distributed import init_distributed
+from tritonllm.engine.sequence import Sequence
+from tritonllm.layers.attention import Attention
+from tritonllm.layers.ops import ops, use_kernels
+from tritonllm.loader import build_model, init_dummy_weights, load_weights
+
+CPU_KV_CACHE_BYTES = 1 << 30
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    sizes = [1, 2, 4, 8] + list(range(16, max_num_seqs + 1, 16))
+    return sorted({min(s, max_num_seqs) for s in sizes} | {max_num_seqs})
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, hf_config, rank: int, init_method: str | None):
+        self.config, self.hf_config, self.rank = config, hf_config, rank
+        self.world_size = config.tensor_parallel_size
+        self.device = init_distributed(rank, self.world_size, config.device, init_method)
+        use_kernels(config.kernels)
+        torch.manual_seed(config.seed)
+        self.model = build_model(hf_config, config.dtype, self.device)
+        if config.load_format == "dummy":
+            init_dummy_weights(self.model, config.seed)
+        else:
+            load_weights(self.model, config.model)
+        self.block_size = config.kv_block_size
+        self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
+        self.num_kv_blocks = self._allocate_kv_cache()
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self._capture_decode_graphs()
+
+    # ---- KV cache
+
+    def _kv_bytes_per_block(self) -> int:
+        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        elements = sum(2 * self.block_size * m.num_kv_heads * m.head_dim for m in layers)
+        return elements * torch.tensor([], dtype=self.config.dtype).element_size()
+
+    def _allocate_kv_cache(self) -> int:
+        num_blocks = self.config.num_kv_blocks
+        if num_blocks is None:
+            if self.device.type == "cuda":
+                self._warmup()
+                free, total = torch.cuda.mem_get_info(self.device)
+                used_at_peak = total - free + torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
+                budget = total * self.config.gpu_memory_utilization - used_at_peak
+            else:
+                budget = CPU_KV_CACHE_BYTES
+            num_blocks = int(budget // self._kv_bytes_per_block())
+            if self.world_size > 1:  # every rank must agree on the smallest
+                count = torch.tensor([num_blocks], device=self.device)
+                dist.all_reduce(count, op=dist.ReduceOp.MIN)
+                num_blocks = int(count.item())
+        if num_blocks < 1:
+            raise ValueError("no memory left for the KV cache: lower max_num_batched_tokens or raise gpu_memory_utilization")
+        for module in self.model.modules():
+            if isinstance(module, Attention):
+                shape = (num_blocks, self.block_size, module.num_kv_heads, module.head_dim)
+                module.k_cache = torch.empty(shape, dtype=self.config.dtype, device=self.device)
+                module.v_cache = torch.empty(shape, dtype=self.config.dtype, device=self.device)
+        return num_blocks
+
+    def _warmup(self) -> None:
+        """A largest-possible prefill, so the peak activation memory is known before the cache is sized."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        num_tokens = min(self.config.max_num_batched_tokens, self.config.max_model_len * self.config.max_num_seqs)
+        lengths = [self.config.max_model_len] * (num_tokens // self.config.max_model_len)
+        if num_tokens % self.config.max_model_len:
+            lengths.append(num_tokens % self.config.max_model_len)
+        for module in self.model.modules():
+            if isinstance(module, Attention):
+                module.k_cache = torch.zeros(1, self.block_size, module.num_kv_heads, module.head_dim,
+                                             dtype=self.config.dtype, device=self.device)
+                module.v_cache = module.k_cache.clone()
+        cu = torch.tensor([0] + lengths, device=self.device).cumsum(0).to(torch.int32)
+        positions = torch.cat([torch.arange(n, device=self.device) for n in lengths])
+        context = Context(True, torch.full((num_tokens,), -1, device=self.device),
+                          torch.tensor(lengths, dtype=torch.int32, device=self.device),
+                          torch.zeros(len(lengths), -(-max(lengths) // self.block_size), dtype=torch.int32, device=self.device),
+                          cu, max(lengths), max(lengths))
+        self._forward(torch.zeros(num_tokens, dtype=torch.long, device=self.device), positions, context)
+        torch.cuda.synchronize(self.device)
+
+    # ---- inputs (rank 0) -> broadcast -> forward (every rank)
+
+    def prepare(self, seqs: list[Sequence], num_new: list[int], is_prefill: bool) -> dict:
+        """Host tensors of one step, built with little Python per sequence."""
+        if is_prefill:
+            starts = [seq.num_computed_tokens for seq in seqs]
+            ends = [s + n for s, n in zip(starts, num_new)]
+            token_ids = [t for seq, s, e in zip(seqs, starts, ends) for t in seq.token_ids[s:e]]
+            positions = torch.cat([torch.arange(s, e) for s, e in zip(starts, ends)])
+            seq_index = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(num_new))
+            cu_seqlens_q = torch.tensor([0] + num_new).cumsum(0).to(torch.int32)
+            seq_lens = ends
+            need_logits = [e == len(seq) for seq, e in zip(seqs, ends)]
+        else:
+            token_ids = [seq.token_ids[-1] for seq in seqs]
+            positions = torch.tensor([len(seq) - 1 for seq in seqs])
+            seq_index = torch.arange(len(seqs))
+            cu_seqlens_q = None
+            seq_lens = [len(seq) for seq in seqs]
+            need_logits = [True] * len(seqs)
+        width = max(len(seq.block_table) for seq in seqs)
+        block_tables = torch.tensor([seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs], dtype=torch.int32)
+        slot_mapping = block_tables[seq_index, positions // self.block_size].long() * self.block_size + positions % self.block_size
+        last_rows = (torch.tensor(num_new).cumsum(0) - 1) if is_prefill else torch.arange(len(seqs))
+        return {
+            "is_prefill": is_prefill, "token_ids": torch.tensor(token_ids), "positions": positions,
+            "slot_mapping": slot_mapping, "seq_lens": torch.tensor(seq_lens, dtype=torch.int32),
+            "block_tables": block_tables, "cu_seqlens_q": cu_seqlens_q,
+            "max_q_len": max(num_new) if is_prefill else 1, "max_seq_len": max(seq_lens),
+            "need_logits": need_logits, "logit_rows": last_rows[torch.tensor(need_logits)],
+        }
+
+    def execute(self, inputs: dict) -> torch.Tensor | None:
+        """Forward one step on this rank; logits [N, V] of the rows that sample (rank 0), else None."""
+        to = lambda t: None if t is None else t.to(self.device, non_blocking=True)  # noqa: E731
+        batch = len(inputs["seq_lens"])
+        if not inputs["is_prefill"] and self.graphs and batch <= max(self.graphs):
+            hidden = self._replay(inputs)
+        else:
+            context = Context(inputs["is_prefill"], to(inputs["slot_mapping"]), to(inputs["seq_lens"]),
+                              to(inputs["block_tables"]), to(inputs["cu_seqlens_q"]), inputs["max_q_len"], inputs["max_seq_len"])
+            hidden = self._forward(to(inputs["token_ids"]), to(inputs["positions"]), context)
+        return self.model.compute_logits(hidden[to(inputs["logit_rows"])])
+
+    @torch.inference_mode()
+    def _forward(self, token_ids, positions, context: Context) -> torch.Tensor:
+        set_context(context)
+        try:
+            return self.model(token_ids, positions)
+        finally:
+            set_context(None)
+
+    # ---- CUDA graphs for decode
+
+    def _graph_batch(self, batch: int) -> int:
+        return next(size for size in sorted(self.graphs) if size >= batch)
+
+    @torch.inference_mode()
+    def _capture_decode_graphs(self) -> None:
+        max_bs = self.config.max_num_seqs
+        d = self.device
+        self.graph_inputs = {
+            "token_ids": torch.zeros(max_bs, dtype=torch.long, device=d),
+            "positions": torch.zeros(max_bs, dtype=torch.long, device=d),
+            "slot_mapping": torch.full((max_bs,), -1, dtype=torch.long, device=d),
+            "seq_lens": torch.ones(max_bs, dtype=torch.int32, device=d),
+            "block_tables": torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32, device=d),
+        }
+        self.graph_output = torch.zeros(max_bs, self.hf_config.hidden_size, dtype=self.config.dtype, device=d)
+        pool = None
+        g = self.graph_inputs
+        for batch in reversed(graph_batch_sizes(max_bs)):
+            context = Context(False, g["slot_mapping"][:batch], g["seq_lens"][:batch], g["block_tables"][:batch],
+                              None, 1, self.config.max_model_len)
+            self._forward(g["token_ids"][:batch], g["positions"][:batch], context)  # compiles and warms the kernels
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool):
+                self.graph_output[:batch] = self._forward(g["token_ids"][:batch], g["positions"][:batch], context)
+            pool = graph.pool()
+            self.graphs[batch] = graph
+            torch.cuda.synchronize(d)
+
+    def _replay(self, inputs: dict) -> torch.Tensor:
+        batch = len(inputs["seq_lens"])
+        g = self.graph_inputs
+        g["slot_mapping"].fill_(-1)
+        g["seq_lens"].fill_(1)
+        g["block_tables"].zero_()
+        for name in ("token_ids", "positions", "slot_mapping", "seq_lens"):
+            g[name][:batch].copy_(inputs[name], non_blocking=True)
+        g["block_tables"][:batch, : inputs["block_tables"].shape[1]].copy_(inputs["block_tables"], non_blocking=True)
+        self.graphs[self._graph_batch(batch)].replay()
+        return self.graph_output[:batch]
+
+    # ---- sampling (rank 0)
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], seeds: list[int]) -> tuple[list[int], list[float] | None]:
+        params = [seq.params for seq in seqs]
+        d = logits.device
+        ids = ops().sample(
+            logits,
+            torch.tensor([p.temperature for p in params], dtype=torch.float32, device=d),
+            torch.tensor([p.top_k for p in params], dtype=torch.int32, device=d),
+            torch.tensor([p.top_p for p in params], dtype=torch.float32, device=d),
+            torch.tensor([p.min_p for p in params], dtype=torch.float32, device=d),
+            torch.tensor(seeds, dtype=torch.int64, device=d),
+        )
+        logprobs = None
+        if any(p.logprobs for p in params):
+            logprobs = ops().compute_logprobs(logits, ids).tolist()
+        return ids.tolist(), logprobs
+
+    # ---- tensor-parallel driving
+
+    def step(self, seqs, num_new, is_prefill, seeds):
+        """Rank 0: run one step on every rank; returns the sampled ids and logprobs of the sampling rows."""
+        inputs = self.prepare(seqs, num_new, is_prefill)
+        if self.world_size > 1:
+            dist.broadcast_object_list([("execute", inputs)], src=0)
+        logits = self.execute(inputs)
+        need = inputs["need_logits"]
+        if not any(need):
+            return [], None
+        return self.sample(logits, [q for q, n in zip(seqs, need) if n], [s for s, n in zip(seeds, need) if n])
+
+    def worker_loop(self) -> None:
+        """Ranks > 0: run what rank 0 broadcasts until it says exit."""
+        while True:
+            message = [None]
+            dist.broadcast_object_list(message, src=0)
+            method, inputs = message[0]
+            if method == "exit":
+                break
+            self.execute(inputs)
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        if self.rank == 0 and self.world_size > 1:
+            dist.broadcast_object_list([("exit", None)], src=0)
+        self.graphs.clear()
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,24 @@
+import torch
+from torch import nn
+
+from tritonllm.context import get_context
+from tritonllm.layers.ops import ops
+
+
+class Attention(nn.Module):
+    """Stores the new K/V in this layer's paged cache, then attends from the cache."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        # [num_blocks, block_size, num_kv_heads, head_dim], given by the model runner.
+        self.k_cache = self.v_cache = torch.tensor([])
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        context = get_context()
+        kernels = ops()
+        kernels.store_kv_cache(k, v, self.k_cache, self.v_cache, context.slot_mapping)
+        if context.is_prefill:
+            return kernels.prefill_attention(q, self.k_cache, self.v_cache, context.cu_seqlens_q, context.seq_lens,
+                                             context.block_tables, self.scale, max_q_len=context.max_q_len)
+        return kernels.decode_attention(q, self.k_cache, self.v_cache, context.seq_lens, context.block_tables, self.scale)

@@ -1,0 +1,108 @@
+"""Tensor-parallel linear layers. Weights are loaded straight into this rank's shard.
+
+`loaded` in the weight loaders is a torch tensor or a safetensors slice (read lazily, so each
+rank reads only its part of the checkpoint).
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tritonllm.distributed import all_reduce, tp_rank, tp_size
+
+
+def narrow(loaded, dim: int, start: int, size: int) -> torch.Tensor:
+    """Rows or columns [start, start + size) of a tensor or safetensors slice, as a tensor."""
+    if isinstance(loaded, torch.Tensor):
+        return loaded.narrow(dim, start, size)
+    index = (slice(None),) * dim + (slice(start, start + size),)
+    return loaded[index]
+
+
+def full(loaded) -> torch.Tensor:
+    return loaded if isinstance(loaded, torch.Tensor) else loaded[:]
+
+
+def copy_weight(param: nn.Parameter, loaded) -> None:
+    """The default loader: the whole tensor, replicated on every rank."""
+    tensor = full(loaded)
+    if tensor.shape != param.shape:
+        raise ValueError(f"checkpoint tensor of shape {tuple(tensor.shape)} does not fit parameter {tuple(param.shape)}")
+    param.data.copy_(tensor)
+
+
+class LinearBase(nn.Module):
+    def __init__(self, input_size: int, output_size: int, bias: bool):
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+
+
+class ColumnParallelLinear(LinearBase):
+    """y = x W^T with W's output rows split over the ranks; y stays split."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        if output_size % tp_size():
+            raise ValueError(f"output size {output_size} is not divisible by tensor_parallel_size {tp_size()}")
+        super().__init__(input_size, output_size // tp_size(), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id=None):
+        size = param.shape[0]
+        param.data.copy_(narrow(loaded, 0, self.tp_rank * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs in one GEMM (gate and up): shard i sits after shards < i."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id: int):
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        size = self.output_sizes[shard_id] // self.tp_size
+        param.data.narrow(0, offset, size).copy_(narrow(loaded, 0, self.tp_rank * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Packed q, k, v projections; each rank holds its query heads and its KV heads."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
+        for name, heads in (("num_attention_heads", num_heads), ("num_key_value_heads", num_kv_heads)):
+            if heads % tp_size():
+                raise ValueError(f"{name}={heads} is not divisible by tensor_parallel_size {tp_size()}")
+        self.head_dim = head_dim
+        self.num_heads, self.num_kv_heads = num_heads // tp_size(), num_kv_heads // tp_size()
+        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id: str):
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
+        param.data.narrow(0, offset, size).copy_(narrow(loaded, 0, self.tp_rank * size, size))
+
+
+class RowParallelLinear(LinearBase):
+    """y = x W^T with W's input columns split over the ranks; partial sums all-reduced."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        if input_size % tp_size():
+            raise ValueError(f"input size {input_size} is not divisible by tensor_parallel_size {tp_size()}")
+        super().__init__(input_size // tp_size(), output_size, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id=None):
+        if param.dim() == 1:  # the bias is added once, on rank 0
+            copy_weight(param, loaded)
+            return
+        size = param.shape[1]
+        param.data.copy_(narrow(loaded, 1, self.tp_rank * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias if self.tp_rank == 0 else None
+        return all_reduce(F.linear(x, self.weight, bias))

@@ -1,0 +1,90 @@
+"""Checkpoints: HF config and safetensors (sharded or not) into the tensor-parallel model, or dummy weights.
+
+Only safetensors are read (no pickle) and no remote code runs.
+"""
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from transformers import AutoConfig
+
+from tritonllm.layers.linear import copy_weight
+from tritonllm.models import model_class
+from tritonllm.models.presets import PRESETS, preset_config
+
+
+def load_config(model: str):
+    """The HF config of a checkpoint folder, or of a preset name (qwen3-0.6b ... qwen3-32b)."""
+    path = Path(model)
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ValueError(f"model folder {model!r} has no config.json")
+        return AutoConfig.from_pretrained(path, trust_remote_code=False)
+    if model.lower() in PRESETS:
+        return preset_config(model)
+    raise ValueError(f"model {model!r} is neither a checkpoint folder nor a preset ({', '.join(PRESETS)})")
+
+
+def build_model(config, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """The model for `config` with uninitialized weights of `dtype` on `device` (this rank's shards)."""
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return model_class(config)(config)
+    finally:
+        torch.set_default_dtype(default_dtype)
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / name for name in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model folder {str(path)!r} has no .safetensors weights")
+    return files
+
+
+def load_weights(model: nn.Module, path: str | Path) -> None:
+    """Read the checkpoint's safetensors into the model, each rank only its shard of each tensor."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    loaded = set()
+    for file in safetensors_files(Path(path)):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if tied and name == "lm_head.weight":
+                    continue
+                target, shard_id = name, None
+                for checkpoint_name, (param_name, shard) in model.packed_modules_mapping.items():
+                    if f".{checkpoint_name}." in name:
+                        target, shard_id = name.replace(checkpoint_name, param_name), shard
+                        break
+                if target not in params:
+                    raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(model).__name__}")
+                param = params[target]
+                loader = getattr(param, "weight_loader", None)
+                if loader is None:
+                    copy_weight(param, f.get_slice(name))
+                else:
+                    loader(param, f.get_slice(name), shard_id)
+                loaded.add(target)
+    missing = {name for name in params if name not in loaded and not (tied and name == "lm_head.weight")}
+    if missing:
+        raise ValueError(f"checkpoint {str(path)!r} lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}")
+
+
+def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """Random weights for benchmarks without a checkpoint: N(0, 0.02) matrices, unit norm weights."""
+    generator = None
+    for name, param in model.named_parameters():
+        if generator is None:
+            generator = torch.Generator(device=param.device).manual_seed(seed)
+        if param.dim() == 1:
+            param.data.fill_(1.0 if "norm" in name else 0.0)
+        else:
+            param.data.normal_(0.0, 0.02, generator=generator)

@@ -1,0 +1,115 @@
+"""Tensor-parallel Qwen3 (dense), built from layers that call the Triton kernels."""
+import torch
+from torch import nn
+
+from tritonllm.layers.activation import SiluAndMul
+from tritonllm.layers.attention import Attention
+from tritonllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from tritonllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from tritonllm.layers.norm import RMSNorm
+from tritonllm.layers.rotary import RotaryEmbedding
+
+
+def rope_theta(config) -> float:
+    """rope_theta from the config (transformers 5 keeps it in rope_parameters)."""
+    parameters = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = parameters.get("rope_type", parameters.get("type", "default"))
+    if rope_type != "default":
+        raise NotImplementedError(f"rope type {rope_type!r} is not supported, only the default rotary embedding")
+    return float(parameters.get("rope_theta") or getattr(config, "rope_theta"))
+
+
+class Qwen3Attention(nn.Module):
+    def __init__(self, config, rotary: RotaryEmbedding):
+        super().__init__()
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
+                                          config.num_key_value_heads, bias=getattr(config, "attention_bias", False))
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.rotary = rotary
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
+        k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
+        q, k = self.rotary(positions, q, k)
+        o = self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim))
+        return self.o_proj(o.flatten(1))
+
+
+class Qwen3MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class Qwen3DecoderLayer(nn.Module):
+    def __init__(self, config, rotary: RotaryEmbedding):
+        super().__init__()
+        self.self_attn = Qwen3Attention(config, rotary)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, hidden, residual):
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class Qwen3Model(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        rotary = RotaryEmbedding(head_dim, config.max_position_embeddings, rope_theta(config))
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, rotary) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(token_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        return self.norm(hidden, residual)[0]
+
+
+class Qwen3ForCausalLM(nn.Module):
+    # checkpoint name -> (parameter name, shard id) for the packed projections
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.model = Qwen3Model(config)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Hidden states [T, hidden] of the step's tokens (the forward context says where they sit)."""
+        return self.model(token_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits [N, V] float32 on rank 0 (None elsewhere) for the N rows given, e.g. the last of each sequence."""
+        logits = self.lm_head(hidden)
+        return None if logits is None else logits.float()
