@@ -1,18 +1,29 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: install, the test suite natively, the kernel benchmarks.
-# Full logs and the tuned-config JSON go to $OUT; the summary table is printed last.
-#   bash bench/gpu_check.sh [bench/kernels.py arguments, e.g. --quick]
+# One call on the GPU machine: install, then the steps asked for, each logged in full to $OUT,
+# with a short summary printed last.
+#   bash bench/gpu_check.sh [tests] [kernels [--quick]] [throughput]
 set -uo pipefail
 OUT=${OUT:-/tmp/tritonllm-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 python -m pip install -q -e . --no-deps --no-build-isolation > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv > "$OUT/gpu.txt"
-python -m pytest tests -q -p no:cacheprovider > "$OUT/tests.log" 2>&1
-tests_rc=$?
-python bench/kernels.py "$@" --report "$OUT/report.md" > "$OUT/bench.log" 2>&1
-bench_rc=$?
-cp kernels/configs/*.json "$OUT/" 2>/dev/null
-echo "== tests (rc $tests_rc)"; grep -E "passed|failed|error" "$OUT/tests.log" | tail -15
-echo "== bench (rc $bench_rc)"; tail -5 "$OUT/bench.log" | grep -v "^|" ; cat "$OUT/report.md" 2>/dev/null
+summary=""
+quick=""
+[[ " $* " == *" --quick "* ]] && quick="--quick"
+for step in "$@"; do
+  case $step in
+    tests)
+      python -m pytest tests -q -p no:cacheprovider -W ignore::DeprecationWarning > "$OUT/tests.log" 2>&1; rc=$?
+      summary+=$'\n== tests (rc '$rc$')\n'"$(grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -25)" ;;
+    kernels)
+      python bench/kernels.py $quick --report "$OUT/kernels.md" > "$OUT/kernels.log" 2>&1; rc=$?
+      cp kernels/configs/*.json "$OUT/" 2>/dev/null
+      summary+=$'\n== kernels (rc '$rc$')\n'"$(cat "$OUT/kernels.md" 2>/dev/null || tail -20 "$OUT/kernels.log")" ;;
+    throughput)
+      python bench/throughput.py --no-tqdm > "$OUT/throughput.log" 2>&1; rc=$?
+      summary+=$'\n== throughput (rc '$rc$')\n'"$(tail -6 "$OUT/throughput.log")" ;;
+  esac
+done
+echo "$summary"
 cat "$OUT/gpu.txt"

@@ -1,0 +1,75 @@
+"""End-to-end throughput on the nano-vllm benchmark workload (PERFORMANCE.md).
+
+    python bench/throughput.py [--model qwen3-0.6b] [--tp 1] [--kernels triton reference] [--num-seqs 256]
+
+256 requests (seed 0): prompts of randint(100, 1024) tokens drawn from [0, 10000], outputs of
+randint(100, 1024) tokens with ignore_eos, temperature 0.6, max_model_len 4096. A preset name runs
+with dummy weights; a checkpoint folder with its own. With several --kernels, the same workload
+runs on each backend in turn, in this one process, and the ratio is printed.
+"""
+import argparse
+import gc
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from tritonllm import LLM, SamplingParams
+from tritonllm.loader import load_config
+
+
+def workload(num_seqs: int, max_input_len: int, max_output_len: int, max_token_id: int = 10000, seed: int = 0):
+    rng = random.Random(seed)
+    prompts = [[rng.randint(0, max_token_id) for _ in range(rng.randint(100, max_input_len))] for _ in range(num_seqs)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=rng.randint(100, max_output_len))
+              for _ in range(num_seqs)]
+    return prompts, params
+
+
+def run(args, kernels: str, prompts, params) -> dict:
+    llm = LLM(args.model, tensor_parallel_size=args.tp, max_model_len=args.max_model_len, kernels=kernels,
+              enforce_eager=args.enforce_eager, load_format="auto" if Path(args.model).is_dir() else "dummy")
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=not args.no_tqdm)
+    elapsed = time.perf_counter() - start
+    output_tokens = sum(len(o.token_ids) for o in outputs)
+    result = {"kernels": kernels, "output_tokens": output_tokens, "seconds": elapsed,
+              "tokens_per_s": output_tokens / elapsed, "preemptions": llm.scheduler.num_preemptions}
+    llm.close()
+    del llm, outputs
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return result
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen3-0.6b", help="preset name (dummy weights) or checkpoint folder")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    parser.add_argument("--kernels", nargs="+", default=["triton"], choices=["triton", "reference"])
+    parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--max-input-len", type=int, default=1024)
+    parser.add_argument("--max-output-len", type=int, default=1024)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--no-tqdm", action="store_true")
+    args = parser.parse_args()
+    vocab = load_config(args.model).vocab_size  # token ids stay below 10000 and inside the vocabulary
+    prompts, params = workload(args.num_seqs, args.max_input_len, args.max_output_len, min(10000, vocab - 1))
+    print(f"{args.model}, TP {args.tp}: {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, "
+          f"{sum(p.max_tokens for p in params)} output tokens")
+    results = [run(args, kernels, prompts, params) for kernels in args.kernels]
+    print(f"\n| kernels | output tokens | time (s) | tokens/s | preemptions |\n|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['kernels']} | {r['output_tokens']} | {r['seconds']:.2f} | {r['tokens_per_s']:.0f} | {r['preemptions']} |")
+    if len(results) == 2:
+        print(f"\n{results[0]['kernels']} / {results[1]['kernels']}: {results[0]['tokens_per_s'] / results[1]['tokens_per_s']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
