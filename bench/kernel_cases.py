@@ -91,5 +91,171 @@ def kv_cache_cases(quick):
     return cases
 
 
+def paged_cache(tokens_per_seq, batch, block_size, num_kv_heads=8, head_dim=128):
+    """Random bf16 K/V caches holding `batch` sequences in shuffled blocks, and their block tables."""
+    per_seq = -(-tokens_per_seq // block_size)
+    tables = torch.randperm(batch * per_seq, device="cuda", dtype=torch.int32).view(batch, per_seq)
+    shape = (batch * per_seq, block_size, num_kv_heads, head_dim)
+    return randn(*shape), randn(*shape), tables
+
+
+def dense(cache, tables, length):
+    """[B, H, length, D] contiguous copy of the paged sequences (for the dense anchors)."""
+    return cache[tables.long()].flatten(1, 2)[:, :length].transpose(1, 2).contiguous()
+
+
+def sdpa(backend, **kwargs):
+    from torch.nn.attention import sdpa_kernel
+
+    def run(q, k, v):
+        with sdpa_kernel(backend):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, **kwargs)
+    return run
+
+
+def varlen_causal(q, k, v, cu, max_len):
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+    # torch 2.11 takes is_causal; later versions a (left, right) window.
+    params = inspect.signature(varlen_attn).parameters
+    causal = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    return varlen_attn(q, k, v, cu, cu, max_len, max_len, **causal)
+
+
+def graph_replay(fn):
+    """fn eagerly on the first call (it tunes and compiles), then captured in a CUDA graph and replayed."""
+    graphs = {}
+
+    def call(*args):
+        key = tuple(id(a) for a in args)
+        if key not in graphs:
+            fn(*args)
+            torch.cuda.synchronize()
+            graphs[key] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graphs[key]):
+                fn(*args)
+        graphs[key].replay()
+    return call
+
+
+def prefill_attention_cases(quick):
+    """Causal prefill, 16 q / 8 kv heads, D 128, bf16, B * S = 16k tokens, block 256 (block 16 once).
+
+    The dense anchors get K/V expanded to 16 heads (cuDNN has no GQA): it changes little for a
+    compute-bound kernel. TFLOP/s counts the causal half: 2 * 2 * B * Hq * D * S * (S + 1) / 2.
+    """
+    from torch.nn.attention import SDPBackend
+
+    shapes = [(4096, 256)] if quick else [(1024, 256), (2048, 256), (4096, 256), (8192, 256), (16384, 256), (4096, 16)]
+    cases = []
+    for seq, block_size in shapes:
+        batch = 16384 // seq
+
+        def make(s=seq, b=batch, bs=block_size):
+            k_cache, v_cache, tables = paged_cache(s, b, bs)
+            q = randn(b * s, 16, 128)
+            cu = torch.arange(0, b * s + 1, s, device="cuda", dtype=torch.int32)
+            seq_lens = torch.full((b,), s, device="cuda", dtype=torch.int32)
+            k = dense(k_cache, tables, s).repeat_interleave(2, dim=1)
+            v = dense(v_cache, tables, s).repeat_interleave(2, dim=1)
+            q_dense = q.view(b, s, 16, 128).transpose(1, 2).contiguous()
+            k_packed, v_packed = k.transpose(1, 2).flatten(0, 1), v.transpose(1, 2).flatten(0, 1)
+            return q, k_cache, v_cache, cu, seq_lens, tables, s, q_dense, k, v, k_packed, v_packed
+
+        flash = sdpa(SDPBackend.FLASH_ATTENTION, is_causal=True)
+        cudnn = sdpa(SDPBackend.CUDNN_ATTENTION, is_causal=True)
+        cases.append(Case(
+            "prefill_attention", f"B{batch} x S{seq} causal 16/8 heads D128 block {block_size} bf16", make,
+            lambda *a: kernels.prefill_attention(*a[:6], max_q_len=a[6]),
+            {"sdpa flash": lambda *a, f=flash: f(*a[7:10]), "sdpa cudnn": lambda *a, f=cudnn: f(*a[7:10]),
+             "varlen_attn": lambda *a: varlen_causal(a[0], a[10], a[11], a[3], a[6])},
+            flops=2 * 2 * batch * 16 * 128 * seq * (seq + 1) // 2,
+        ))
+    return cases
+
+
+def decode_attention_cases(quick):
+    """Decode over a paged bf16 cache (block 16, 16 q / 8 kv heads, D 128), CUDA-graph replay.
+
+    Bytes: the K and V of every context token (4 KiB a token); % is of the 4.24 TB/s copy. The
+    SDPA flash anchor reads contiguous KV with GQA, also replayed from a CUDA graph.
+    """
+    from torch.nn.attention import SDPBackend
+
+    if quick:
+        shapes = [(1, 4096, 16), (1, 32768, 16), (32, 4096, 16), (8, 32768, 16)]
+    else:
+        shapes = [(b, c, 16) for b in (1, 8, 32, 128, 256) for c in (1024, 4096, 16384, 32768) if b * c <= 2**22]
+        shapes.append((32, 4096, 256))
+    cases = []
+    for batch, context, block_size in shapes:
+        def make(b=batch, c=context, bs=block_size):
+            k_cache, v_cache, tables = paged_cache(c, b, bs)
+            q = randn(b, 16, 128)
+            seq_lens = torch.full((b,), c, device="cuda", dtype=torch.int32)
+            k, v = dense(k_cache, tables, c), dense(v_cache, tables, c)
+            return q, k_cache, v_cache, seq_lens, tables, q[:, :, None], k, v
+
+        flash = graph_replay(sdpa(SDPBackend.FLASH_ATTENTION, enable_gqa=True))
+        cases.append(Case(
+            "decode_attention", f"B{batch} x {context} 16/8 heads D128 block {block_size} bf16", make,
+            graph_replay(lambda *a: kernels.decode_attention(*a[:5])),
+            {"sdpa flash (contiguous)": lambda *a, f=flash: f(*a[5:8])},
+            bytes=batch * context * 8 * 128 * 2 * 2,
+        ))
+    return cases
+
+
+def sampler_logits(batch, vocab, dist):
+    """float32 logits: 'peaked' like a trained LM head (a few dozen tokens 5-15 above a N(0, 2)
+    bulk), or 'flat' (N(0, 0.5): top-p keeps a large part of the vocabulary)."""
+    if dist == "flat":
+        return 0.5 * randn(batch, vocab, dtype=torch.float32)
+    logits = 2 * randn(batch, vocab, dtype=torch.float32)
+    top = torch.randint(0, vocab, (batch, 32), device="cuda")
+    return logits.scatter_add_(1, top, 5 + 10 * torch.rand(batch, 32, device="cuda"))
+
+
+def sampler_cases(quick):
+    """sample (CUDA-graph replay, seeds drawn on the device) and compute_logprobs, V = 151936.
+
+    Bytes: one read of the logits (the kernel reads filtered rows twice). Anchors: the sort-based
+    torch reference (4.3 ms at B 256 in PERFORMANCE.md) and, for greedy rows, torch.argmax.
+    """
+    vocab = 151936
+    modes = {  # temperature, top_k, top_p, min_p
+        "greedy": (0.0, 0, 1.0, 0.0),
+        "temperature": (0.8, 0, 1.0, 0.0),
+        "top-k 50 + top-p 0.9 + min-p 0.05": (0.8, 50, 0.9, 0.05),
+        "top-p 0.95 alone": (0.8, 0, 0.95, 0.0),
+    }
+    if quick:
+        shapes = [(256, "top-k 50 + top-p 0.9 + min-p 0.05", dist) for dist in ("peaked", "flat")]
+    else:
+        shapes = [(b, mode, dist) for b in (1, 32, 256) for mode in modes for dist in ("peaked", "flat")]
+    cases = []
+    for batch, mode, dist in shapes:
+        def make(b=batch, d=dist, m=mode):
+            row = [torch.full((b,), v, device="cuda") for v in modes[m]]
+            return sampler_logits(b, vocab, d), row[0], row[1].long(), row[2], row[3]
+
+        anchors = {"torch sort": reference.sample}
+        if mode == "greedy":
+            anchors["torch.argmax"] = lambda logits, *rest: torch.argmax(logits, dim=-1)
+        cases.append(Case("sample", f"B{batch} x {vocab} fp32 {mode}, {dist}", make, graph_replay(kernels.sample),
+                          anchors, bytes=batch * vocab * 4))
+    fp32, bf16 = torch.float32, torch.bfloat16
+    for batch, dtype in [(256, fp32)] if quick else [(1, fp32), (256, fp32), (256, bf16)]:
+        cases.append(Case(
+            "compute_logprobs", f"B{batch} x {vocab} {str(dtype)[6:]}",
+            lambda b=batch, d=dtype: (randn(b, vocab, dtype=d), torch.randint(0, vocab, (b,), device="cuda")),
+            kernels.compute_logprobs, reference_anchors(reference.compute_logprobs),
+            bytes=batch * vocab * dtype.itemsize,
+        ))
+    return cases
+
+
 def all_cases(quick: bool) -> list[Case]:
-    return norm_cases(quick) + silu_cases(quick) + rotary_cases(quick) + kv_cache_cases(quick)
+    cases = norm_cases(quick) + silu_cases(quick) + rotary_cases(quick) + kv_cache_cases(quick)
+    return cases + prefill_attention_cases(quick) + decode_attention_cases(quick) + sampler_cases(quick)

@@ -61,10 +61,11 @@ def gather_kv(cache, block_table, length):
     return cache[blocks].reshape(-1, *cache.shape[2:])[:length]
 
 
-def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale=None):
+def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale=None, *, max_q_len=None):
     """Causal attention of the new tokens q [T, Hq, D] over the paged cache; returns o [T, Hq, D].
 
     Query i of sequence b sits at position seq_lens[b] - q_len_b + i and sees keys at or before it.
+    max_q_len: the kernel's grid hint, unused here.
     """
     head_dim = q.shape[-1]
     scale = head_dim**-0.5 if scale is None else scale
@@ -127,12 +128,37 @@ def sampling_probs(logits, temperature, top_k, top_p, min_p):
 
 
 def sample(logits, temperature, top_k, top_p, min_p, seeds=None):
-    """Sort-based sampler with the same semantics as the kernel; one torch.Generator per seeded row."""
-    probs = sampling_probs(logits, temperature, top_k, top_p, min_p)
-    ids = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-    for b in range(logits.shape[0]):
-        generator = None
-        if seeds is not None:
-            generator = torch.Generator(device=logits.device).manual_seed(int(seeds[b]))
-        ids[b] = torch.multinomial(probs[b], 1, generator=generator)
-    return ids
+    """Sort-based sampler with sampling_probs' semantics, vectorized over rows (the benchmark baseline).
+
+    One sort of each row's probabilities, thresholds from a cumsum, torch.multinomial in sorted
+    order. seeds: when given, one torch.Generator seeded from all of them (one host read), so the
+    same seeds give the same draws for the same batch (rows are not reproducible one by one).
+    """
+    batch, vocab = logits.shape
+    x = logits.to(_compute_dtype(logits.dtype))
+    x = x.masked_fill(x.isnan(), float("-inf"))
+    greedy = temperature <= 0
+    t = torch.where(greedy, torch.ones_like(temperature), temperature).to(x.dtype)
+    probs, order = torch.softmax(x / t[:, None], dim=-1).sort(dim=-1, descending=True)
+    k = torch.where((top_k > 0) & (top_k < vocab), top_k, torch.full_like(top_k, vocab)).long()
+    keep = probs >= probs.gather(1, k[:, None] - 1)  # a prefix of the sorted row (ties included)
+    kept = probs * keep
+    cumulative = kept.cumsum(-1) / kept.sum(-1, keepdim=True)
+    below = ((cumulative < top_p[:, None]) & keep).sum(-1)
+    last = torch.minimum(below, keep.sum(-1) - 1)
+    p_threshold = torch.where(top_p < 1, probs.gather(1, last[:, None])[:, 0], torch.zeros_like(probs[:, 0]))
+    threshold = torch.maximum(p_threshold, min_p.to(probs.dtype).clamp(max=1) * probs[:, 0])
+    keep &= probs >= threshold[:, None]
+    generator = None
+    if seeds is not None:
+        generator = torch.Generator(device=logits.device)
+        generator.manual_seed(hash(tuple(seeds.tolist())) % 2**63)
+    picked = torch.multinomial(probs * keep, 1, generator=generator)
+    ids = order.gather(1, picked)[:, 0]
+    return torch.where(greedy, torch.argmax(x, dim=-1), ids)
+
+
+def compute_logprobs(logits, token_ids):
+    """log_softmax(logits)[b, token_ids[b]] in float32 (float64 for float64 logits), [B]."""
+    logprobs = torch.log_softmax(logits.to(_compute_dtype(logits.dtype)), dim=-1)
+    return logprobs.gather(1, token_ids.long()[:, None])[:, 0]

@@ -23,6 +23,9 @@ def init_distributed(rank: int, world_size: int, device: str, init_method: str |
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
         torch.cuda.set_device(local_rank)
         device = f"cuda:{local_rank}"
+    if dist.is_initialized() and dist.get_world_size() != world_size:
+        raise RuntimeError(f"a process group of {dist.get_world_size()} ranks is still open: close() the "
+                           f"tensor-parallel LLM before making one with tensor_parallel_size={world_size}")
     if world_size > 1 and not dist.is_initialized():
         backend = "gloo" if device == "cpu" else "nccl"
         dist.init_process_group(backend, init_method=init_method or "env://", rank=rank, world_size=world_size)

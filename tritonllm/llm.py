@@ -248,5 +248,11 @@ class LLM:
                 process.kill()
         atexit.unregister(self.close)
 
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def __del__(self):
         self.close()

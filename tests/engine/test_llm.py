@@ -7,6 +7,7 @@ from tritonllm import LLM, SamplingParams
 
 PROMPTS = ["hello world", "12 + 34 = 46, 100 + 7 =", [5], list(range(40, 80))]  # 2..40 tokens
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+SMALL = {"max_num_seqs": 8}  # few CUDA graphs to capture on a GPU
 
 
 def hf_greedy(path, prompt_ids, n):
@@ -20,7 +21,7 @@ def hf_greedy(path, prompt_ids, n):
 
 @pytest.fixture(scope="module")
 def expected(tiny_qwen3):
-    llm = LLM(str(tiny_qwen3), num_kv_blocks=64, enforce_eager=True)
+    llm = LLM(str(tiny_qwen3), **SMALL, num_kv_blocks=64, enforce_eager=True)
     prompt_ids = [llm._encode(p) for p in PROMPTS]
     llm.close()
     return prompt_ids, [hf_greedy(tiny_qwen3, ids, GREEDY.max_tokens) for ids in prompt_ids]
@@ -31,7 +32,7 @@ def completions(llm, prompts=PROMPTS, params=GREEDY):
 
 
 def test_greedy_equals_hf_and_prefix_cache_hits(tiny_qwen3, expected):
-    llm = LLM(str(tiny_qwen3), num_kv_blocks=64)
+    llm = LLM(str(tiny_qwen3), **SMALL, num_kv_blocks=64)
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outputs] == expected[1]
     assert [o.prompt_token_ids for o in outputs] == expected[0]
@@ -43,21 +44,21 @@ def test_greedy_equals_hf_and_prefix_cache_hits(tiny_qwen3, expected):
 
 
 def test_chunked_prefill_gives_the_same_tokens(tiny_qwen3, expected):
-    llm = LLM(str(tiny_qwen3), num_kv_blocks=64, max_num_batched_tokens=16)
+    llm = LLM(str(tiny_qwen3), **SMALL, num_kv_blocks=64, max_num_batched_tokens=16)
     assert completions(llm) == expected[1]
 
 
 def test_preemption_gives_the_same_tokens(tiny_qwen3):
     # Four 14-token prompts fit one block each; at the 17th token each needs a second one.
     prompts = [list(range(20 * i + 1, 20 * i + 15)) for i in range(4)]
-    llm = LLM(str(tiny_qwen3), num_kv_blocks=6)
+    llm = LLM(str(tiny_qwen3), **SMALL, num_kv_blocks=6)
     assert completions(llm, prompts) == [hf_greedy(tiny_qwen3, p, GREEDY.max_tokens) for p in prompts]
     assert llm.scheduler.num_preemptions > 0
     assert llm.block_manager.num_free_blocks == 6
 
 
 def test_stream_yields_what_generate_returns(tiny_qwen3, expected):
-    llm = LLM(str(tiny_qwen3), num_kv_blocks=64)
+    llm = LLM(str(tiny_qwen3), **SMALL, num_kv_blocks=64)
     tokens = {i: [] for i in range(len(PROMPTS))}
     texts = {i: "" for i in range(len(PROMPTS))}
     finals = {}
@@ -71,7 +72,7 @@ def test_stream_yields_what_generate_returns(tiny_qwen3, expected):
 
 
 def test_sampling_params_per_request_and_seeds(tiny_qwen3):
-    llm = LLM(str(tiny_qwen3), num_kv_blocks=64)
+    llm = LLM(str(tiny_qwen3), **SMALL, num_kv_blocks=64)
     sampled = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=5, seed=7, ignore_eos=True)
     first = completions(llm, PROMPTS[:2], [sampled, GREEDY])
     second = completions(llm, PROMPTS[:2], [sampled, GREEDY])
@@ -80,7 +81,7 @@ def test_sampling_params_per_request_and_seeds(tiny_qwen3):
 
 
 def test_stop_token_ids_and_logprobs(tiny_qwen3, expected):
-    llm = LLM(str(tiny_qwen3), num_kv_blocks=64)
+    llm = LLM(str(tiny_qwen3), **SMALL, num_kv_blocks=64)
     stop_at = expected[1][0][2]
     params = SamplingParams(temperature=0, max_tokens=6, stop_token_ids=[stop_at], logprobs=True, ignore_eos=True)
     out = llm.generate(PROMPTS[:1], params, use_tqdm=False)[0]
@@ -96,7 +97,7 @@ def test_stop_token_ids_and_logprobs(tiny_qwen3, expected):
 
 
 def test_stop_strings_are_cut_from_the_text(tiny_qwen3, expected):
-    llm = LLM(str(tiny_qwen3), num_kv_blocks=64)
+    llm = LLM(str(tiny_qwen3), **SMALL, num_kv_blocks=64)
     full = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].text
     stop = full[3:5]
     out = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=6, stop=stop, ignore_eos=True), use_tqdm=False)[0]
@@ -105,7 +106,7 @@ def test_stop_strings_are_cut_from_the_text(tiny_qwen3, expected):
 
 
 def test_chat_uses_the_template(tiny_qwen3):
-    llm = LLM(str(tiny_qwen3), num_kv_blocks=64)
+    llm = LLM(str(tiny_qwen3), **SMALL, num_kv_blocks=64)
     out = llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False)[0]
     template = llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert out.prompt_token_ids == llm.tokenizer.encode(template, add_special_tokens=False)
@@ -115,9 +116,8 @@ def test_chat_uses_the_template(tiny_qwen3):
 def test_tensor_parallel_2_equals_1(tiny_qwen3, expected):
     if torch.cuda.is_available() and torch.cuda.device_count() < 2:
         pytest.skip("TP=2 on GPUs needs two of them; on CPU it runs under gloo")
-    llm = LLM(str(tiny_qwen3), tensor_parallel_size=2, num_kv_blocks=64)
-    assert completions(llm) == expected[1]
-    llm.close()
+    with LLM(str(tiny_qwen3), **SMALL, tensor_parallel_size=2, num_kv_blocks=64) as llm:
+        assert completions(llm) == expected[1]
     assert all(not p.is_alive() for p in llm._workers)
 
 
@@ -128,13 +128,13 @@ def test_tensor_parallel_2_equals_1(tiny_qwen3, expected):
 ])
 def test_bad_options_are_errors(tiny_qwen3, options, match):
     with pytest.raises(ValueError, match=match):
-        LLM(str(tiny_qwen3), **options)
+        LLM(str(tiny_qwen3), **{**SMALL, **options})
 
 
 def test_unknown_option_and_bad_requests(tiny_qwen3):
     with pytest.raises(TypeError, match="max_num_sequences"):
-        LLM(str(tiny_qwen3), max_num_sequences=4)
-    llm = LLM(str(tiny_qwen3), num_kv_blocks=4, max_model_len=128)
+        LLM(str(tiny_qwen3), **SMALL, max_num_sequences=4)
+    llm = LLM(str(tiny_qwen3), **SMALL, num_kv_blocks=4, max_model_len=128)
     with pytest.raises(ValueError, match="empty"):
         llm.generate([""], use_tqdm=False)
     with pytest.raises(ValueError, match="token ids"):

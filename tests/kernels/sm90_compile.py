@@ -57,15 +57,21 @@ def arg_type(value):
 def compile_sm90(kernel: JITFunction, bound: dict, options: dict):
     """Compile one recorded launch for sm_90; returns the compiled kernel (asm in .asm)."""
     defaults = inspect.signature(kernel.fn).parameters
-    signature, constexprs = {}, {}
-    for param in kernel.params:
+    signature, constexprs, attrs = {}, {}, {}
+    for index, param in enumerate(kernel.params):
         value = bound.get(param.name, defaults[param.name].default)
         if param.is_constexpr or value is None:
             signature[param.name] = "constexpr"
             constexprs[param.name] = value
-        else:
-            signature[param.name] = arg_type(value)
-    source = triton.compiler.ASTSource(kernel, signature, constexprs)
+            continue
+        signature[param.name] = arg_type(value)
+        # The 16-divisibility the JIT would note for aligned pointers and sizes: it decides
+        # vector widths and async copies, so the PTX here is the one the GPU would run.
+        aligned = value.data_ptr() % 16 == 0 if isinstance(value, torch.Tensor) else (
+            isinstance(value, int) and not isinstance(value, bool) and value % 16 == 0 and not param.do_not_specialize)
+        if aligned:
+            attrs[(index,)] = [["tt.divisibility", 16]]
+    source = triton.compiler.ASTSource(kernel, signature, constexprs, attrs)
     return triton.compile(source, target=SM90, options=options)
 
 
@@ -88,6 +94,41 @@ def cases():
             lambda t=t: store_kv_cache(t(8192, 8, 128), t(8192, 8, 128), t(600, 16, 8, 128), t(600, 16, 8, 128),
                                        t(8192, dtype=torch.int32)),
         ]
+    from tritonllm.kernels.sampler import compute_logprobs, sample
+
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for batch in (1, 256):  # the default config differs for small batches
+            rows = [torch.ones(batch), torch.zeros(batch, dtype=torch.int64), torch.ones(batch), torch.zeros(batch)]
+            calls += [
+                lambda d=dtype, r=rows: sample(torch.zeros(len(r[0]), 151936, dtype=d), *r),
+                lambda d=dtype, r=rows: compute_logprobs(torch.zeros(len(r[0]), 151936, dtype=d), r[1]),
+            ]
+    from tritonllm.kernels import decode_attention, prefill_attention
+    from tritonllm.kernels.tuning import REGISTRY
+
+    def i32(*shape):
+        return torch.zeros(*shape, dtype=torch.int32)
+
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):  # 16 q / 8 kv heads, D 128
+        for bs in (16, 256):
+            def cache(tokens, d=dtype, bs=bs):
+                return torch.zeros(tokens // bs, bs, 8, 128, dtype=d)
+
+            def q(tokens, d=dtype):
+                return torch.zeros(tokens, 16, 128, dtype=d)
+
+            # Decode as an H200 (132 SMs) would launch batch 1 x 32k: split, then the merge kernel.
+            split = REGISTRY["decode_attention"].default(str(dtype)[6:], 128, 2, 8, bs, 1, 32768) | {"NUM_SPLITS": 50}
+            cu = torch.arange(0, 8193, 1024, dtype=torch.int32)  # 8 sequences: 1024 cached + 1024 new tokens
+            calls += [
+                lambda q=q, c=cache, cu=cu, bs=bs: prefill_attention(
+                    q(8192), c(16384), c(16384), cu, torch.full((8,), 2048, dtype=torch.int32), i32(8, 2048 // bs),
+                    max_q_len=1024),
+                lambda q=q, c=cache, bs=bs: decode_attention(
+                    q(256), c(65536), c(65536), i32(256), i32(256, 4096 // bs)),
+                lambda q=q, c=cache, bs=bs, s=split: decode_attention(
+                    q(1), c(32768), c(32768), i32(1), i32(1, 32768 // bs), config=s),
+            ]
     return calls
 
 

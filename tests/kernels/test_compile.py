@@ -58,3 +58,28 @@ def test_compile_check_fails_on_a_kernel_only_the_interpreter_accepts(tmp_path):
     result = run(["-c", CHECK_SMALL_DOT.format(tmp=str(tmp_path), here=str(HERE))])
     assert result.returncode != 0
     assert "K >= 16" in result.stderr, result.stderr[-2000:]
+
+
+PREFILL_PTX = '''
+import sys
+sys.path.insert(0, {here!r})
+import sm90_compile
+import torch
+from tritonllm.kernels import prefill_attention
+
+def call():
+    cache = torch.zeros(1024, 16, 8, 128, dtype=torch.bfloat16)
+    prefill_attention(torch.zeros(8192, 16, 128, dtype=torch.bfloat16), cache, cache,
+                      torch.arange(0, 8193, 1024, dtype=torch.int32), torch.full((8,), 1024, dtype=torch.int32),
+                      torch.zeros(8, 64, dtype=torch.int32), max_q_len=1024)
+
+(launch,) = sm90_compile.record_launches([call])
+print("wgmma" in sm90_compile.compile_sm90(*launch).asm["ptx"])
+'''
+
+
+def test_prefill_attention_uses_wgmma_on_sm90():
+    # Hopper tensor cores need a per-CTA M of 64/128 and 4/8 warps; the bf16 default config has them.
+    result = run(["-c", PREFILL_PTX.format(here=str(HERE))])
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "True", result.stdout

@@ -1,0 +1,225 @@
+"""Decode attention (one new token per sequence) over the paged KV cache, split-KV flash-decoding.
+
+Decode is bound by reading K/V. One program per (sequence, KV head, split) handles the G query
+heads of its KV head (padded to BLOCK_H >= 16 rows for tl.dot) over one contiguous segment of the
+keys, so each K/V byte is read once. The grid is fixed by the shapes (CUDA-graph capturable): it
+launches NUM_SPLITS splits per (sequence, KV head), a count chosen on the host from B, Hkv, the
+context bound and the SM count; each sequence then uses only min(NUM_SPLITS, cdiv(len, SPLIT_MIN))
+of them, computed on the GPU, and the others exit at once. Splits write an unnormalized
+accumulator, row max and row sum to float32 scratch; a second launch merges them. With
+NUM_SPLITS == 1 the first launch writes o itself.
+"""
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from tritonllm.kernels import tuning
+from tritonllm.kernels.prefill_attention import LOG2E, _attend_tile, check_paged_inputs, dot_precision
+
+PROGRAMS_PER_SM = 3  # resident programs per SM that hide memory latency without extra splits
+
+
+@triton.jit
+def _split_len(seq_len, NUM_SPLITS: tl.constexpr, SPLIT_MIN: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys per split of one sequence: a multiple of BLOCK_N, about SPLIT_MIN or more, at most NUM_SPLITS splits."""
+    splits = tl.maximum(tl.minimum(tl.cdiv(seq_len, SPLIT_MIN), NUM_SPLITS), 1)
+    return tl.maximum(tl.cdiv(tl.cdiv(seq_len, splits), BLOCK_N) * BLOCK_N, BLOCK_N)
+
+
+@triton.jit
+def _decode_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, acc_ptr, m_ptr, l_ptr, seq_lens_ptr, block_tables_ptr,
+    qk_scale, num_q_heads,
+    stride_q_batch, stride_q_head, stride_o_batch, stride_o_head,
+    stride_cache_block, stride_cache_token, stride_cache_head, stride_block_table,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_MIN: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    split_len = _split_len(seq_len, NUM_SPLITS, SPLIT_MIN, BLOCK_N)
+    start = split * split_len
+    if NUM_SPLITS > 1:
+        if start >= seq_len:
+            return  # an unused split: the merge reads only the splits that hold keys
+    end = tl.minimum(start + split_len, seq_len)
+
+    rows = tl.arange(0, BLOCK_H)
+    head = kv_head * GROUP + rows
+    row_mask = rows < GROUP
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_rows = seq.to(tl.int64) * stride_q_batch + head * stride_q_head
+    q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_mask[:, None], other=0.0)
+    if INTERPRET:
+        q = q.to(tl.float32)
+    block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_block_table
+    head_offset = kv_head * stride_cache_head
+    pos = tl.zeros([BLOCK_H], tl.int32) + (end - 1)  # every row sees keys up to end - 1
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    # start and split_len are multiples of BLOCK_N, so only the sequence's last tile is partial.
+    full_end = start + (end - start) // BLOCK_N * BLOCK_N
+    for n0 in range(start, full_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_row, head_offset,
+                                     n0, seq_len, pos, qk_scale, stride_cache_block, stride_cache_token,
+                                     HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, INTERPRET)
+    for n0 in range(full_end, end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_row, head_offset,
+                                     n0, seq_len, pos, qk_scale, stride_cache_block, stride_cache_token,
+                                     HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, INTERPRET)
+
+    if NUM_SPLITS == 1:
+        # seq_len 0 (a padding row of a captured batch) leaves l = 0 and acc = 0: write zeros.
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        o_rows = seq.to(tl.int64) * stride_o_batch + head * stride_o_head
+        tl.store(o_ptr + o_rows[:, None] + offs_d[None, :], out.to(o_ptr.dtype.element_ty), mask=row_mask[:, None])
+    else:
+        slot = (seq.to(tl.int64) * num_q_heads + head) * NUM_SPLITS + split
+        tl.store(acc_ptr + slot[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_mask[:, None])
+        tl.store(m_ptr + slot, m_i, mask=row_mask)
+        tl.store(l_ptr + slot, l_i, mask=row_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    acc_ptr, m_ptr, l_ptr, seq_lens_ptr, o_ptr, num_q_heads, stride_o_batch, stride_o_head,
+    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    SPLIT_MIN: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    # The same split rule as the attention launch: splits at or past `used` were never written.
+    used = tl.cdiv(seq_len, _split_len(seq_len, NUM_SPLITS, SPLIT_MIN, BLOCK_N))
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    valid = offs_s < used
+    slot = (seq.to(tl.int64) * num_q_heads + head) * NUM_SPLITS + offs_s
+    m = tl.load(m_ptr + slot, mask=valid, other=float("-inf"))
+    l = tl.load(l_ptr + slot, mask=valid, other=0.0)
+    acc = tl.load(acc_ptr + slot[:, None] * HEAD_DIM + offs_d[None, :], mask=valid[:, None], other=0.0)
+    m_max = tl.max(m, 0)
+    # No split used (seq_len 0): weights become exp2(-inf) = 0 and the output zeros.
+    weight = tl.math.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))
+    denom = tl.sum(weight * l, 0)
+    out = tl.sum(acc * weight[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
+    o_offsets = seq.to(tl.int64) * stride_o_batch + head * stride_o_head + offs_d
+    tl.store(o_ptr + o_offsets, out.to(o_ptr.dtype.element_ty))
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_sms() -> int:
+    """SMs of the current GPU; 1 under the interpreter, where every program runs serially."""
+    if tuning.INTERPRET or not torch.cuda.is_available():
+        return 1
+    return _sm_count(torch.cuda.current_device())
+
+
+def default_num_splits(batch, num_kv_heads, context, split_min, sms):
+    """Splits per (sequence, KV head): about PROGRAMS_PER_SM programs per SM, >= split_min keys each."""
+    wanted = triton.cdiv(PROGRAMS_PER_SM * sms, batch * num_kv_heads)
+    return max(1, min(wanted, triton.cdiv(context, split_min)))
+
+
+def _decode_space(dtype_name, head_dim, group, num_kv_heads, block_size, batch, context):
+    base = _decode_default(dtype_name, head_dim, group, num_kv_heads, block_size, batch, context)["NUM_SPLITS"]
+    splits = sorted({max(1, base // 2), base, base * 2})
+    num_warps = 8 if dtype_name == "float32" else 4
+    # Bandwidth-bound: what matters is bytes in flight per SM (tile size, stages) and the split count.
+    return [{"BLOCK_N": block_n, "NUM_SPLITS": num_splits, "SPLIT_MIN": 256, "num_warps": num_warps,
+             "num_stages": num_stages}
+            for block_n in (32, 64, 128) for num_splits in splits for num_stages in (2, 3)]
+
+
+def _decode_default(dtype_name, head_dim, group, num_kv_heads, block_size, batch, context):
+    split_min = 256
+    fp32 = dtype_name == "float32"  # FMA dot (exact products): operands in registers, more warps
+    return {"BLOCK_N": 32 if fp32 else 64,
+            "NUM_SPLITS": default_num_splits(batch, num_kv_heads, context, split_min, num_sms()),
+            "SPLIT_MIN": split_min, "num_warps": 8 if fp32 else 4, "num_stages": 2}
+
+
+DECODE_TUNABLE = tuning.Tunable("decode_attention", _decode_space, _decode_default)
+
+
+def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale=None, *,
+                     max_seq_len: int | None = None, out: torch.Tensor | None = None, config: dict | None = None):
+    """Attention of one new token per sequence over the paged KV cache; CUDA-graph capturable.
+
+    q: [B, Hq, D] float32/float16/bfloat16 (contiguous in D). k_cache, v_cache: [num_blocks,
+    block_size, Hkv, D] of q's dtype, the new token's K/V already stored; block_size a power of
+    two; D a power of two >= 16; Hq a multiple of Hkv. seq_lens: [B] int32, sequence b attends to
+    keys [0, seq_lens[b]); a length of 0 (a padding row) gives zeros. block_tables: [B, max_blocks]
+    int32; entries past a sequence's length are never read. scale defaults to D ** -0.5; math in
+    float32.
+
+    No host sync and a grid fixed by (B, Hq, Hkv, D, block_size, dtype, context bound): the split
+    count is chosen from the context bound, `max_seq_len` if given (the engine's max_model_len),
+    else block_tables.shape[1] * block_size. Any seq_lens up to the table's capacity are correct
+    whatever the bound; the bound only steers the split count. Float32 scratch for the splits is
+    allocated per call with a shape fixed by B (the caching allocator serves it under capture).
+    out: optional [B, Hq, D] output buffer written in place. config: launch config overriding the
+    tuned/default one (tests, benchmarks). Returns o [B, Hq, D] in q's dtype (`out` if given).
+    """
+    group, block_size = check_paged_inputs(q, k_cache, v_cache, seq_lens, block_tables, out)
+    batch, num_q_heads, head_dim = q.shape
+    if seq_lens.shape[0] != batch:
+        raise ValueError(f"seq_lens must be [B = {batch}], got shape {tuple(seq_lens.shape)}")
+    out = torch.empty_like(q) if out is None else out
+    if batch == 0:
+        return out
+    num_kv_heads = k_cache.shape[2]
+    context = block_tables.shape[1] * block_size if max_seq_len is None else max_seq_len
+    qk_scale = (head_dim**-0.5 if scale is None else scale) * LOG2E
+
+    def launch(cfg):
+        cfg = dict(cfg)
+        num_splits = cfg["NUM_SPLITS"]
+        if num_splits > 1:
+            scratch = q.new_empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32)
+            m = q.new_empty((batch, num_q_heads, num_splits), dtype=torch.float32)
+            l = torch.empty_like(m)
+        else:
+            scratch = m = l = out  # not touched with one split
+        _decode_attention_kernel[(batch, num_kv_heads, num_splits)](
+            q, k_cache, v_cache, out, scratch, m, l, seq_lens, block_tables, qk_scale, num_q_heads,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+            GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_H=max(16, triton.next_power_of_2(group)),
+            DOT_PRECISION=dot_precision(q.dtype), INTERPRET=tuning.INTERPRET, **cfg)
+        if num_splits > 1:
+            _merge_splits_kernel[(batch, num_q_heads)](
+                scratch, m, l, seq_lens, out, num_q_heads, out.stride(0), out.stride(1),
+                HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
+                SPLIT_MIN=cfg["SPLIT_MIN"], BLOCK_N=cfg["BLOCK_N"])
+
+    graphs = {}
+
+    def replay(cfg):
+        # Tuning times each config as a CUDA-graph replay, as the engine runs it: eager Python launch
+        # overhead would hide differences of a few microseconds.
+        key = repr(sorted(cfg.items()))
+        if key not in graphs:
+            launch(cfg)  # compiles and loads the kernels outside the capture
+            graphs[key] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graphs[key]):
+                launch(cfg)
+        graphs[key].replay()
+
+    if config is None:
+        bucket = (tuning.dtype_name(q.dtype), head_dim, group, num_kv_heads, block_size,
+                  tuning.pow2(batch), tuning.pow2(context))
+        config = DECODE_TUNABLE.config(bucket, replay if q.is_cuda else launch)
+    launch(config)
+    return out

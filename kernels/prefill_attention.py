@@ -1,0 +1,250 @@
+"""Causal prefill attention over the paged KV cache: plain prefill, prefix-cache hits, chunked prefill.
+
+One program per (KV head, sequence, tile of BLOCK_Q new tokens). The G = Hq / Hkv query heads that
+share a KV head are packed into the BLOCK_M = BLOCK_Q * G rows of one tile (row r = token r // G,
+head kv * G + r % G), so each K/V tile is loaded once for all G heads and tl.dot sees a BLOCK_M of
+64 or 128 (wgmma on Hopper). Keys that every row of the tile sees run in a loop without masks; the
+keys on the diagonal run in a second loop with the causal mask; nothing past the last row's
+position is read. Online softmax in float32 with exp2 and scale * log2(e) folded in.
+
+`_cache_offsets`, `_attend_tile` and `check_paged_inputs` are shared with decode_attention.py.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from tritonllm.kernels import tuning
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _cache_offsets(block_table_row, n0, seq_len, stride_cache_block, stride_cache_token,
+                   BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """int64 element offsets of cache rows n0 .. n0 + BLOCK_N - 1 (n0 a multiple of BLOCK_N)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    if BLOCK_N <= BLOCK_SIZE:
+        # The tile lies inside one cache block: one block-table lookup per tile.
+        block = tl.load(block_table_row + n0 // BLOCK_SIZE).to(tl.int64)
+        offsets = block * stride_cache_block + (n0 % BLOCK_SIZE + offs_n) * stride_cache_token
+    else:
+        # The tile spans several blocks: one lookup per key; table entries past the sequence
+        # may be padding, so they are never read.
+        keys = n0 + offs_n
+        block = tl.load(block_table_row + keys // BLOCK_SIZE, mask=keys < seq_len, other=0).to(tl.int64)
+        offsets = block * stride_cache_block + (keys % BLOCK_SIZE) * stride_cache_token
+    return offsets
+
+
+@triton.jit
+def _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_row, head_offset, n0, seq_len,
+                 pos, qk_scale, stride_cache_block, stride_cache_token,
+                 HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
+    """One online-softmax step of the rows of q over keys n0 .. n0 + BLOCK_N - 1.
+
+    m_i is the running row max in log2 units (scores times qk_scale = scale * log2(e)), l_i the
+    running sum of exp2(score - m_i), acc the unnormalized output. MASKED: key j counts for a row
+    only if j <= pos[row], and keys at or past seq_len are not loaded; unmasked tiles must lie
+    entirely inside every row's visible range.
+    """
+    rows = _cache_offsets(block_table_row, n0, seq_len, stride_cache_block, stride_cache_token,
+                          BLOCK_SIZE, BLOCK_N)
+    offsets = rows[:, None] + head_offset + tl.arange(0, HEAD_DIM)[None, :]
+    keys = n0 + tl.arange(0, BLOCK_N)
+    if MASKED:
+        in_seq = (keys < seq_len)[:, None]
+        k = tl.load(k_cache_ptr + offsets, mask=in_seq, other=0.0)
+    else:
+        k = tl.load(k_cache_ptr + offsets)
+    if INTERPRET:
+        # The interpreter's tl.dot multiplies raw bfloat16 bits: compute in float32 there.
+        k = k.to(tl.float32)
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    if MASKED:
+        scores = tl.where(keys[None, :] <= pos[:, None], scores, float("-inf"))
+    # Every row sees at least one key by its first tile, so m_new is finite and no NaN arises.
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    p = tl.math.exp2(scores - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    if MASKED:
+        v = tl.load(v_cache_ptr + offsets, mask=in_seq, other=0.0)
+    else:
+        v = tl.load(v_cache_ptr + offsets)
+    if INTERPRET:
+        v = v.to(tl.float32)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    # l after the PV dot keeps fewer values live across it (Triton tutorial 06).
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _prefill_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
+    qk_scale,
+    stride_q_token, stride_q_head, stride_o_token, stride_o_head,
+    stride_cache_block, stride_cache_token, stride_cache_head, stride_block_table,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    kv_head = tl.program_id(0)
+    seq = tl.program_id(1)
+    # Highest tiles first: they see the most keys, so the longest programs start earliest.
+    tile = tl.num_programs(2) - 1 - tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    q0 = tile * BLOCK_Q
+    if q0 >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context = seq_len - q_len  # keys cached before the first new token
+
+    rows = tl.arange(0, BLOCK_M)
+    token = q0 + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    # BLOCK_M need not be a multiple of GROUP: rows past BLOCK_Q * GROUP are idle.
+    row_mask = (rows < BLOCK_Q * GROUP) & (token < q_len)
+    pos = context + token
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_rows = (q_start + token).to(tl.int64) * stride_q_token + head * stride_q_head
+    q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_mask[:, None], other=0.0)
+    if INTERPRET:
+        q = q.to(tl.float32)
+    block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_block_table
+    head_offset = kv_head * stride_cache_head
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    # Keys [0, full_end) are visible to every row: the first row sits at position context + q0.
+    full_end = (context + q0 + 1) // BLOCK_N * BLOCK_N
+    for n0 in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_row, head_offset,
+                                     n0, seq_len, pos, qk_scale, stride_cache_block, stride_cache_token,
+                                     HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, INTERPRET)
+    # The diagonal: up to the last row's position (rows past q_len are idle, hence the clamp).
+    diag_end = tl.minimum(seq_len, context + q0 + BLOCK_Q)
+    for n0 in range(full_end, diag_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_row, head_offset,
+                                     n0, seq_len, pos, qk_scale, stride_cache_block, stride_cache_token,
+                                     HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, INTERPRET)
+    out = acc / l_i[:, None]
+    o_rows = (q_start + token).to(tl.int64) * stride_o_token + head * stride_o_head
+    tl.store(o_ptr + o_rows[:, None] + offs_d[None, :], out.to(o_ptr.dtype.element_ty), mask=row_mask[:, None])
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot input precision: exact float32 products (TF32 would break float32 parity with HF)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _prefill_space(dtype_name, head_dim, group, block_size, q_len):
+    configs = []
+    for block_m, num_warps in ((64, 4), (128, 4), (128, 8)):
+        for block_n in (32, 64, 128):
+            for num_stages in (2, 3, 4):
+                if block_m >= group:
+                    configs.append({"BLOCK_M": block_m, "BLOCK_N": block_n,
+                                    "num_warps": num_warps, "num_stages": num_stages})
+    return configs
+
+
+def _prefill_default(dtype_name, head_dim, group, block_size, q_len):
+    if dtype_name == "float32":
+        # Exact float32 products run on FMA, whose operands live in registers: small tiles, 8 warps.
+        return {"BLOCK_M": max(32, triton.next_power_of_2(group)), "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
+    # wgmma wants BLOCK_M 128 with 8 warps; short queries and big heads (accumulator registers)
+    # take 64 with 4.
+    block_m = max(64 if head_dim > 128 or q_len * group <= 64 else 128, triton.next_power_of_2(group))
+    return {"BLOCK_M": block_m, "BLOCK_N": 128 if head_dim <= 64 else 64,
+            "num_warps": 4 if block_m == 64 else 8, "num_stages": 2 if head_dim > 128 else 3}
+
+
+PREFILL_TUNABLE = tuning.Tunable("prefill_attention", _prefill_space, _prefill_default)
+
+
+def check_paged_inputs(q, k_cache, v_cache, seq_lens, block_tables, out):
+    """Cheap shape checks shared by the attention wrappers; returns (group, block_size)."""
+    if q.dim() != 3:
+        raise ValueError(f"q must be [tokens, Hq, D], got shape {tuple(q.shape)}")
+    if k_cache.dim() != 4:
+        raise ValueError(f"k_cache must be [num_blocks, block_size, Hkv, D], got shape {tuple(k_cache.shape)}")
+    if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
+        raise ValueError("v_cache must have the shape and strides of k_cache")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"k_cache/v_cache dtype {k_cache.dtype} differs from q dtype {q.dtype}")
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    if q.shape[2] != head_dim:
+        raise ValueError(f"q head_dim {q.shape[2]} differs from k_cache head_dim {head_dim}")
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
+    if q.shape[1] % num_kv_heads:
+        raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of k_cache heads ({num_kv_heads})")
+    if block_size & (block_size - 1):
+        raise ValueError(f"k_cache block_size must be a power of two, got {block_size}")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1:
+        raise ValueError("q and k_cache/v_cache must be contiguous in the last (head_dim) dimension")
+    if seq_lens.dim() != 1:
+        raise ValueError(f"seq_lens must be [B], got shape {tuple(seq_lens.shape)}")
+    batch = seq_lens.shape[0]
+    if block_tables.dim() != 2 or block_tables.shape[0] != batch:
+        raise ValueError(f"block_tables must be [B={batch}, max_blocks], got shape {tuple(block_tables.shape)}")
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1):
+        raise ValueError(f"out must be a {q.dtype} tensor of q's shape {tuple(q.shape)}, contiguous in head_dim")
+    return q.shape[1] // num_kv_heads, block_size
+
+
+def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale=None, *,
+                      max_q_len: int | None = None, out: torch.Tensor | None = None, config: dict | None = None):
+    """Causal attention of the new tokens of B sequences over the paged KV cache.
+
+    q: [T, Hq, D] float32/float16/bfloat16, the new tokens of the B sequences packed one after the
+    other (contiguous in D). k_cache, v_cache: [num_blocks, block_size, Hkv, D] of q's dtype, the
+    new tokens' K/V already stored; block_size a power of two; D a power of two >= 16; Hq a
+    multiple of Hkv. cu_seqlens_q: [B + 1] int32, sequence b owns q rows cu[b] .. cu[b+1] - 1.
+    seq_lens: [B] int32, cached plus new tokens. block_tables: [B, max_blocks] int32, physical
+    block of each logical block; entries past a sequence's length are never read.
+    Query i of sequence b sits at position seq_lens[b] - q_len_b + i and attends to every key at
+    or before it. scale defaults to D ** -0.5; math in float32.
+
+    max_q_len: at least the longest query (it sizes the grid; a larger value only adds programs
+    that exit at once); if None, one `.max().item()` reads it (a host sync: prefill is not
+    graph-captured). out: optional [T, Hq, D] output buffer written in
+    place. config: launch config overriding the tuned/default one (tests, benchmarks).
+    Returns o [T, Hq, D] in q's dtype (`out` if given); nothing else is modified.
+    """
+    group, block_size = check_paged_inputs(q, k_cache, v_cache, seq_lens, block_tables, out)
+    batch = seq_lens.shape[0]
+    if cu_seqlens_q.shape != (batch + 1,):
+        raise ValueError(f"cu_seqlens_q must be [B + 1 = {batch + 1}], got shape {tuple(cu_seqlens_q.shape)}")
+    out = torch.empty_like(q) if out is None else out
+    if batch == 0 or q.shape[0] == 0:
+        return out
+    if max_q_len is None:
+        max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())
+    if max_q_len <= 0:
+        return out
+    head_dim = q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    qk_scale = (head_dim**-0.5 if scale is None else scale) * LOG2E
+
+    def launch(cfg):
+        cfg = dict(cfg)
+        block_q = cfg["BLOCK_M"] // group
+        grid = (num_kv_heads, batch, triton.cdiv(max_q_len, block_q))
+        _prefill_attention_kernel[grid](
+            q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables, qk_scale,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+            GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_Q=block_q,
+            DOT_PRECISION=dot_precision(q.dtype), INTERPRET=tuning.INTERPRET, **cfg)
+
+    if config is None:
+        bucket = (tuning.dtype_name(q.dtype), head_dim, group, block_size, tuning.pow2(max_q_len))
+        config = PREFILL_TUNABLE.config(bucket, launch)
+    if config["BLOCK_M"] < group:
+        raise ValueError(f"config BLOCK_M ({config['BLOCK_M']}) must be at least the GQA group ({group})")
+    launch(config)
+    return out

@@ -1,0 +1,387 @@
+"""Sampling without sorting: temperature, top-k, top-p and min-p as logit thresholds, then a Gumbel race.
+
+One program per row. Every filter of the contract keeps a superlevel set of the row's logits
+{x >= T} (temperature > 0 preserves the order), so sampling reduces to finding one threshold T
+and running the race argmax(x / t + Gumbel noise) over {x >= T}:
+
+  pass 1 (read the row): max m, sum-exp z = sum exp((x - m) / t), the argmax (greedy rows stop
+         here) and the per-lane maxima of the BLOCK-wide tiles.
+  bound: a logit `low` <= T. top-k: the k-th largest lane maximum (the lanes hold BLOCK distinct
+         row elements, so at least k elements of the row are >= it; only for rows longer than
+         the scratch); top-p alone: the mass below tau is under V * exp((tau - m) / t), so
+         tau = m + t * log((1 - p) * z / V) still keeps p of the mass; min-p: m + t * log(min_p).
+  pass 2 (read the row): compact the candidates {x >= low} (values and token ids) into a per-row
+         scratch of CAP slots. If they do not fit, the steps below read the row itself.
+  search: bisection on the order-preserving int32 image of the float32 logits: each round at
+         least halves the key range and snaps its bounds onto element values (<= 32 rounds), and
+         stops once the set at `lo` has exactly k elements or [lo, hi) holds one value. top-k:
+         the largest key with count >= k; top-p: the largest key whose set (inside the top-k set)
+         holds p of the top-k mass. Thresholds are element values: exact for counts, ties kept;
+         masses are float32 sums, so only a top-p/min-p boundary within rounding can differ.
+  race:  Gumbel-max over the candidates >= T with Philox noise that depends only on (seed, token).
+
+Rows without filters skip both passes: one pass runs the race over the whole row, skipping tiles
+that cannot beat the running winner. Conventions: NaN logits count as -inf; +inf logits are not
+supported (as in torch.softmax); a row whose logits are all -inf returns token 0; temperature <= 0
+is greedy; top_p <= 0 keeps the most likely token(s) only; min_p > 1 acts as 1. The launch has a
+fixed grid of B programs and never syncs the host.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from tritonllm.kernels.tuning import Tunable, dtype_name, pow2
+
+NEG_INF = tl.constexpr(float("-inf"))
+POS_INF = tl.constexpr(float("inf"))
+INT_MAX = tl.constexpr(2**31 - 1)
+# The noise is g = -log(E) with E = max(-log(u), 5e-8), so g <= -log(5e-8) = 16.8 < G_MAX.
+E_MIN = tl.constexpr(5e-8)
+G_MAX = tl.constexpr(17.0)
+
+
+@triton.jit
+def _load_row(ptr, offs, n):
+    """float32 values of ptr[offs] for offs < n, -inf past the end and for NaN."""
+    x = tl.load(ptr + offs, mask=offs < n, other=NEG_INF).to(tl.float32)
+    return tl.where(x == x, x, NEG_INF)
+
+
+@triton.jit
+def _key(x):
+    """Order-preserving int32 image of a float32: a larger float has a larger key."""
+    bits = x.to(tl.int32, bitcast=True)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+@triton.jit
+def _unkey(key):
+    """The float32 whose _key is `key` (an int64 holding an int32 key)."""
+    bits = key.to(tl.int32)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _gumbel(seed, quad, lane):
+    """Gumbel noise of token 4 * quad + lane: output `lane` of Philox at counter `quad`.
+
+    The noise of a token depends only on (seed, token), whatever the tiling, and one Philox call
+    serves four tokens. quad and lane broadcast against each other.
+    """
+    r0, r1, r2, r3 = tl.randint4x(seed, quad)
+    r = tl.where(lane == 0, r0, tl.where(lane == 1, r1, tl.where(lane == 2, r2, r3)))
+    u = tl.uint_to_uniform_float(r)  # [0, 1 - 2^-24]
+    return -tl.log(tl.maximum(-tl.log(u), E_MIN))
+
+
+@triton.jit
+def _row_stats(row_ptr, V, inv_t, BLOCK: tl.constexpr):
+    """Pass 1: lane maxima [BLOCK], max m, sum of exp((x - m) * inv_t), argmax (lowest index)."""
+    lanes = tl.full([BLOCK], NEG_INF, tl.float32)
+    lane_arg = tl.zeros([BLOCK], tl.int32)  # first index of each lane's max
+    m = NEG_INF
+    z = 0.0
+    for start in range(0, V, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        x = _load_row(row_ptr, offs, V)
+        better = x > lanes
+        lanes = tl.where(better, x, lanes)
+        lane_arg = tl.where(better, offs, lane_arg)
+        m_new = tl.maximum(m, tl.max(x, 0))
+        ref = tl.where(m_new == NEG_INF, 0.0, m_new)  # keeps exp's argument a number on -inf rows
+        z = z * tl.exp((m - ref) * inv_t) + tl.sum(tl.exp((x - ref) * inv_t), 0)
+        m = m_new
+    return lanes, m, z, tl.min(tl.where(lanes == m, lane_arg, INT_MAX), 0)
+
+
+@triton.jit
+def _kth_largest(lanes, k):
+    """The k-th largest value of the register tensor `lanes` (k <= its size): _bisect's search."""
+    lo = _key(tl.min(lanes, 0)).to(tl.int64)
+    hi = _key(tl.max(lanes, 0)).to(tl.int64) + 1
+    cnt_lo = tl.sum((lanes >= _unkey(lo)).to(tl.int32), 0)
+    cnt_hi = cnt_lo * 0
+    while (hi - lo > 1) & (cnt_lo - cnt_hi > 1) & (cnt_lo != k):
+        above = lanes >= _unkey(lo + (hi - lo) // 2)
+        cnt = tl.sum(above.to(tl.int32), 0)
+        up = _key(tl.min(tl.where(above, lanes, POS_INF), 0)).to(tl.int64)
+        down = _key(tl.max(tl.where(above, NEG_INF, lanes), 0)).to(tl.int64)
+        ok = cnt >= k
+        lo, cnt_lo = tl.where(ok, up, lo), tl.where(ok, cnt, cnt_lo)
+        hi, cnt_hi = tl.where(ok, hi, down + 1), tl.where(ok, cnt_hi, cnt)
+    return _unkey(lo)
+
+
+@triton.jit
+def _collect(row_ptr, V, low, vals_ptr, idx_ptr, CAP: tl.constexpr, BLOCK: tl.constexpr):
+    """Pass 2: append the elements >= low (value, token id) to the scratch; returns how many there are."""
+    n = 0
+    for start in range(0, V, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        x = _load_row(row_ptr, offs, V)
+        keep = (x >= low) & (offs < V)
+        count = tl.sum(keep.to(tl.int32), 0)
+        if count > 0:  # most tiles hold no candidate: skip the scan
+            pos = n + tl.cumsum(keep.to(tl.int32), 0) - 1
+            tl.store(vals_ptr + pos, x, mask=keep & (pos < CAP))
+            tl.store(idx_ptr + pos, offs, mask=keep & (pos < CAP))
+        n += count
+    return n
+
+
+@triton.jit
+def _above(src_ptr, n, pivot, m, inv_t, BLOCK: tl.constexpr):
+    """Over the first n values of src: count and mass sum exp((x - m) * inv_t) of those >= pivot,
+    the smallest value >= pivot and the largest value < pivot (+-inf if none)."""
+    cnt = 0
+    mass = 0.0
+    up = POS_INF
+    down = NEG_INF
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        x = _load_row(src_ptr, offs, n)
+        keep = (x >= pivot) & (offs < n)
+        cnt += tl.sum(keep.to(tl.int32), 0)
+        mass += tl.sum(tl.where(keep, tl.exp((x - m) * inv_t), 0.0), 0)
+        up = tl.minimum(up, tl.min(tl.where(keep, x, POS_INF), 0))
+        down = tl.maximum(down, tl.max(tl.where(keep, NEG_INF, x), 0))
+    return cnt, mass, up, down
+
+
+@triton.jit
+def _bisect(src_ptr, n, lo, hi, cnt_lo, mass_lo, need_cnt, need_mass, m, inv_t, BLOCK: tl.constexpr):
+    """The largest key in [lo, hi) whose set {x >= key} holds >= need_cnt elements and >= need_mass.
+
+    Invariant: the set at lo qualifies (cnt_lo, mass_lo are its count and mass), the set at hi
+    (at first the key of the max + 1: empty) does not. Each round splits [lo, hi) at the middle key
+    and then snaps the moved bound onto the nearest element (lo up to the smallest value >= mid,
+    hi down to just above the largest value < mid: same sets), so the range at least halves and a
+    run of equal values ends the search at once. Stops when lo and hi are adjacent keys, when
+    [lo, hi) holds at most one element (the set at lo is then the answer's set), or when the set at
+    lo has exactly need_cnt elements. Returns (lo, cnt_lo, mass_lo).
+    """
+    cnt_hi = cnt_lo * 0
+    while (hi - lo > 1) & (cnt_lo - cnt_hi > 1) & (cnt_lo != need_cnt):
+        cnt, mass, up, down = _above(src_ptr, n, _unkey(lo + (hi - lo) // 2), m, inv_t, BLOCK)
+        ok = (cnt >= need_cnt) & (mass >= need_mass)
+        lo, cnt_lo = tl.where(ok, _key(up).to(tl.int64), lo), tl.where(ok, cnt, cnt_lo)
+        mass_lo = tl.where(ok, mass, mass_lo)
+        hi, cnt_hi = tl.where(ok, hi, _key(down).to(tl.int64) + 1), tl.where(ok, cnt_hi, cnt)
+    return lo, cnt_lo, mass_lo
+
+
+@triton.jit
+def _threshold(src_ptr, n, low, m, z, inv_t, k, k_on, p, p_on, tau_min_p, BLOCK: tl.constexpr):
+    """The logit threshold T of the row, searched over the n values of src (all those >= low)."""
+    cnt, mass, up, _ = _above(src_ptr, n, low, m, inv_t, BLOCK)
+    lo = _key(up).to(tl.int64)  # the smallest element >= low: same set
+    hi = _key(m).to(tl.int64) + 1
+    # With top-p on, low is the top-k bound, so cnt >= k; without, fewer means T = low = tau_min_p.
+    if k_on & (cnt >= k):
+        lo, cnt, mass = _bisect(src_ptr, n, lo, hi, cnt, mass, k, -1.0, m, inv_t, BLOCK)
+    if p_on:
+        # mass is now the top-k set's mass; without top-k, the whole row's (z) is the reference.
+        need = p * tl.where(k_on, mass, z)
+        if mass >= need:  # else top-p's threshold is below low = tau_min_p: min-p decides
+            lo, cnt, mass = _bisect(src_ptr, n, lo, hi, cnt, mass, 0, need, m, inv_t, BLOCK)
+    return tl.maximum(_unkey(lo), tau_min_p)
+
+
+@triton.jit
+def _race_candidates(vals_ptr, idx_ptr, n, thr, m, inv_t, seed, BLOCK: tl.constexpr):
+    """Gumbel-max over the scratch candidates with value >= thr; returns the winning token id."""
+    best = NEG_INF
+    token = 0
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        valid = offs < n
+        x = tl.load(vals_ptr + offs, mask=valid, other=NEG_INF)
+        ids = tl.load(idx_ptr + offs, mask=valid, other=0)
+        score = tl.where(valid & (x >= thr), (x - m) * inv_t + _gumbel(seed, ids >> 2, ids & 3), NEG_INF)
+        block_best = tl.max(score, 0)
+        block_token = tl.min(tl.where(score == block_best, ids, INT_MAX), 0)
+        token = tl.where(block_best > best, block_token, token)
+        best = tl.maximum(best, block_best)
+    return token
+
+
+@triton.jit
+def _race_row(row_ptr, V, thr, inv_t, seed, BLOCK: tl.constexpr):
+    """Gumbel-max over the row's elements >= thr, in [BLOCK // 4, 4] tiles (one Philox call per 4 tokens).
+
+    The running winner's score is kept relative to its own tile max `ref`, so no global max is needed
+    and scores stay small numbers; a tile whose max plus the largest noise cannot beat it is skipped.
+    """
+    quad = tl.arange(0, BLOCK // 4)[:, None]
+    lane = tl.arange(0, 4)[None, :]
+    ref = 0.0  # any finite value before the first winner: best = -inf accepts any finite tile
+    best = NEG_INF
+    token = 0
+    for start in range(0, V, BLOCK):
+        offs = start + quad * 4 + lane
+        x = _load_row(row_ptr, offs, V)
+        x = tl.where(x >= thr, x, NEG_INF)
+        tile_max = tl.max(tl.max(x, 1), 0)
+        if (tile_max - ref) * inv_t + G_MAX > best:
+            score = (x - tile_max) * inv_t + _gumbel(seed, start // 4 + quad, lane)
+            tile_best = tl.max(tl.max(score, 1), 0)
+            tile_token = tl.min(tl.min(tl.where(score == tile_best, offs, INT_MAX), 1), 0)
+            wins = (tile_max - ref) * inv_t + tile_best > best
+            token = tl.where(wins, tile_token, token)
+            best = tl.where(wins, tile_best, best)
+            ref = tl.where(wins, tile_max, ref)
+    return token
+
+
+@triton.jit
+def _sample_kernel(
+    logits_ptr, stride, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seeds_ptr,
+    out_ptr, thr_ptr, vals_ptr, idx_ptr, V,
+    CAP: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride
+    t = tl.load(temperature_ptr + row).to(tl.float32)
+    k = tl.load(top_k_ptr + row).to(tl.int64)
+    p = tl.maximum(tl.load(top_p_ptr + row).to(tl.float32), 0.0)
+    min_p = tl.minimum(tl.load(min_p_ptr + row).to(tl.float32), 1.0)
+    seed = tl.load(seeds_ptr + row)
+    sampled = t > 0
+    inv_t = 1.0 / tl.where(sampled, t, 1.0)
+    k_on = (k > 0) & (k < V)
+    p_on = p < 1.0
+    min_p_on = min_p > 0.0
+    thr = NEG_INF
+    if sampled & ~(k_on | p_on | min_p_on):
+        token = _race_row(row_ptr, V, thr, inv_t, seed, BLOCK)
+    else:
+        lanes, m, z, token = _row_stats(row_ptr, V, inv_t, BLOCK)
+        thr = m
+        if sampled & (m > NEG_INF):
+            tau_min_p = tl.where(min_p_on, m + t * tl.log(tl.where(min_p_on, min_p, 1.0)), NEG_INF)
+            mass_bound = tl.where(p_on & ~k_on, (1.0 - p) * z / V, 0.0)
+            low = tl.where(mass_bound > 0, m + t * tl.log(tl.where(mass_bound > 0, mass_bound, 1.0)), NEG_INF)
+            if k_on & (k <= BLOCK) & (V > CAP):  # a row that fits the scratch needs no bound
+                low = _kth_largest(lanes, k)
+            # Top-p measures mass inside the top-k set, so with both on only the top-k bound is safe.
+            # The max always stays a candidate (z may round above V).
+            low = tl.minimum(tl.where(k_on & p_on, low, tl.maximum(low, tau_min_p)), m)
+            row_vals = vals_ptr + row.to(tl.int64) * CAP
+            row_idx = idx_ptr + row.to(tl.int64) * CAP
+            n = _collect(row_ptr, V, low, row_vals, row_idx, CAP, BLOCK)
+            tl.debug_barrier()  # the scratch written by some threads is read by others
+            if n <= CAP:
+                thr = _threshold(row_vals, n, low, m, z, inv_t, k, k_on, p, p_on, tau_min_p, BLOCK)
+                token = _race_candidates(row_vals, row_idx, n, thr, m, inv_t, seed, BLOCK)
+            else:
+                thr = _threshold(row_ptr, V, low, m, z, inv_t, k, k_on, p, p_on, tau_min_p, BLOCK)
+                token = _race_row(row_ptr, V, thr, inv_t, seed, BLOCK)
+    tl.store(out_ptr + row, token.to(tl.int64))
+    tl.store(thr_ptr + row, thr)
+
+
+def _sample_space(dtype, batch, vocab):
+    return [
+        {"BLOCK": block, "CAP": min(4096, vocab), "num_warps": warps}
+        for block in (1024, 2048, 4096, 8192)
+        for warps in (4, 8, 16)
+        if block <= max(vocab, 1024)
+    ]
+
+
+def _sample_default(dtype, batch, vocab):
+    # Many rows: 2048-wide tiles keep ~100 registers a thread, two programs an SM. Few rows leave
+    # SMs idle anyway: wider tiles and more warps put more loads in flight for each row.
+    block = min(2048 if batch > 32 else 4096, max(vocab, 128))
+    return {"BLOCK": block, "CAP": min(4096, vocab), "num_warps": 16 if block >= 4096 else 8}
+
+
+_TUNING = Tunable("sample", _sample_space, _sample_default)
+
+
+def sample_with_threshold(logits, temperature, top_k, top_p, min_p, seeds=None, config=None):
+    """sample(), also returning each row's logit threshold T as float32 [B].
+
+    A sampled row draws from {v : logits[b, v].float() >= T[b]} (NaN as -inf); T is -inf for rows
+    without filters and the row max for greedy rows. `config` overrides the tuned/default config.
+    """
+    batch, vocab = logits.shape
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    if seeds is None:
+        seeds = torch.randint(0, 2**62, (batch,), dtype=torch.int64, device=logits.device)
+    out = torch.empty(batch, dtype=torch.int64, device=logits.device)
+    thr = torch.empty(batch, dtype=torch.float32, device=logits.device)
+    if batch == 0:
+        return out, thr
+
+    def launch(config):
+        vals = torch.empty(batch, config["CAP"], dtype=torch.float32, device=logits.device)
+        idx = torch.empty(batch, config["CAP"], dtype=torch.int32, device=logits.device)
+        _sample_kernel[(batch,)](
+            logits, logits.stride(0), temperature, top_k, top_p, min_p, seeds, out, thr, vals, idx, vocab,
+            **config,
+        )
+
+    launch(config or _TUNING.config((dtype_name(logits.dtype), pow2(batch), pow2(vocab)), launch))
+    return out, thr
+
+
+def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+           min_p: torch.Tensor, seeds: torch.Tensor | None = None) -> torch.Tensor:
+    """Draw one token per row from softmax(logits / t) under top-k, then top-p, then min-p.
+
+    logits [B, V] float32/float16/bfloat16 (computed in float32); temperature [B] float (<= 0:
+    greedy argmax, lowest index on ties); top_k [B] int (0 or >= V: off); top_p [B] float (1: off);
+    min_p [B] float (0: off); seeds [B] int64, or None to draw them with torch.randint on the
+    device. Same seeds, same tokens. Returns int64 ids [B]; nothing is modified in place.
+    Semantics are kernels.reference.sampling_probs'; NaN logits count as -inf, an all -inf row
+    returns 0. No host sync; the grid is B programs, so it can be captured in a CUDA graph.
+    """
+    return sample_with_threshold(logits, temperature, top_k, top_p, min_p, seeds)[0]
+
+
+@triton.jit
+def _logprobs_kernel(logits_ptr, stride, token_ptr, out_ptr, V, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride
+    m = NEG_INF
+    z = 0.0
+    for start in range(0, V, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        x = tl.load(row_ptr + offs, mask=offs < V, other=NEG_INF).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, 0))
+        ref = tl.where(m_new == NEG_INF, 0.0, m_new)
+        z = z * tl.exp(m - ref) + tl.sum(tl.exp(x - ref), 0)
+        m = m_new
+    x_token = tl.load(row_ptr + tl.load(token_ptr + row)).to(tl.float32)
+    tl.store(out_ptr + row, x_token - m - tl.log(z))
+
+
+def _logprobs_space(dtype, vocab):
+    return [{"BLOCK": block, "num_warps": warps} for block in (1024, 2048, 4096, 8192) for warps in (4, 8, 16)
+            if block <= max(vocab, 1024)]
+
+
+def _logprobs_default(dtype, vocab):
+    return {"BLOCK": min(4096, max(vocab, 128)), "num_warps": 8}
+
+
+_LOGPROBS_TUNING = Tunable("compute_logprobs", _logprobs_space, _logprobs_default)
+
+
+def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """log_softmax(logits.float())[b, token_ids[b]]: logits [B, V] float32/float16/bfloat16, token_ids [B]
+    int32/int64 (in [0, V)). Returns float32 [B] (one online max/sum-exp pass a row); nothing in place."""
+    batch, vocab = logits.shape
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    out = torch.empty(batch, dtype=torch.float32, device=logits.device)
+    if batch == 0:
+        return out
+
+    def launch(config):
+        _logprobs_kernel[(batch,)](logits, logits.stride(0), token_ids, out, vocab, **config)
+
+    launch(_LOGPROBS_TUNING.config((dtype_name(logits.dtype), pow2(vocab)), launch))
+    return out

@@ -1,0 +1,295 @@
+"""prefill_attention and decode_attention against the float64 reference, on a NaN-poisoned paged cache.
+
+Every cache row that no sequence owns is NaN (unused blocks, the tail of each sequence's last
+block) and the block-table entries past each sequence point at NaN blocks; outputs are NaN-poisoned
+buffers. A kernel that reads a key it must not, or skips a row, produces NaN and fails.
+"""
+import importlib
+
+import pytest
+import torch
+from kernel_utils import DEVICE, DTYPES, assert_close, poisoned, randn, rel_err
+
+from tritonllm.kernels import decode_attention, prefill_attention, reference
+
+# The package exports the function under the module's name: fetch the module itself.
+decode_module = importlib.import_module("tritonllm.kernels.decode_attention")
+
+# Triton 3.6's interpreter converts loop bounds through a NumPy path that NumPy 2.x deprecates.
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+
+# Attention sums hundreds of products per output and, natively, rounds the probabilities to
+# fp16/bf16 before the PV product (plus the output rounding, which the interpreter truncates for
+# bf16): allow twice the elementwise tolerance (float32 2e-5, fp16 4e-3, bf16 2e-2).
+ATTN = 2.0
+
+
+def cdiv(a, b):
+    return (a + b - 1) // b
+
+
+def paged_kv(seq_lens, num_kv_heads, head_dim, block_size, dtype, spare_blocks=3, pad_columns=2):
+    """K/V caches holding random keys of each sequence in shuffled blocks, NaN everywhere else.
+
+    Returns k_cache, v_cache, block_tables [B, max_blocks + pad_columns] int32 whose entries past
+    each sequence point at unused (NaN) blocks.
+    """
+    blocks = [cdiv(n, block_size) for n in seq_lens]
+    total = sum(blocks) + spare_blocks
+    order = torch.randperm(total, device=DEVICE)
+    unused = order[sum(blocks):]
+    shape = (total, block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = poisoned(*shape, dtype=dtype), poisoned(*shape, dtype=dtype)
+    tables = unused[torch.randint(len(unused), (len(seq_lens), max(blocks) + pad_columns), device=DEVICE)]
+    first = 0
+    for b, (length, count) in enumerate(zip(seq_lens, blocks)):
+        own = order[first:first + count]
+        first += count
+        tables[b, :count] = own
+        slots = (own[:, None] * block_size + torch.arange(block_size, device=DEVICE)).flatten()[:length]
+        k_cache.view(-1, num_kv_heads, head_dim)[slots] = randn(length, num_kv_heads, head_dim, dtype=dtype)
+        v_cache.view(-1, num_kv_heads, head_dim)[slots] = randn(length, num_kv_heads, head_dim, dtype=dtype)
+    return k_cache, v_cache, tables.to(torch.int32)
+
+
+def prefill_inputs(context_lens, q_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype):
+    """q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables for sequences of cached + new tokens."""
+    seq_lens = [c + n for c, n in zip(context_lens, q_lens)]
+    k_cache, v_cache, tables = paged_kv(seq_lens, num_kv_heads, head_dim, block_size, dtype)
+    cu = torch.tensor([0] + q_lens, device=DEVICE).cumsum(0).to(torch.int32)
+    # Scaled queries make the softmax peaked enough that a misplaced key shows.
+    q = randn(sum(q_lens), num_q_heads, head_dim, dtype=dtype, scale=2.0)
+    return q, k_cache, v_cache, cu, torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), tables
+
+
+def run_prefill(q, k_cache, v_cache, cu, seq_lens, tables, **kwargs):
+    out = prefill_attention(q, k_cache, v_cache, cu, seq_lens, tables, out=poisoned(*q.shape, dtype=q.dtype), **kwargs)
+    ref = reference.prefill_attention(q.double(), k_cache.double(), v_cache.double(), cu, seq_lens, tables,
+                                      kwargs.get("scale"))
+    return out, ref
+
+
+def run_decode(q, k_cache, v_cache, seq_lens, tables, **kwargs):
+    out = decode_attention(q, k_cache, v_cache, seq_lens, tables, out=poisoned(*q.shape, dtype=q.dtype), **kwargs)
+    ref = reference.decode_attention(q.double(), k_cache.double(), v_cache.double(), seq_lens, tables,
+                                     kwargs.get("scale"))
+    return out, ref
+
+
+def decode_config(num_splits, split_min, block_n):
+    return {"BLOCK_N": block_n, "NUM_SPLITS": num_splits, "SPLIT_MIN": split_min, "num_warps": 4, "num_stages": 2}
+
+
+# (head_dim, Hq, Hkv, block_size, q_lens): GQA 1, 2, 4, 8 and 3; lengths 1, block_size +- 1,
+# not multiples of the tile.
+PREFILL_CASES = [
+    (64, 4, 4, 16, [1, 15, 16, 17, 70]),
+    (128, 4, 2, 32, [31, 32, 33, 100]),
+    (64, 8, 2, 64, [1, 65, 130]),
+    (128, 8, 1, 128, [127, 129]),
+    (64, 6, 2, 256, [1, 255, 257]),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim, num_q_heads, num_kv_heads, block_size, q_lens", PREFILL_CASES)
+def test_prefill_matches_reference(head_dim, num_q_heads, num_kv_heads, block_size, q_lens, dtype):
+    inputs = prefill_inputs([0] * len(q_lens), q_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype)
+    k_before = inputs[1].clone()
+    out, ref = run_prefill(*inputs)
+    assert_close(out, ref, dtype, ATTN)
+    assert torch.equal(inputs[1].nan_to_num(7.0), k_before.nan_to_num(7.0))  # the cache is only read
+
+
+# Prefix-cache hits: (cached, new) pairs around block boundaries, including one new token.
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim, num_q_heads, num_kv_heads, block_size", [(128, 4, 2, 16), (64, 8, 2, 64)])
+def test_prefill_prefix_hits(head_dim, num_q_heads, num_kv_heads, block_size, dtype):
+    pairs = [(1, 1), (block_size - 1, 2), (block_size, 30), (37, 64), (2 * block_size + 1, 3), (200, 1)]
+    context_lens, q_lens = [c for c, _ in pairs], [n for _, n in pairs]
+    inputs = prefill_inputs(context_lens, q_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype)
+    out, ref = run_prefill(*inputs)
+    assert_close(out, ref, dtype, ATTN)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_chunked_prefill_equals_one_shot(dtype):
+    head_dim, num_q_heads, num_kv_heads, block_size = 128, 4, 2, 32
+    # Two sequences, chunked differently; a step holds the sequences that have a chunk in it.
+    chunks = [[50, 1, 64, 35], [20, 57, 0, 1]]
+    total = [sum(c) for c in chunks]
+    q, k_cache, v_cache, cu, seq_lens, tables = prefill_inputs([0, 0], total, num_q_heads, num_kv_heads,
+                                                               head_dim, block_size, dtype)
+    one_shot = prefill_attention(q, k_cache, v_cache, cu, seq_lens, tables)
+    chunked = poisoned(*q.shape, dtype=dtype)
+    done = [0, 0]
+    for step in range(4):
+        rows, q_lens, lens, seqs = [], [], [], []
+        for b in range(2):
+            n = chunks[b][step]
+            if n:
+                rows.append(torch.arange(cu[b] + done[b], cu[b] + done[b] + n, device=DEVICE))
+                done[b] += n
+                q_lens.append(n)
+                lens.append(done[b])
+                seqs.append(b)
+        rows = torch.cat(rows)
+        step_cu = torch.tensor([0] + q_lens, device=DEVICE).cumsum(0).to(torch.int32)
+        step_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+        chunked[rows] = prefill_attention(q[rows], k_cache, v_cache, step_cu, step_lens, tables[seqs])
+    ref = reference.prefill_attention(q.double(), k_cache.double(), v_cache.double(), cu, seq_lens, tables)
+    assert_close(one_shot, ref, dtype, ATTN)
+    assert_close(chunked, ref, dtype, ATTN)
+    assert_close(chunked, one_shot.double(), dtype, ATTN)
+
+
+# Tilings the default config does not reach: a tile over several blocks (per-key lookup), several
+# tiles per block, several query tiles per sequence, BLOCK_Q > BLOCK_N and the reverse, idle rows
+# when BLOCK_M is not a multiple of the group (GQA 3). With 33 cached keys, in every config some
+# full query tile's last row sees exactly one key of a new key tile.
+@pytest.mark.parametrize("num_q_heads, num_kv_heads, block_size, config", [
+    (2, 2, 16, {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1}),
+    (2, 2, 64, {"BLOCK_M": 64, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}),
+    (8, 2, 32, {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}),
+    (6, 2, 16, {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}),
+    (8, 1, 256, {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}),
+], ids=["multi-block-tile", "tile-in-block", "gqa4-bq4", "gqa3-idle-rows", "gqa8-bq16"])
+def test_prefill_tilings(num_q_heads, num_kv_heads, block_size, config):
+    inputs = prefill_inputs([0, 33, 3], [70, 100, 1], num_q_heads, num_kv_heads, 64, block_size, torch.float32)
+    out, ref = run_prefill(*inputs, config=config)
+    assert_close(out, ref, torch.float32, ATTN)
+
+
+def test_prefill_scale_hint_and_out_buffer():
+    q, k_cache, v_cache, cu, seq_lens, tables = prefill_inputs([5, 0], [20, 9], 4, 2, 64, 16, torch.float16)
+    buffer = poisoned(*q.shape, dtype=q.dtype)
+    # A generous max_q_len only launches query tiles that exit at once.
+    out = prefill_attention(q, k_cache, v_cache, cu, seq_lens, tables, scale=0.3, max_q_len=100, out=buffer)
+    assert out is buffer
+    ref = reference.prefill_attention(q.double(), k_cache.double(), v_cache.double(), cu, seq_lens, tables, 0.3)
+    assert_close(out, ref, torch.float16, ATTN)
+    assert rel_err(out, reference.prefill_attention(q.double(), k_cache.double(), v_cache.double(), cu,
+                                                    seq_lens, tables)) > 0.05  # the scale mattered
+
+
+# (head_dim, Hq, Hkv, block_size, seq_lens)
+DECODE_CASES = [
+    (64, 4, 4, 16, [1, 15, 16, 17, 300]),
+    (128, 4, 2, 32, [31, 33, 100]),
+    (64, 8, 2, 64, [1, 64, 65, 200]),
+    (128, 8, 1, 128, [129, 3]),
+    (64, 6, 2, 256, [255, 257, 1]),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim, num_q_heads, num_kv_heads, block_size, seq_lens", DECODE_CASES)
+def test_decode_matches_reference(head_dim, num_q_heads, num_kv_heads, block_size, seq_lens, dtype):
+    k_cache, v_cache, tables = paged_kv(seq_lens, num_kv_heads, head_dim, block_size, dtype)
+    q = randn(len(seq_lens), num_q_heads, head_dim, dtype=dtype, scale=2.0)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    out, ref = run_decode(q, k_cache, v_cache, lens, tables)
+    assert_close(out, ref, dtype, ATTN)
+
+
+# Split-KV: one split (o written directly), a few, many more than a sequence can use (unused splits
+# exit and the merge skips them), tiles over several blocks (BLOCK_N 64 > block_size 16).
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_splits, split_min, block_n",
+                         [(1, 256, 16), (3, 16, 16), (8, 32, 32), (64, 16, 16), (5, 16, 64)])
+def test_decode_splits(num_splits, split_min, block_n, dtype):
+    seq_lens = [1, 17, 100, 300, 64]
+    k_cache, v_cache, tables = paged_kv(seq_lens, 2, 64, 16, dtype)
+    q = randn(len(seq_lens), 4, 64, dtype=dtype, scale=2.0)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    out, ref = run_decode(q, k_cache, v_cache, lens, tables, config=decode_config(num_splits, split_min, block_n))
+    assert_close(out, ref, dtype, ATTN)
+
+
+def test_decode_default_splits_on_a_large_gpu(monkeypatch):
+    # The default rule as on an H200 (132 SMs): many splits, most of them unused at these lengths.
+    monkeypatch.setattr(decode_module, "num_sms", lambda: 132)
+    seq_lens = [700, 5, 260]
+    k_cache, v_cache, tables = paged_kv(seq_lens, 2, 64, 32, torch.bfloat16)
+    q = randn(3, 4, 64, dtype=torch.bfloat16, scale=2.0)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    assert decode_module._decode_default("bfloat16", 64, 2, 2, 32, 4, 4096)["NUM_SPLITS"] == 16
+    out, ref = run_decode(q, k_cache, v_cache, lens, tables, max_seq_len=4096)
+    assert_close(out, ref, torch.bfloat16, ATTN)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("config", [None, decode_config(6, 16, 16)], ids=["default", "6-splits"])
+def test_decode_after_prefill_equals_last_prefill_row(dtype, config):
+    q_lens = [1, 33, 90]
+    q, k_cache, v_cache, cu, seq_lens, tables = prefill_inputs([0, 0, 0], q_lens, 8, 2, 128, 32, dtype)
+    prefill_out = prefill_attention(q, k_cache, v_cache, cu, seq_lens, tables)
+    last = cu[1:].long() - 1
+    decode_out, ref = run_decode(q[last].contiguous(), k_cache, v_cache, seq_lens, tables, config=config)
+    assert_close(decode_out, ref, dtype, ATTN)
+    assert_close(decode_out, prefill_out[last].double(), dtype, ATTN)
+
+
+@pytest.mark.parametrize("config", [decode_config(1, 256, 16), decode_config(4, 16, 16)], ids=["1-split", "4-splits"])
+def test_decode_zero_length_rows_give_zeros(config):
+    # A CUDA-graph batch padded with seq_len 0 rows: zeros there, nothing read through their table.
+    seq_lens = [40, 0, 7]
+    k_cache, v_cache, tables = paged_kv(seq_lens, 2, 64, 16, torch.float32)
+    q = randn(3, 4, 64, scale=2.0)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    out = decode_attention(q, k_cache, v_cache, lens, tables, out=poisoned(*q.shape, dtype=q.dtype), config=config)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    keep = torch.tensor([0, 2], device=DEVICE)
+    ref = reference.decode_attention(q[keep].double(), k_cache.double(), v_cache.double(), lens[keep], tables[keep])
+    assert_close(out[keep], ref, torch.float32, ATTN)
+
+
+def test_decode_launch_is_graph_capturable(monkeypatch):
+    """No host sync in the wrapper, and the grid and scratch shapes depend on shapes only."""
+    launches = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                shapes = [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]
+                launches.append((self.name, grid, shapes, kwargs.get("NUM_SPLITS")))
+            return launch
+
+    monkeypatch.setattr(decode_module, "num_sms", lambda: 132)
+    monkeypatch.setattr(decode_module, "_decode_attention_kernel", Recorder("attention"))
+    monkeypatch.setattr(decode_module, "_merge_splits_kernel", Recorder("merge"))
+    k_cache, v_cache, tables = paged_kv([300, 5], 2, 64, 16, torch.bfloat16, pad_columns=30)
+    q = randn(2, 4, 64, dtype=torch.bfloat16)
+
+    def host_sync(*args, **kwargs):
+        raise AssertionError("decode_attention synchronized with the host")
+
+    for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, host_sync)
+    for lens in ([300, 5], [1, 2]):
+        decode_attention(q, k_cache, v_cache, torch.tensor(lens, dtype=torch.int32, device=DEVICE), tables)
+    monkeypatch.undo()
+    assert len(launches) == 4 and launches[0] == launches[2] and launches[1] == launches[3], launches
+    assert launches[0][0] == "attention" and launches[1][0] == "merge" and launches[0][3] > 1, launches
+
+
+def test_attention_rejects_bad_inputs():
+    q, k_cache, v_cache, cu, seq_lens, tables = prefill_inputs([0, 3], [4, 5], 4, 2, 64, 16, torch.float32)
+    with pytest.raises(ValueError, match="multiple of k_cache heads"):
+        prefill_attention(q[:, :3], k_cache, v_cache, cu, seq_lens, tables)
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        prefill_attention(q, k_cache, v_cache, cu[:-1], seq_lens, tables)
+    with pytest.raises(ValueError, match="block_tables"):
+        prefill_attention(q, k_cache, v_cache, cu, seq_lens, tables[:1])
+    with pytest.raises(ValueError, match="dtype"):
+        prefill_attention(q.half(), k_cache, v_cache, cu, seq_lens, tables)
+    with pytest.raises(ValueError, match="block_size"):
+        odd = k_cache[:, :12]
+        prefill_attention(q, odd, odd, cu, seq_lens, tables)
+    with pytest.raises(ValueError, match="v_cache"):
+        decode_attention(q[:2], k_cache, v_cache[:, :, :1], seq_lens, tables)
+    with pytest.raises(ValueError, match="seq_lens"):
+        decode_attention(q[:3], k_cache, v_cache, seq_lens, tables)
