@@ -69,7 +69,7 @@ def run_case(case) -> Result:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="one shape per kernel")
-    parser.add_argument("--only", nargs="+", metavar="NAME", help="kernels to run (by name)")
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="kernels to run (by name), in this order")
     parser.add_argument("--configs", type=Path, help="tuned-config JSON to write (default: the shipped file)")
     parser.add_argument("--report", type=Path, help="also write the summary table (markdown) here")
     args = parser.parse_args()
@@ -77,7 +77,9 @@ def main():
         sys.exit("bench/kernels.py needs a CUDA GPU (the interpreter cannot time kernels)")
     tuning.start_tuning()
     torch.manual_seed(0)
-    cases = [c for c in all_cases(args.quick) if not args.only or c.kernel in args.only]
+    cases = all_cases(args.quick)
+    if args.only:  # in the order given
+        cases = [case for name in args.only for case in cases if case.kernel == name]
     results = [run_case(case) for case in cases]
     path = tuning.save(args.configs)
     print(f"\ntuned configs written to {path}")
