@@ -126,6 +126,7 @@ class ModelRunner:
             "need_logits": need_logits, "logit_rows": last_rows[torch.tensor(need_logits)],
         }
 
+    @torch.inference_mode()
     def execute(self, inputs: dict) -> torch.Tensor | None:
         """Forward one step on this rank; logits [N, V] of the rows that sample (rank 0), else None."""
         to = lambda t: None if t is None else t.to(self.device, non_blocking=True)  # noqa: E731
