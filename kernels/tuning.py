@@ -96,11 +96,13 @@ class Tunable:
         self.space = space
         self.default = default
         self.results: dict[str, list[tuple[dict, float]]] = {}  # bucket key -> timings of the last tune
+        self.last_key: str | None = None  # the bucket of the latest call, for reports
         REGISTRY[name] = self
 
     def config(self, bucket: tuple, launch=None, restore=()) -> dict:
         """The config for `bucket`: tuned if known; tuned now on `launch` if TRITONLLM_AUTOTUNE=1."""
-        tuned = tuned_table().get(self.name, {}).get(bucket_key(bucket))
+        self.last_key = bucket_key(bucket)
+        tuned = tuned_table().get(self.name, {}).get(self.last_key)
         if tuned is not None:
             return tuned
         if launch is not None and autotune_enabled():
