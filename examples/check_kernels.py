@@ -45,6 +45,17 @@ def main():
         fn(k, v, k_cache, v_cache, slots)
         return torch.cat([k_cache, v_cache])
 
+    lengths = [tokens // 2, tokens - tokens // 2]  # two sequences share the step's tokens
+    blocks_per_seq = -(-max(lengths) // block_size)
+    block_tables = torch.randperm(2 * blocks_per_seq, device=device).view(2, blocks_per_seq).to(torch.int32)
+    k_cache = randn(2 * blocks_per_seq, block_size, kv_heads, head_dim)
+    v_cache = randn(2 * blocks_per_seq, block_size, kv_heads, head_dim)
+    seq_lens = torch.tensor(lengths, device=device, dtype=torch.int32)
+    cu_seqlens_q = torch.tensor([0, lengths[0], tokens], device=device, dtype=torch.int32)
+    logits = randn(8, 1000, dtype=torch.float32) * 3
+    sampling = (torch.zeros(8, device=device), torch.zeros(8, dtype=torch.int32, device=device),
+                torch.ones(8, device=device), torch.zeros(8, device=device))
+
     checks = {
         "rms_norm": (lambda f: f(x, weight, 1e-6), kernels.rms_norm, reference.rms_norm),
         "fused_add_rms_norm": (lambda f: torch.cat(f(x.clone(), residual.clone(), weight, 1e-6)),
@@ -53,6 +64,13 @@ def main():
                              kernels.rotary_embedding, reference.rotary_embedding),
         "silu_and_mul": (lambda f: f(gate_up), kernels.silu_and_mul, reference.silu_and_mul),
         "store_kv_cache": (store, kernels.store_kv_cache, reference.store_kv_cache),
+        "prefill_attention": (lambda f: f(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables),
+                              kernels.prefill_attention, reference.prefill_attention),
+        "decode_attention": (lambda f: f(q[:2], k_cache, v_cache, seq_lens, block_tables),
+                             kernels.decode_attention, reference.decode_attention),
+        # Greedy rows: the ids must be equal (+1 keeps the norm of the reference ids non-zero).
+        "sample (greedy)": (lambda f: f(logits, *sampling).float() + 1, kernels.sample, reference.sample),
+        "compute_logprobs": (lambda f: f(logits, logits.argmax(-1)), kernels.compute_logprobs, reference.compute_logprobs),
     }
     print(f"device {device}{' (Triton interpreter)' if device == 'cpu' else ''}, {tokens} tokens, bfloat16")
     print(f"{'kernel':22} {'rel. error':>11} {'first call':>11}")
