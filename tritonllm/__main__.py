@@ -1,0 +1,3 @@
+from tritonllm.cli import main
+
+main()

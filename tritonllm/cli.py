@@ -1,0 +1,143 @@
+"""The `tritonllm` command: generate, chat, bench."""
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BUNDLED = Path(__file__).parent / "bundled"
+REPO = Path(__file__).parents[1]
+
+
+def engine_options(args) -> dict:
+    options = {"tensor_parallel_size": args.tp, "seed": args.seed, "kernels": args.kernels}
+    for name in ("device", "dtype", "max_model_len"):
+        if getattr(args, name) is not None:
+            options[name] = getattr(args, name)
+    if not Path(args.model).is_dir():
+        options["load_format"] = "dummy"  # a preset name: random weights of that shape
+    return options
+
+
+def sampling(args, **overrides):
+    from tritonllm import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                          max_tokens=args.max_tokens, **overrides)
+
+
+def run_task_set(llm, args) -> None:
+    """The bundled model's checked problems: prompts, answers, accuracy and tokens/s."""
+    from tritonllm.tiny_tasks import EVAL_SEED, problems
+
+    tasks = problems(args.num_problems, EVAL_SEED)
+    start = time.perf_counter()
+    outputs = llm.generate([prompt for prompt, _ in tasks], sampling(args), use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    correct = 0
+    for (prompt, answer), out in zip(tasks, outputs):
+        ok = out.text == answer
+        correct += ok
+        print(f"{'ok ' if ok else 'BAD'} {prompt}{out.text}" + ("" if ok else f"   (expected {answer})"))
+    tokens = sum(len(o.token_ids) for o in outputs)
+    print(f"\naccuracy {correct}/{len(tasks)} = {correct / len(tasks):.0%}; {tokens} tokens in {elapsed:.2f} s "
+          f"= {tokens / elapsed:.1f} tok/s on {llm.config.device}")
+
+
+def generate(args) -> None:
+    from tritonllm import LLM
+
+    llm = LLM(args.model, **engine_options(args))
+    if not args.prompt:
+        if Path(args.model).resolve() != BUNDLED.resolve():
+            raise ValueError("--prompt is required with a model other than the bundled one")
+        run_task_set(llm, args)
+        return
+    prompts = args.prompt if llm.tokenizer is not None else [[int(t) for t in p.split()] for p in args.prompt]
+    for prompt, out in zip(args.prompt, llm.generate(prompts, sampling(args), use_tqdm=False)):
+        print(f"{prompt}{out.text if out.text is not None else ' ' + ' '.join(map(str, out.token_ids))}")
+
+
+def chat(args) -> None:
+    from tritonllm import LLM
+
+    llm = LLM(args.model, **engine_options(args))
+    if llm.tokenizer is None:
+        raise ValueError(f"model {args.model!r} has no tokenizer to chat with")
+    history = []
+    print("type a message; an empty line or Ctrl-D ends the chat")
+    for line in sys.stdin:
+        if not line.strip():
+            break
+        history.append({"role": "user", "content": line.rstrip("\n")})
+        if getattr(llm.tokenizer, "chat_template", None):
+            text = llm.tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+            prompt = llm.tokenizer.encode(text, add_special_tokens=False)
+        else:
+            prompt = history[-1]["content"]
+        reply = ""
+        for event in llm.stream([prompt], sampling(args)):
+            print(event.text_delta, end="", flush=True)
+            reply += event.text_delta
+        print()
+        history.append({"role": "assistant", "content": reply})
+
+
+def bench(args) -> None:
+    script = REPO / "bench" / f"{args.what}.py"
+    if not script.exists():
+        raise ValueError(f"{script} not found: `tritonllm bench` runs from a source checkout")
+    sys.exit(subprocess.call([sys.executable, str(script), *args.rest]))
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="tritonllm", description="Qwen3 inference where every hot path is a Triton kernel.")
+    commands = top.add_subparsers(dest="command", required=True)
+
+    def add_model_options(p, max_tokens):
+        p.add_argument("--model", default=str(BUNDLED),
+                       help="checkpoint folder or preset (qwen3-0.6b ... qwen3-32b, random weights); default: the bundled tiny model")
+        p.add_argument("--max-tokens", type=int, default=max_tokens, help="tokens to generate per prompt")
+        p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+        p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+        p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off)")
+        p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p * p_max (0 = off)")
+        p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (GPUs)")
+        p.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda when available, else cpu (interpreter)")
+        p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="default: the checkpoint's")
+        p.add_argument("--max-model-len", type=int, help="longest prompt + completion (default: the model's)")
+        p.add_argument("--kernels", choices=["triton", "reference"], default="triton",
+                       help="Triton kernels, or their PyTorch references")
+        p.add_argument("--seed", type=int, default=0)
+
+    gen = commands.add_parser("generate", help="complete prompts (or run the bundled model's task set)",
+                              description="Print completions. Without --prompt, the bundled model solves its "
+                                          "checked problems and prints accuracy and tokens/s.")
+    gen.add_argument("--prompt", action="append", help="a prompt (repeatable); token ids separated by spaces for "
+                                                       "models without a tokenizer")
+    gen.add_argument("--num-problems", type=int, default=30, help="problems of the task set (default 30)")
+    add_model_options(gen, max_tokens=8)
+    gen.set_defaults(run=generate)
+
+    talk = commands.add_parser("chat", help="an interactive, streamed chat")
+    add_model_options(talk, max_tokens=64)
+    talk.set_defaults(run=chat)
+
+    perf = commands.add_parser("bench", help="run bench/kernels.py or bench/throughput.py (source checkout)")
+    perf.add_argument("what", choices=["kernels", "throughput"])
+    perf.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the bench script")
+    perf.set_defaults(run=bench)
+    return top
+
+
+def main(argv=None) -> None:
+    top = parser()
+    args = top.parse_args(argv)
+    try:
+        args.run(args)
+    except ValueError as error:
+        top.exit(2, f"tritonllm {args.command}: error: {error}\n")
+
+
+if __name__ == "__main__":
+    main()
