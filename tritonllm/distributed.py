@@ -4,6 +4,7 @@ Ranks are processes; the engine spawns ranks 1..N-1 itself or they come from tor
 RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR variables), so the same code runs on one node or many.
 """
 import os
+import socket
 
 import torch
 import torch.distributed as dist
@@ -15,6 +16,13 @@ def tp_rank() -> int:
 
 def tp_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface, for a process group's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def init_distributed(rank: int, world_size: int, device: str, init_method: str | None = None) -> torch.device:

@@ -2,7 +2,6 @@
 import atexit
 import os
 import random
-import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,6 +12,7 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer, GenerationConfig
 
 from tritonllm.config import EngineConfig
+from tritonllm.distributed import free_port
 from tritonllm.engine.block_manager import BlockManager
 from tritonllm.engine.model_runner import ModelRunner
 from tritonllm.engine.scheduler import Scheduler
@@ -44,12 +44,6 @@ class StreamOutput:
     output: GenerationOutput | None = field(default=None)  # set when finished
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(config: EngineConfig, hf_config, rank: int, init_method: str) -> None:
     ModelRunner(config, hf_config, rank, init_method).worker_loop()
 
@@ -75,7 +69,7 @@ class LLM:
         self._workers = []
         rank, init_method = int(os.environ.get("RANK", 0)), None
         if config.tensor_parallel_size > 1 and "RANK" not in os.environ:
-            init_method = f"tcp://127.0.0.1:{_free_port()}"
+            init_method = f"tcp://127.0.0.1:{free_port()}"
             context = mp.get_context("spawn")
             for worker_rank in range(1, config.tensor_parallel_size):
                 process = context.Process(target=_worker, args=(config, hf_config, worker_rank, init_method), daemon=True)
@@ -153,7 +147,7 @@ class LLM:
             raise RuntimeError("the scheduler found nothing to run: the KV cache is too small for the waiting requests")
         seeds = [self._seed(seq) for seq in seqs]
         token_ids, logprobs = self.runner.step(seqs, num_new, is_prefill, seeds)
-        sampled = [seq for seq, n in zip(seqs, num_new or [1] * len(seqs)) if seq.num_computed_tokens + n == len(seq)]
+        sampled = [seq for seq, n in zip(seqs, num_new or [1] * len(seqs)) if seq.reaches_end(n)]
         per_seq = dict(zip((s.seq_id for s in sampled), token_ids))
         for seq, lp in zip(sampled, logprobs or []):
             if seq.params.logprobs:

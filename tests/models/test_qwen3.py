@@ -1,13 +1,11 @@
 """Qwen3 through the kernels equals HF transformers' Qwen3ForCausalLM."""
-import socket
-
 import pytest
 import torch
 import torch.multiprocessing as mp
 from model_utils import allocate_kv_cache, run_step
 from transformers.models.qwen3 import Qwen3ForCausalLM as HFQwen3
 
-from tritonllm.distributed import init_distributed
+from tritonllm.distributed import free_port, init_distributed
 from tritonllm.loader import build_model, init_dummy_weights, load_config, load_weights
 from tritonllm.models.presets import PRESETS, preset_config
 
@@ -123,12 +121,6 @@ def test_dummy_weights_are_deterministic():
     init_dummy_weights(b, seed=3)
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
     assert float(a.model.layers[0].mlp.down_proj.weight.std()) == pytest.approx(0.02, rel=0.05)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tp_worker(rank, world_size, port, path, out_file):

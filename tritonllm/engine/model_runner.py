@@ -106,7 +106,7 @@ class ModelRunner:
             seq_index = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(num_new))
             cu_seqlens_q = torch.tensor([0] + num_new).cumsum(0).to(torch.int32)
             seq_lens = ends
-            need_logits = [e == len(seq) for seq, e in zip(seqs, ends)]
+            need_logits = [seq.reaches_end(n) for seq, n in zip(seqs, num_new)]
         else:
             token_ids = [seq.token_ids[-1] for seq in seqs]
             positions = torch.tensor([len(seq) - 1 for seq in seqs])

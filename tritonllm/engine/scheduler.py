@@ -82,9 +82,7 @@ class Scheduler:
             seq.token_ids.append(token)
             reason = self._finish_reason(seq, token)
             if reason:
-                seq.finish_reason, seq.status = reason, SequenceStatus.FINISHED
-                self.block_manager.deallocate(seq)
-                self.running.remove(seq)
+                self.finish(seq, reason)
                 finished.append(seq)
         return finished
 

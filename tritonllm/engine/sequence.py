@@ -44,5 +44,9 @@ class Sequence:
     def num_blocks(self) -> int:
         return -(-len(self.token_ids) // self.block_size)
 
+    def reaches_end(self, num_new: int) -> bool:
+        """Whether computing num_new more tokens reaches the last one, so a token is sampled."""
+        return self.num_computed_tokens + num_new == len(self.token_ids)
+
     def block_tokens(self, i: int) -> list[int]:
         return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
