@@ -1,6 +1,6 @@
 """Train the bundled tiny Qwen3 (tritonllm/bundled/) on the checked task set, from a fixed seed, on a CPU.
 
-    python examples/train_tiny_model.py [--steps 3000] [--out tritonllm/bundled]
+    python examples/train_tiny_model.py [--steps 2500] [--out tritonllm/bundled]
 
 A character-level tokenizer over tritonllm.tiny_tasks.ALPHABET, a 4-layer Qwen3 (hidden 128, GQA
 4/2 heads, head_dim 32), teacher forcing with the loss on the answer and its EOS only; HF greedy
@@ -67,7 +67,7 @@ def accuracy(model, tokenizer, eos, count=300) -> float:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--steps", type=int, default=2500)
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--out", type=Path, default=Path(__file__).parents[1] / "tritonllm" / "bundled")
     args = parser.parse_args()

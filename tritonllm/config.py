@@ -68,7 +68,9 @@ class EngineConfig:
         if self.max_model_len > positions:
             raise ValueError(f"max_model_len={self.max_model_len} is invalid: the model has {positions} positions")
         if self.dtype is None:
-            default = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.bfloat16
+            # transformers 5 names it dtype (reading torch_dtype warns); older versions torch_dtype.
+            default = hf_config.dtype if hasattr(hf_config, "dtype") else getattr(hf_config, "torch_dtype", None)
+            default = default or torch.bfloat16
             default = DTYPES[default] if isinstance(default, str) else default
             self.dtype = torch.float32 if self.device == "cpu" else default
         for name in ("num_attention_heads", "num_key_value_heads"):
