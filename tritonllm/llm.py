@@ -17,7 +17,7 @@ from tritonllm.engine.block_manager import BlockManager
 from tritonllm.engine.model_runner import ModelRunner
 from tritonllm.engine.scheduler import Scheduler
 from tritonllm.engine.sequence import Sequence
-from tritonllm.loader import load_config
+from tritonllm.loader import load_config, safetensors_files
 from tritonllm.sampling_params import SamplingParams
 
 
@@ -61,6 +61,8 @@ class LLM:
         self.hf_config = hf_config = load_config(config.model)
         if not Path(config.model).is_dir() and config.load_format != "dummy":
             raise ValueError(f"preset {config.model!r} has no weights: pass load_format='dummy'")
+        if config.load_format == "auto":
+            safetensors_files(Path(config.model))  # no weights: an error before anything is allocated
         config.resolve(hf_config)
         self.tokenizer = None
         if Path(config.model).is_dir() and any((Path(config.model) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):

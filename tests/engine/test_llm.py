@@ -131,6 +131,14 @@ def test_bad_options_are_errors(tiny_qwen3, options, match):
         LLM(str(tiny_qwen3), **{**SMALL, **options})
 
 
+def test_checkpoint_without_weights_fails_before_loading(tiny_qwen3, tmp_path):
+    (tmp_path / "config.json").write_text((tiny_qwen3 / "config.json").read_text())
+    with pytest.raises(ValueError, match="no .safetensors"):
+        LLM(str(tmp_path))
+    with pytest.raises(ValueError, match="load_format='dummy'"):
+        LLM("qwen3-0.6b")
+
+
 def test_unknown_option_and_bad_requests(tiny_qwen3):
     with pytest.raises(TypeError, match="max_num_sequences"):
         LLM(str(tiny_qwen3), **SMALL, max_num_sequences=4)
