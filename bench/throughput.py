@@ -28,8 +28,11 @@ def workload(num_seqs: int, max_input_len: int, max_output_len: int, max_token_i
 
 
 def run(args, kernels: str, prompts, params) -> dict:
+    # The references gather whole block tables in float32: captured at max_model_len for every batch
+    # size they would not fit beside the KV cache, so they run eagerly.
     llm = LLM(args.model, tensor_parallel_size=args.tp, max_model_len=args.max_model_len, kernels=kernels,
-              enforce_eager=args.enforce_eager, load_format="auto" if Path(args.model).is_dir() else "dummy")
+              enforce_eager=args.enforce_eager or kernels == "reference",
+              load_format="auto" if Path(args.model).is_dir() else "dummy")
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     if torch.cuda.is_available():
         torch.cuda.synchronize()

@@ -88,9 +88,29 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
 
 
 def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale=None):
-    """One new token per sequence, q [B, Hq, D], attending to keys [0, seq_lens[b])."""
-    cu_seqlens_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
-    return prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale)
+    """One new token per sequence, q [B, Hq, D], attending to keys [0, seq_lens[b]).
+
+    Batched over the sequences (no host sync, so the engine can run it every step): every
+    sequence's blocks are gathered up to the table width, keys past its length are masked. A row
+    with seq_lens 0 gives zeros.
+    """
+    batch, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    scale = head_dim**-0.5 if scale is None else scale
+    dtype = _compute_dtype(q.dtype)
+    blocks = block_tables.long()
+    k = k_cache[blocks].flatten(1, 2).to(dtype)  # [B, L, Hkv, D]
+    v = v_cache[blocks].flatten(1, 2).to(dtype)
+    visible = torch.arange(k.shape[1], device=q.device)[None, :] < seq_lens[:, None]  # [B, L]
+    # Slots past a sequence's length may hold anything, NaN included: mask them out of both products.
+    k = torch.where(visible[:, :, None, None], k, 0.0)
+    v = torch.where(visible[:, :, None, None], v, 0.0)
+    qg = q.to(dtype).view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = torch.einsum("bhgd,blhd->bhgl", qg, k) * scale
+    probs = scores.masked_fill(~visible[:, None, None, :], float("-inf")).softmax(dim=-1)
+    probs = probs.masked_fill(~visible[:, None, None, :], 0.0)  # all-masked rows: NaN -> 0
+    out = torch.einsum("bhgl,blhd->bhgd", probs, v)
+    return out.reshape(batch, num_heads, head_dim).to(q.dtype)
 
 
 def sampling_probs(logits, temperature, top_k, top_p, min_p):

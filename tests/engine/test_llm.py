@@ -57,6 +57,11 @@ def test_preemption_gives_the_same_tokens(tiny_qwen3):
     assert llm.block_manager.num_free_blocks == 6
 
 
+def test_reference_kernels_give_the_same_tokens(tiny_qwen3, expected):
+    llm = LLM(str(tiny_qwen3), **SMALL, num_kv_blocks=64, kernels="reference")
+    assert completions(llm) == expected[1]
+
+
 def test_stream_yields_what_generate_returns(tiny_qwen3, expected):
     llm = LLM(str(tiny_qwen3), **SMALL, num_kv_blocks=64)
     tokens = {i: [] for i in range(len(PROMPTS))}
