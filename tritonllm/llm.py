@@ -144,6 +144,9 @@ class LLM:
 
     def _step(self):
         """One engine step: returns (sequences that got a token, finished ones, tokens computed, is_prefill)."""
+        dead = [(rank, p.exitcode) for rank, p in enumerate(self._workers, start=1) if not p.is_alive()]
+        if dead:  # a collective with a dead rank would wait forever
+            raise RuntimeError(f"tensor-parallel worker(s) exited: {', '.join(f'rank {r} (exit code {c})' for r, c in dead)}")
         seqs, num_new, is_prefill = self.scheduler.schedule()
         if not seqs:
             raise RuntimeError("the scheduler found nothing to run: the KV cache is too small for the waiting requests")
@@ -237,7 +240,7 @@ class LLM:
         if getattr(self, "_closed", True):
             return
         self._closed = True
-        self.runner.shutdown()
+        self.runner.shutdown(notify_workers=all(p.is_alive() for p in self._workers))
         for process in self._workers:
             process.join(timeout=30)
             if process.is_alive():

@@ -126,6 +126,18 @@ def test_tensor_parallel_2_equals_1(tiny_qwen3, expected):
     assert all(not p.is_alive() for p in llm._workers)
 
 
+def test_a_dead_tensor_parallel_worker_is_an_error(tiny_qwen3):
+    if torch.cuda.is_available() and torch.cuda.device_count() < 2:
+        pytest.skip("TP=2 on GPUs needs two of them; on CPU it runs under gloo")
+    llm = LLM(str(tiny_qwen3), **SMALL, tensor_parallel_size=2, num_kv_blocks=64)
+    llm._workers[0].kill()
+    llm._workers[0].join()
+    with pytest.raises(RuntimeError, match="rank 1"):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    llm.close()
+    assert not torch.distributed.is_initialized()
+
+
 @pytest.mark.parametrize("options, match", [
     ({"max_num_seqs": 0}, "max_num_seqs"), ({"kv_block_size": 24}, "kv_block_size"), ({"dtype": "int8"}, "dtype"),
     ({"max_model_len": 10**6}, "max_model_len"), ({"tensor_parallel_size": 3}, "tensor_parallel_size"),

@@ -231,8 +231,9 @@ class ModelRunner:
             self.execute(inputs)
         self.shutdown()
 
-    def shutdown(self) -> None:
-        if self.rank == 0 and self.world_size > 1:
+    def shutdown(self, notify_workers: bool = True) -> None:
+        """Release the graphs and the process group; rank 0 first tells live workers to exit."""
+        if self.rank == 0 and self.world_size > 1 and notify_workers:
             dist.broadcast_object_list([("exit", None)], src=0)
         self.graphs.clear()
         if dist.is_initialized():
