@@ -143,7 +143,7 @@ class LLM:
         return (seq.params.seed * 0x9E3779B97F4A7C15 + seq.num_completion_tokens) % (1 << 62)
 
     def _step(self):
-        """One engine step: returns (sequences that got a token, finished ones, tokens computed, is_prefill)."""
+        """One engine step: returns (sequences that got a token, tokens computed, is_prefill)."""
         dead = [(rank, p.exitcode) for rank, p in enumerate(self._workers, start=1) if not p.is_alive()]
         if dead:  # a collective with a dead rank would wait forever
             raise RuntimeError(f"tensor-parallel worker(s) exited: {', '.join(f'rank {r} (exit code {c})' for r, c in dead)}")
@@ -157,8 +157,8 @@ class LLM:
         for seq, lp in zip(sampled, logprobs or []):
             if seq.params.logprobs:
                 seq.logprobs.append(lp)
-        finished = self.scheduler.postprocess(seqs, num_new, [per_seq.get(seq.seq_id) for seq in seqs])
-        return sampled, finished, sum(num_new) if is_prefill else len(seqs), is_prefill
+        self.scheduler.postprocess(seqs, num_new, [per_seq.get(seq.seq_id) for seq in seqs])
+        return sampled, sum(num_new) if is_prefill else len(seqs), is_prefill
 
     def _text(self, seq: Sequence) -> str | None:
         if self.tokenizer is None:
@@ -191,11 +191,10 @@ class LLM:
             self.scheduler.add(seq)
         pending = len(seqs)
         while pending:
-            sampled, finished, _, _ = self._step()
-            done = {seq.seq_id for seq in finished}
+            sampled, _, _ = self._step()
             for seq in sampled:
                 text = self._check_stop_strings(seq, self._text(seq))
-                is_done = seq.seq_id in done or seq.finish_reason is not None
+                is_done = seq.finish_reason is not None
                 delta = ""
                 if text is not None and (is_done or not text.endswith("\ufffd")):  # hold back a partial character
                     delta, texts[seq.seq_id] = text[len(texts[seq.seq_id]):], text
@@ -214,7 +213,7 @@ class LLM:
         rates = {True: 0.0, False: 0.0}
         while len(outputs) < len(seqs):
             start = time.perf_counter()
-            sampled, finished, num_tokens, is_prefill = self._step()
+            sampled, num_tokens, is_prefill = self._step()
             rates[is_prefill] = num_tokens / max(time.perf_counter() - start, 1e-9)
             for seq in sampled:
                 if seq.params.stop or seq.finish_reason is not None:
