@@ -2,16 +2,12 @@
 import torch
 
 from tritonllm.context import Context, set_context
-from tritonllm.layers.attention import Attention
+from tritonllm.layers.attention import allocate_kv_caches
 
 
 def allocate_kv_cache(model, num_blocks: int, block_size: int, dtype, device):
     """NaN-filled caches for every attention layer, so a read of an unwritten slot shows."""
-    for module in model.modules():
-        if isinstance(module, Attention):
-            shape = (num_blocks, block_size, module.num_kv_heads, module.head_dim)
-            module.k_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
-            module.v_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    allocate_kv_caches(model, num_blocks, block_size, dtype, device, fill=float("nan"))
 
 
 def run_step(model, sequences, num_cached, block_tables, block_size, device):

@@ -10,7 +10,7 @@ from tritonllm.config import EngineConfig
 from tritonllm.context import Context, set_context
 from tritonllm.distributed import init_distributed
 from tritonllm.engine.sequence import Sequence
-from tritonllm.layers.attention import Attention
+from tritonllm.layers.attention import Attention, allocate_kv_caches
 from tritonllm.layers.ops import ops, use_kernels
 from tritonllm.loader import build_model, init_dummy_weights, load_weights
 
@@ -65,11 +65,7 @@ class ModelRunner:
                 num_blocks = int(count.item())
         if num_blocks < 1:
             raise ValueError("no memory left for the KV cache: lower max_num_batched_tokens or raise gpu_memory_utilization")
-        for module in self.model.modules():
-            if isinstance(module, Attention):
-                shape = (num_blocks, self.block_size, module.num_kv_heads, module.head_dim)
-                module.k_cache = torch.empty(shape, dtype=self.config.dtype, device=self.device)
-                module.v_cache = torch.empty(shape, dtype=self.config.dtype, device=self.device)
+        allocate_kv_caches(self.model, num_blocks, self.block_size, self.config.dtype, self.device)
         return num_blocks
 
     def _warmup(self) -> None:
@@ -80,11 +76,7 @@ class ModelRunner:
         lengths = [self.config.max_model_len] * (num_tokens // self.config.max_model_len)
         if num_tokens % self.config.max_model_len:
             lengths.append(num_tokens % self.config.max_model_len)
-        for module in self.model.modules():
-            if isinstance(module, Attention):
-                module.k_cache = torch.zeros(1, self.block_size, module.num_kv_heads, module.head_dim,
-                                             dtype=self.config.dtype, device=self.device)
-                module.v_cache = module.k_cache.clone()
+        allocate_kv_caches(self.model, 1, self.block_size, self.config.dtype, self.device, fill=0.0)
         cu = torch.tensor([0] + lengths, device=self.device).cumsum(0).to(torch.int32)
         positions = torch.cat([torch.arange(n, device=self.device) for n in lengths])
         context = Context(True, torch.full((num_tokens,), -1, device=self.device),

@@ -22,3 +22,14 @@ class Attention(nn.Module):
             return kernels.prefill_attention(q, self.k_cache, self.v_cache, context.cu_seqlens_q, context.seq_lens,
                                              context.block_tables, self.scale, max_q_len=context.max_q_len)
         return kernels.decode_attention(q, self.k_cache, self.v_cache, context.seq_lens, context.block_tables, self.scale)
+
+
+def allocate_kv_caches(model: nn.Module, num_blocks: int, block_size: int, dtype, device, fill: float | None = None):
+    """Give every attention layer of model its [num_blocks, block_size, Hkv, D] caches (uninitialized,
+    or filled with `fill`)."""
+    for module in model.modules():
+        if isinstance(module, Attention):
+            shape = (num_blocks, block_size, module.num_kv_heads, module.head_dim)
+            for name in ("k_cache", "v_cache"):
+                cache = torch.empty(shape, dtype=dtype, device=device)
+                setattr(module, name, cache if fill is None else cache.fill_(fill))
