@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install, then the steps asked for, each logged in full to $OUT,
 # with a short summary printed last.
-#   bash bench/gpu_check.sh [tests] [kernels [--quick]] [throughput]
-# STEP_TIMEOUT (seconds) bounds each step; PYTEST_ADDOPTS and KERNEL_ARGS pass options through.
+#   bash bench/gpu_check.sh [tests] [stress] [generate] [kernels [--quick]] [throughput]
+# STEP_TIMEOUT (seconds) bounds each step; TESTS picks the test paths (default: tests);
+# PYTEST_ADDOPTS, KERNEL_ARGS and THROUGHPUT_ARGS pass options through.
 set -uo pipefail
 step_timeout=${STEP_TIMEOUT:-1800}
 OUT=${OUT:-/tmp/tritonllm-out}
@@ -16,15 +17,21 @@ quick=""
 for step in "$@"; do
   case $step in
     tests)
-      timeout "$step_timeout" python -m pytest tests -q -p no:cacheprovider > "$OUT/tests.log" 2>&1; rc=$?
+      timeout "$step_timeout" python -m pytest ${TESTS:-tests} -q -p no:cacheprovider > "$OUT/tests.log" 2>&1; rc=$?
       summary+=$'\n== tests (rc '$rc$')\n'"$(grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -25)" ;;
+    stress)  # the stress test at its GPU size, printing its counts
+      PYTEST_ADDOPTS= timeout "$step_timeout" python -m pytest tests/engine/test_stress.py -q -s -p no:cacheprovider > "$OUT/stress.log" 2>&1; rc=$?
+      summary+=$'\n== stress (rc '$rc$')\n'"$(grep -E "^stress:|passed|failed" "$OUT/stress.log")" ;;
+    generate)  # the README's first command, after its install
+      timeout "$step_timeout" tritonllm generate > "$OUT/generate.log" 2>&1; rc=$?
+      summary+=$'\n== tritonllm generate (rc '$rc$')\n'"$(tail -8 "$OUT/generate.log")" ;;
     kernels)
       timeout "$step_timeout" python bench/kernels.py $quick ${KERNEL_ARGS:-} --report "$OUT/kernels.md" > "$OUT/kernels.log" 2>&1; rc=$?
       cp kernels/configs/*.json "$OUT/" 2>/dev/null
       summary+=$'\n== kernels (rc '$rc$')\n'"$(cat "$OUT/kernels.md" 2>/dev/null || tail -20 "$OUT/kernels.log")" ;;
     throughput)
-      timeout "$step_timeout" python bench/throughput.py --no-tqdm > "$OUT/throughput.log" 2>&1; rc=$?
-      summary+=$'\n== throughput (rc '$rc$')\n'"$(tail -6 "$OUT/throughput.log")" ;;
+      timeout "$step_timeout" python bench/throughput.py --no-tqdm ${THROUGHPUT_ARGS:-} >> "$OUT/throughput.log" 2>&1; rc=$?
+      summary+=$'\n== throughput ${THROUGHPUT_ARGS:-} (rc '$rc$')\n'"$(tail -7 "$OUT/throughput.log")" ;;
   esac
 done
 echo "$summary"

@@ -1,13 +1,19 @@
 """Hundreds of requests with shared prefixes on a KV cache small enough to force preemption and eviction.
 
 The PyTorch reference kernels keep this quick on a CPU: it exercises the scheduler and the block
-manager, which are the same whatever kernels run.
+manager, which are the same whatever kernels run. On a GPU it runs at full size: more requests,
+more of them at once, the Triton kernels and CUDA graphs.
 """
 import random
 
+import torch
+
 from tritonllm import LLM, SamplingParams
 
-NUM_REQUESTS = 200
+ON_GPU = torch.cuda.is_available()
+NUM_REQUESTS = 1000 if ON_GPU else 200
+OPTIONS = {"kernels": "triton", "max_num_seqs": 64} if ON_GPU else {"kernels": "reference", "max_num_seqs": 16, "enforce_eager": True}
+NUM_KV_BLOCKS = 48 if ON_GPU else 24
 
 
 def requests(vocab, seed=0):
@@ -26,17 +32,19 @@ def requests(vocab, seed=0):
 
 
 def test_stress_preemption_eviction_no_leaks(tiny_qwen3):
-    options = {"kernels": "reference", "max_num_seqs": 16, "enforce_eager": True}
-    llm = LLM(str(tiny_qwen3), num_kv_blocks=24, max_num_batched_tokens=64, **options)
+    llm = LLM(str(tiny_qwen3), num_kv_blocks=NUM_KV_BLOCKS, max_num_batched_tokens=64, **OPTIONS)
     prompts, params = requests(llm.hf_config.vocab_size)
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    assert [len(o.token_ids) for o in outputs] == [p.max_tokens for p in params]
-    assert llm.scheduler.num_preemptions > 0 and llm.block_manager.num_evictions > 0
-    assert sum(o.num_cached_tokens for o in outputs) > 0
-    assert llm.block_manager.num_free_blocks == 24
-
-    alone = LLM(str(tiny_qwen3), num_kv_blocks=64, **options)
+    alone = LLM(str(tiny_qwen3), num_kv_blocks=64, **OPTIONS)
     greedy = [i for i, p in enumerate(params) if p.temperature == 0]
     mismatches = [i for i in greedy
                   if alone.generate([prompts[i]], params[i], use_tqdm=False)[0].token_ids != outputs[i].token_ids]
+    leaked = NUM_KV_BLOCKS - llm.block_manager.num_free_blocks
+    print(f"\nstress: {len(outputs)} requests, {llm.scheduler.num_preemptions} preemptions, "
+          f"{llm.block_manager.num_evictions} evictions, {sum(o.num_cached_tokens for o in outputs)} cached tokens, "
+          f"{len(mismatches)} greedy mismatches of {len(greedy)}, {leaked} leaked blocks")
+    assert [len(o.token_ids) for o in outputs] == [p.max_tokens for p in params]
+    assert llm.scheduler.num_preemptions > 0 and llm.block_manager.num_evictions > 0
+    assert sum(o.num_cached_tokens for o in outputs) > 0
+    assert leaked == 0
     assert mismatches == []

@@ -138,11 +138,27 @@ def tp_worker(rank, world_size, port, path, out_file):
     torch.distributed.destroy_process_group()
 
 
-def test_tensor_parallel_2_equals_1(tiny_qwen3, tmp_path):
+@pytest.fixture(scope="module")
+def qwen3_0_6b_shaped(tmp_path_factory):
+    """A random bf16 checkpoint with Qwen3-0.6B's shapes, made by transformers on the GPU (too big for
+    the interpreter, so GPU only)."""
+    if DEVICE == "cpu":
+        pytest.skip("a 0.6B model is too big for Triton's interpreter; the tiny model covers TP on CPU")
+    torch.manual_seed(0)
+    with torch.device(DEVICE):
+        model = HFQwen3(preset_config("qwen3-0.6b")).to(torch.bfloat16)
+    path = tmp_path_factory.mktemp("qwen3-0.6b-shaped")
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("fixture", ["tiny_qwen3", "qwen3_0_6b_shaped"])
+def test_tensor_parallel_2_equals_1(fixture, request, tmp_path):
     if DEVICE == "cuda" and torch.cuda.device_count() < 2:
         pytest.skip("TP=2 on GPUs needs two of them; on CPU it runs under gloo")
-    mp.spawn(tp_worker, args=(2, free_port(), tiny_qwen3, tmp_path / "tp2.pt"), nprocs=2)
-    model = load(tiny_qwen3)
+    path = request.getfixturevalue(fixture)
+    mp.spawn(tp_worker, args=(2, free_port(), path, tmp_path / "tp2.pt"), nprocs=2)
+    model = load(path)
     sequences = random_sequences(model.config.vocab_size, SEQ_LENS)
     block_tables, num_blocks = shuffled_block_tables([n + 1 for n in SEQ_LENS])
     allocate_kv_cache(model, num_blocks, BLOCK_SIZE, torch.float32, DEVICE)
