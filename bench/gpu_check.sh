@@ -31,7 +31,7 @@ for step in "$@"; do
       summary+=$'\n== kernels (rc '$rc$')\n'"$(cat "$OUT/kernels.md" 2>/dev/null || tail -20 "$OUT/kernels.log")" ;;
     throughput)
       timeout "$step_timeout" python bench/throughput.py --no-tqdm ${THROUGHPUT_ARGS:-} >> "$OUT/throughput.log" 2>&1; rc=$?
-      summary+=$'\n== throughput ${THROUGHPUT_ARGS:-} (rc '$rc$')\n'"$(tail -7 "$OUT/throughput.log")" ;;
+      summary+=$'\n== throughput '"${THROUGHPUT_ARGS:-}"' (rc '$rc$')\n'"$(tail -7 "$OUT/throughput.log")" ;;
   esac
 done
 echo "$summary"

@@ -83,9 +83,17 @@ def main():
     cases = all_cases(args.quick)
     if args.only:  # in the order given
         cases = [case for name in args.only for case in cases if case.kernel == name]
-    results = [run_case(case) for case in cases]
-    path = tuning.save(args.configs)
-    print(f"\ntuned configs written to {path}")
+    results = []
+    for case in cases:  # configs and table saved after every case: a run cut short keeps what it measured
+        results.append(run_case(case))
+        path = tuning.save(args.configs)
+        table = report(results)
+        if args.report:
+            args.report.write_text(table + "\n")
+    print(f"\ntuned configs written to {path}\n\n{table}")
+
+
+def report(results: list[Result]) -> str:
     anchors = list(dict.fromkeys(name for r in results for name in r.ratios))
     lines = [
         f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
@@ -97,11 +105,7 @@ def main():
     for r in results:
         cells = [f"{r.ratios[a]:.2f}x" if a in r.ratios else "" for a in anchors]
         lines.append(f"| {r.case} | {r.ms * 1e3:.1f} | {r.rate} | {r.percent:.0f}% | " + " | ".join(cells) + " |")
-    table = "\n".join(lines)
-    if args.report:
-        args.report.write_text(table + "\n")
-    print("\n" + table)
-
+    return "\n".join(lines)
 
 if __name__ == "__main__":
     main()

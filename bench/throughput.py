@@ -28,12 +28,10 @@ def workload(num_seqs: int, max_input_len: int, max_output_len: int, max_token_i
 
 
 def run(args, kernels: str, prompts, params) -> dict:
-    # The references gather whole block tables in float32: captured at max_model_len for every batch
-    # size they would not fit beside the KV cache, so they run eagerly.
-    # Their per-step float32 scratch (gigabytes at batch 256) also needs room beside the KV cache.
-    reference = kernels == "reference"
+    # The references (run eagerly) gather whole block tables in float32: gigabytes of scratch at
+    # batch 256 that need room beside the KV cache.
     llm = LLM(args.model, tensor_parallel_size=args.tp, max_model_len=args.max_model_len, kernels=kernels,
-              enforce_eager=args.enforce_eager or reference, gpu_memory_utilization=0.5 if reference else 0.9,
+              enforce_eager=args.enforce_eager, gpu_memory_utilization=0.5 if kernels == "reference" else 0.9,
               load_format="auto" if Path(args.model).is_dir() else "dummy")
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     if torch.cuda.is_available():

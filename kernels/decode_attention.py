@@ -136,10 +136,10 @@ def _decode_space(dtype_name, head_dim, group, num_kv_heads, block_size, batch, 
     base = _decode_default(dtype_name, head_dim, group, num_kv_heads, block_size, batch, context)["NUM_SPLITS"]
     splits = sorted({max(1, base // 2), base, base * 2})
     num_warps = 8 if dtype_name == "float32" else 4
-    # Bandwidth-bound: what matters is bytes in flight per SM (tile size, stages) and the split count.
-    return [{"BLOCK_N": block_n, "NUM_SPLITS": num_splits, "SPLIT_MIN": 256, "num_warps": num_warps,
-             "num_stages": num_stages}
-            for block_n in (32, 64, 128) for num_splits in splits for num_stages in (2, 3)]
+    # Bandwidth-bound: what matters is bytes in flight per SM (tile size) and the split count;
+    # 2 or 3 stages came within 2% of each other on the H200 (bench/NOTES-attention.md).
+    return [{"BLOCK_N": block_n, "NUM_SPLITS": num_splits, "SPLIT_MIN": 256, "num_warps": num_warps, "num_stages": 3}
+            for block_n in (32, 64, 128) for num_splits in splits]
 
 
 def _decode_default(dtype_name, head_dim, group, num_kv_heads, block_size, batch, context):

@@ -26,13 +26,13 @@ def sampling(args, **overrides):
                           max_tokens=args.max_tokens, **overrides)
 
 
-def run_task_set(llm, args) -> None:
+def run_task_set(llm, params, num_problems: int) -> None:
     """The bundled model's checked problems: prompts, answers, accuracy and tokens/s."""
     from tritonllm.tiny_tasks import EVAL_SEED, problems
 
-    tasks = problems(args.num_problems, EVAL_SEED)
+    tasks = problems(num_problems, EVAL_SEED)
     start = time.perf_counter()
-    outputs = llm.generate([prompt for prompt, _ in tasks], sampling(args), use_tqdm=False)
+    outputs = llm.generate([prompt for prompt, _ in tasks], params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     correct = 0
     for (prompt, answer), out in zip(tasks, outputs):
@@ -47,20 +47,22 @@ def run_task_set(llm, args) -> None:
 def generate(args) -> None:
     from tritonllm import LLM
 
+    params = sampling(args)  # bad sampling options fail before the model is loaded
+    if not args.prompt and Path(args.model).resolve() != BUNDLED.resolve():
+        raise ValueError("--prompt is required with a model other than the bundled one")
     llm = LLM(args.model, **engine_options(args))
     if not args.prompt:
-        if Path(args.model).resolve() != BUNDLED.resolve():
-            raise ValueError("--prompt is required with a model other than the bundled one")
-        run_task_set(llm, args)
+        run_task_set(llm, params, args.num_problems)
         return
     prompts = args.prompt if llm.tokenizer is not None else [[int(t) for t in p.split()] for p in args.prompt]
-    for prompt, out in zip(args.prompt, llm.generate(prompts, sampling(args), use_tqdm=False)):
+    for prompt, out in zip(args.prompt, llm.generate(prompts, params, use_tqdm=False)):
         print(f"{prompt}{out.text if out.text is not None else ' ' + ' '.join(map(str, out.token_ids))}")
 
 
 def chat(args) -> None:
     from tritonllm import LLM
 
+    params = sampling(args)
     llm = LLM(args.model, **engine_options(args))
     if llm.tokenizer is None:
         raise ValueError(f"model {args.model!r} has no tokenizer to chat with")
@@ -76,7 +78,7 @@ def chat(args) -> None:
         else:
             prompt = history[-1]["content"]
         reply = ""
-        for event in llm.stream([prompt], sampling(args)):
+        for event in llm.stream([prompt], params):
             print(event.text_delta, end="", flush=True)
             reply += event.text_delta
         print()

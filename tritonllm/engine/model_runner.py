@@ -38,7 +38,8 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         self.num_kv_blocks = self._allocate_kv_cache()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        if self.device.type == "cuda" and not config.enforce_eager:
+        # The references index with boolean masks, which syncs the host: they cannot be captured.
+        if self.device.type == "cuda" and not config.enforce_eager and config.kernels == "triton":
             self._capture_decode_graphs()
 
     # ---- KV cache
@@ -58,7 +59,8 @@ class ModelRunner:
                 budget = total * self.config.gpu_memory_utilization - used_at_peak
             else:
                 budget = CPU_KV_CACHE_BYTES
-            num_blocks = int(budget // self._kv_bytes_per_block())
+            # More blocks than max_num_seqs full-length sequences hold would only keep old prefixes.
+            num_blocks = min(int(budget // self._kv_bytes_per_block()), self.config.max_num_seqs * self.max_blocks_per_seq)
             if self.world_size > 1:  # every rank must agree on the smallest
                 count = torch.tensor([num_blocks], device=self.device)
                 dist.all_reduce(count, op=dist.ReduceOp.MIN)
