@@ -17,6 +17,8 @@ class Case:
     anchors: dict[str, Callable] = field(default_factory=dict)  # timed on the same inputs
     bytes: int = 0  # fewest bytes the call must move (memory-bound kernels)
     flops: int = 0  # or its FLOPs (compute-bound kernels)
+    graph: bool = False  # microsecond kernels: timed as CUDA-graph replays over rotated inputs
+    eager_anchors: tuple = ()  # anchors that cannot be captured (host syncs), timed with do_bench
 
 
 def reference_anchors(fn) -> dict[str, Callable]:
@@ -123,22 +125,6 @@ def varlen_causal(q, k, v, cu, max_len):
     return varlen_attn(q, k, v, cu, cu, max_len, max_len, **causal)
 
 
-def graph_replay(fn):
-    """fn eagerly on the first call (it tunes and compiles), then captured in a CUDA graph and replayed."""
-    graphs = {}
-
-    def call(*args):
-        key = tuple(id(a) for a in args)
-        if key not in graphs:
-            fn(*args)
-            torch.cuda.synchronize()
-            graphs[key] = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graphs[key]):
-                fn(*args)
-        graphs[key].replay()
-    return call
-
-
 def prefill_attention_cases(quick):
     """Causal prefill, 16 q / 8 kv heads, D 128, bf16, B * S = 16k tokens, block 256 (block 16 once).
 
@@ -179,7 +165,7 @@ def decode_attention_cases(quick):
     """Decode over a paged bf16 cache (block 16, 16 q / 8 kv heads, D 128), CUDA-graph replay.
 
     Bytes: the K and V of every context token (4 KiB a token); % is of the 4.24 TB/s copy. The
-    SDPA flash anchor reads contiguous KV with GQA, also replayed from a CUDA graph.
+    SDPA flash anchor reads contiguous KV with GQA, timed the same way.
     """
     from torch.nn.attention import SDPBackend
 
@@ -197,12 +183,12 @@ def decode_attention_cases(quick):
             k, v = dense(k_cache, tables, c), dense(v_cache, tables, c)
             return q, k_cache, v_cache, seq_lens, tables, q[:, :, None], k, v
 
-        flash = graph_replay(sdpa(SDPBackend.FLASH_ATTENTION, enable_gqa=True))
+        flash = sdpa(SDPBackend.FLASH_ATTENTION, enable_gqa=True)
         cases.append(Case(
             "decode_attention", f"B{batch} x {context} 16/8 heads D128 block {block_size} bf16", make,
-            graph_replay(lambda *a: kernels.decode_attention(*a[:5])),
+            lambda *a: kernels.decode_attention(*a[:5]),
             {"sdpa flash (contiguous)": lambda *a, f=flash: f(*a[5:8])},
-            bytes=batch * context * 8 * 128 * 2 * 2,
+            bytes=batch * context * 8 * 128 * 2 * 2, graph=True,
         ))
     return cases
 
@@ -218,7 +204,7 @@ def sampler_logits(batch, vocab, dist):
 
 
 def sampler_cases(quick):
-    """sample (CUDA-graph replay, seeds drawn on the device) and compute_logprobs, V = 151936.
+    """sample (CUDA-graph replay; seeds None: drawn on the device) and compute_logprobs, V = 151936.
 
     Bytes: one read of the logits (the kernel reads filtered rows twice). Anchors: the sort-based
     torch reference (4.3 ms at B 256 in PERFORMANCE.md) and, for greedy rows, torch.argmax.
@@ -243,8 +229,8 @@ def sampler_cases(quick):
         anchors = {"torch sort": reference.sample}
         if mode == "greedy":
             anchors["torch.argmax"] = lambda logits, *rest: torch.argmax(logits, dim=-1)
-        cases.append(Case("sample", f"B{batch} x {vocab} fp32 {mode}, {dist}", make, graph_replay(kernels.sample),
-                          anchors, bytes=batch * vocab * 4))
+        cases.append(Case("sample", f"B{batch} x {vocab} fp32 {mode}, {dist}", make, kernels.sample,
+                          anchors, bytes=batch * vocab * 4, graph=True, eager_anchors=("torch sort",)))
     fp32, bf16 = torch.float32, torch.bfloat16
     for batch, dtype in [(256, fp32)] if quick else [(1, fp32), (256, fp32), (256, bf16)]:
         cases.append(Case(

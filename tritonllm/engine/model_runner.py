@@ -3,6 +3,7 @@
 Rank 0 builds each step's inputs on the host and broadcasts them; every rank runs the same
 forward on its shards; rank 0 samples. Ranks > 0 sit in `worker_loop` until told to exit.
 """
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -20,6 +21,18 @@ CPU_KV_CACHE_BYTES = 1 << 30
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     sizes = [1, 2, 4, 8] + list(range(16, max_num_seqs + 1, 16))
     return sorted({min(s, max_num_seqs) for s in sizes} | {max_num_seqs})
+
+
+def block_table_array(seq: Sequence) -> np.ndarray:
+    """seq's block table as int32, converted once and extended as blocks are appended (block
+    tables only grow until the block manager replaces the list)."""
+    table, cached = seq.block_table, seq.block_table_array
+    if cached is None or cached[0] is not table:
+        cached = (table, np.array(table, dtype=np.int32))
+    elif len(cached[1]) < len(table):
+        cached = (table, np.concatenate([cached[1], np.array(table[len(cached[1]):], dtype=np.int32)]))
+    seq.block_table_array = cached
+    return cached[1]
 
 
 class ModelRunner:
@@ -91,33 +104,38 @@ class ModelRunner:
     # ---- inputs (rank 0) -> broadcast -> forward (every rank)
 
     def prepare(self, seqs: list[Sequence], num_new: list[int], is_prefill: bool) -> dict:
-        """Host tensors of one step, built with little Python per sequence."""
+        """Host tensors of one step, built with numpy and little Python per sequence."""
+        lengths = np.fromiter(map(len, seqs), dtype=np.int64, count=len(seqs))
+        tables = [block_table_array(seq) for seq in seqs]
+        block_tables = np.zeros((len(seqs), max(map(len, tables))), dtype=np.int32)
+        for row, table in zip(block_tables, tables):
+            row[:len(table)] = table
         if is_prefill:
-            starts = [seq.num_computed_tokens for seq in seqs]
-            ends = [s + n for s, n in zip(starts, num_new)]
-            token_ids = [t for seq, s, e in zip(seqs, starts, ends) for t in seq.token_ids[s:e]]
-            positions = torch.cat([torch.arange(s, e) for s, e in zip(starts, ends)])
-            seq_index = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(num_new))
-            cu_seqlens_q = torch.tensor([0] + num_new).cumsum(0).to(torch.int32)
+            counts = np.array(num_new, dtype=np.int64)
+            starts = np.fromiter((seq.num_computed_tokens for seq in seqs), dtype=np.int64, count=len(seqs))
+            ends = starts + counts
+            token_ids = [t for seq, s, e in zip(seqs, starts.tolist(), ends.tolist()) for t in seq.token_ids[s:e]]
+            seq_index = np.repeat(np.arange(len(seqs)), counts)
+            positions = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts - starts, counts)
+            cu_seqlens_q = torch.from_numpy(np.concatenate([[0], np.cumsum(counts)]).astype(np.int32))
             seq_lens = ends
             need_logits = [seq.reaches_end(n) for seq, n in zip(seqs, num_new)]
+            last_rows = np.cumsum(counts) - 1
         else:
             token_ids = [seq.token_ids[-1] for seq in seqs]
-            positions = torch.tensor([len(seq) - 1 for seq in seqs])
-            seq_index = torch.arange(len(seqs))
+            seq_index = np.arange(len(seqs))
+            positions = lengths - 1
             cu_seqlens_q = None
-            seq_lens = [len(seq) for seq in seqs]
+            seq_lens = lengths
             need_logits = [True] * len(seqs)
-        width = max(len(seq.block_table) for seq in seqs)
-        block_tables = torch.tensor([seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs], dtype=torch.int32)
-        slot_mapping = block_tables[seq_index, positions // self.block_size].long() * self.block_size + positions % self.block_size
-        last_rows = (torch.tensor(num_new).cumsum(0) - 1) if is_prefill else torch.arange(len(seqs))
+            last_rows = seq_index
+        slots = block_tables[seq_index, positions // self.block_size].astype(np.int64) * self.block_size + positions % self.block_size
         return {
-            "is_prefill": is_prefill, "token_ids": torch.tensor(token_ids), "positions": positions,
-            "slot_mapping": slot_mapping, "seq_lens": torch.tensor(seq_lens, dtype=torch.int32),
-            "block_tables": block_tables, "cu_seqlens_q": cu_seqlens_q,
-            "max_q_len": max(num_new) if is_prefill else 1, "max_seq_len": max(seq_lens),
-            "need_logits": need_logits, "logit_rows": last_rows[torch.tensor(need_logits)],
+            "is_prefill": is_prefill, "token_ids": torch.tensor(token_ids), "positions": torch.from_numpy(positions),
+            "slot_mapping": torch.from_numpy(slots), "seq_lens": torch.from_numpy(seq_lens.astype(np.int32)),
+            "block_tables": torch.from_numpy(block_tables), "cu_seqlens_q": cu_seqlens_q,
+            "max_q_len": max(num_new) if is_prefill else 1, "max_seq_len": int(seq_lens.max()),
+            "need_logits": need_logits, "logit_rows": torch.from_numpy(last_rows[np.array(need_logits)]),
         }
 
     @torch.inference_mode()

@@ -23,6 +23,7 @@ class Sequence:
         self.block_size = block_size
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
+        self.block_table_array = None  # the model runner's int32 copy: (the list it copies, the array)
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_cached_tokens = 0  # of those, how many came from the prefix cache
         self.num_hashed_blocks = 0  # leading blocks registered in the prefix cache

@@ -1,0 +1,94 @@
+"""Where the time of the nano-vllm workload goes: GPU kernels by kind, and the host's share.
+
+    python bench/profile.py [--model qwen3-0.6b] [--num-seqs 64] [--trace PATH]
+
+Runs bench/throughput.py's workload (fewer requests by default, to keep the trace small) under
+torch.profiler and sums the CUDA kernel time by kind: attention, GEMM, norms, other elementwise
+kernels (rotary, SiLU-and-mul, KV store), sampler, communication, the rest. Host overhead is the
+wall time the GPU sat idle: wall time minus the summed kernel time (one stream, no overlap).
+Also counts kernel launches per step and layer.
+"""
+import argparse
+import re
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from throughput import workload
+from tritonllm import LLM, SamplingParams
+from tritonllm.loader import load_config
+
+KINDS = [  # first match wins, on the kernel's name
+    ("attention", r"prefill_attention|decode_attention|merge_splits|flash|fmha"),
+    ("GEMM", r"gemm|nvjet|cutlass|xmma|sm90_|splitK|cublas"),
+    ("norms", r"rms_norm"),
+    ("rotary + KV store", r"rotary|store_kv|qk_norm"),
+    ("SiLU-and-mul", r"silu"),
+    ("sampler", r"sample|logprob|race|threshold"),
+    ("communication", r"nccl|all_reduce|allreduce"),
+]
+
+
+def kind_of(name: str) -> str:
+    return next((kind for kind, pattern in KINDS if re.search(pattern, name, re.IGNORECASE)), "other")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen3-0.6b", help="preset name (dummy weights) or checkpoint folder")
+    parser.add_argument("--num-seqs", type=int, default=64)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--trace", type=Path, help="also write a Chrome trace here")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/profile.py needs a CUDA GPU")
+    config = load_config(args.model)
+    prompts, params = workload(args.num_seqs, 1024, 1024, min(10000, config.vocab_size - 1))
+    llm = LLM(args.model, max_model_len=args.max_model_len, load_format="auto" if Path(args.model).is_dir() else "dummy")
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+
+    steps = Counter()
+    step = llm._step
+
+    def counted_step():
+        result = step()
+        steps[result[2]] += 1  # is_prefill
+        return result
+
+    llm._step = counted_step
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    if args.trace:
+        prof.export_chrome_trace(str(args.trace))
+
+    by_kind, launches = defaultdict(float), Counter()
+    for event in prof.key_averages():
+        if event.device_type == torch.autograd.DeviceType.CUDA and event.self_device_time_total > 0:
+            kind = kind_of(event.key)
+            by_kind[kind] += event.self_device_time_total / 1e6
+            launches[kind] += event.count
+    gpu = sum(by_kind.values())
+    tokens = sum(len(o.token_ids) for o in outputs)
+    print(f"{args.model}: {args.num_seqs} requests, {tokens} output tokens in {wall:.2f} s = {tokens / wall:.0f} tok/s "
+          f"(under the profiler); {steps[True]} prefill and {steps[False]} decode steps")
+    print("\n| part | seconds | % of wall | kernel launches |\n|---|---|---|---|")
+    for kind, seconds in sorted(by_kind.items(), key=lambda item: -item[1]):
+        print(f"| {kind} | {seconds:.3f} | {100 * seconds / wall:.1f}% | {launches[kind]} |")
+    print(f"| host (GPU idle) | {wall - gpu:.3f} | {100 * (wall - gpu) / wall:.1f}% | |")
+    print(f"| total | {wall:.3f} | 100% | {sum(launches.values())} |")
+    per_step = steps[True] + steps[False]
+    print(f"\nkernel launches per step and layer ({config.num_hidden_layers} layers; sampler and LM head included): "
+          + ", ".join(f"{kind} {n / per_step / config.num_hidden_layers:.2f}" for kind, n in sorted(launches.items()))
+          + f"; all {sum(launches.values()) / per_step / config.num_hidden_layers:.2f}")
+    llm.close()
+
+
+if __name__ == "__main__":
+    main()
