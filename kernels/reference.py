@@ -46,6 +46,23 @@ def rotary_embedding(positions, q, k, cos_sin_cache):
     return rotate(q), rotate(k)
 
 
+def qk_norm_rotary_store(positions, qkv, q_weight, k_weight, eps, cos_sin_cache, k_cache, v_cache, slot_mapping,
+                         num_heads, num_kv_heads, out=None):
+    """rms_norm on the q and k heads of qkv [T, (Hq + 2*Hkv) * D], rotary_embedding, store_kv_cache
+    of k and v (in place, slot < 0 skips); returns q [T, Hq, D] (written into `out` when given)."""
+    n_tokens = qkv.shape[0]
+    head_dim = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q = rms_norm(q.reshape(n_tokens, num_heads, head_dim), q_weight, eps)
+    k = rms_norm(k.reshape(n_tokens, num_kv_heads, head_dim), k_weight, eps)
+    q, k = rotary_embedding(positions, q, k, cos_sin_cache)
+    store_kv_cache(k, v.reshape(n_tokens, num_kv_heads, head_dim), k_cache, v_cache, slot_mapping)
+    if out is None:
+        return q.contiguous()
+    out.copy_(q)
+    return out
+
+
 def silu_and_mul(x):
     """x [T, 2I] -> silu(x[:, :I]) * x[:, I:] with HF's rounding (silu rounded, then the product)."""
     inter = x.shape[-1] // 2
