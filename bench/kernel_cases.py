@@ -93,6 +93,39 @@ def kv_cache_cases(quick):
     return cases
 
 
+def qk_norm_rotary_cases(quick):
+    """Fused q/k RMSNorm + rotary + KV store on a packed bf16 qkv (16/8 heads, D 128, block 16).
+
+    Bytes: q, k, v read, q written, k and v written into the cache, cos/sin rows, positions and
+    slots. Anchors: the three separate Triton kernels as the model calls them (rms_norm on q and
+    on k, rotary_embedding, store_kv_cache) and the PyTorch reference.
+    """
+    shapes = [(16384, 16, 8)] if quick else [(16384, 16, 8), (8192, 32, 8), (256, 16, 8)]
+    cases = []
+    for tokens, q_heads, kv_heads in shapes:
+        def make(t=tokens, hq=q_heads, hk=kv_heads, bs=16):
+            num_blocks = 2 * t // bs + 1
+            positions = torch.randint(0, 40960, (t,), device="cuda")
+            slots = torch.randperm(num_blocks * bs, device="cuda")[:t]
+            cache = lambda: randn(num_blocks, bs, hk, 128)  # noqa: E731
+            return (positions, randn(t, (hq + 2 * hk) * 128), randn(128), randn(128), 1e-6, cos_sin_cache(40960, 128),
+                    cache(), cache(), slots, hq, hk)
+
+        def separate(positions, qkv, q_weight, k_weight, eps, cos_sin, k_cache, v_cache, slots, hq, hk):
+            q, k, v = qkv.split([hq * 128, hk * 128, hk * 128], dim=-1)
+            q = kernels.rms_norm(q.view(-1, hq, 128), q_weight, eps)
+            k = kernels.rms_norm(k.view(-1, hk, 128), k_weight, eps)
+            q, k = kernels.rotary_embedding(positions, q, k, cos_sin)
+            kernels.store_kv_cache(k, v.view(-1, hk, 128), k_cache, v_cache, slots)
+            return q
+
+        moved = tokens * (q_heads + 2 * kv_heads) * 128 * 2 * 2 + tokens * 128 * 4 + tokens * 8 * 2
+        cases.append(Case("qk_norm_rotary_store", f"{tokens} tok {q_heads}/{kv_heads} heads D128 block 16 bf16", make,
+                          kernels.qk_norm_rotary_store,
+                          {"3 triton kernels": separate, "torch": reference.qk_norm_rotary_store}, bytes=moved))
+    return cases
+
+
 def paged_cache(tokens_per_seq, batch, block_size, num_kv_heads=8, head_dim=128):
     """Random bf16 K/V caches holding `batch` sequences in shuffled blocks, and their block tables."""
     per_seq = -(-tokens_per_seq // block_size)
@@ -244,4 +277,5 @@ def sampler_cases(quick):
 
 def all_cases(quick: bool) -> list[Case]:
     cases = norm_cases(quick) + silu_cases(quick) + rotary_cases(quick) + kv_cache_cases(quick)
+    cases += qk_norm_rotary_cases(quick)
     return cases + prefill_attention_cases(quick) + decode_attention_cases(quick) + sampler_cases(quick)

@@ -77,7 +77,8 @@ def compile_sm90(kernel: JITFunction, bound: dict, options: dict):
 
 def cases():
     """Calls that reach every kernel with its default config, in realistic shapes and every dtype."""
-    from tritonllm.kernels import fused_add_rms_norm, rms_norm, rotary_embedding, silu_and_mul, store_kv_cache
+    from tritonllm.kernels import (fused_add_rms_norm, qk_norm_rotary_store, rms_norm, rotary_embedding, silu_and_mul,
+                                  store_kv_cache)
 
     calls = []
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
@@ -94,6 +95,10 @@ def cases():
             lambda t=t: store_kv_cache(t(8192, 8, 128), t(8192, 8, 128), t(600, 16, 8, 128), t(600, 16, 8, 128),
                                        t(8192, dtype=torch.int32)),
         ]
+        for tokens, q_heads, kv_heads in [(8192, 16, 8), (8192, 4, 2)]:  # the second: a TP shard, 2 tokens a program
+            calls.append(lambda t=t, n=tokens, hq=q_heads, hk=kv_heads: qk_norm_rotary_store(
+                t(n, dtype=torch.int64), t(n, (hq + 2 * hk) * 128), t(128), t(128), 1e-6, t(40960, 128, dtype=torch.float32),
+                t(600, 16, hk, 128), t(600, 16, hk, 128), t(n, dtype=torch.int32), hq, hk))
     from tritonllm.kernels.sampler import compute_logprobs, sample
 
     for dtype in (torch.float32, torch.float16, torch.bfloat16):

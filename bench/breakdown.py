@@ -1,6 +1,6 @@
-"""Where the time of the nano-vllm workload goes: GPU kernels by kind, and the host's share.
+"""Where the time of the nano-vllm workload goes: GPU kernels by kind, and the host's share (not named profile.py: that would shadow the standard library module cProfile imports).
 
-    python bench/profile.py [--model qwen3-0.6b] [--num-seqs 64] [--trace PATH]
+    python bench/breakdown.py [--model qwen3-0.6b] [--num-seqs 64] [--trace PATH]
 
 Runs bench/throughput.py's workload (fewer requests by default, to keep the trace small) under
 torch.profiler and sums the CUDA kernel time by kind: attention, GEMM, norms, other elementwise
