@@ -98,7 +98,8 @@ def qk_norm_rotary_cases(quick):
 
     Bytes: q, k, v read, q written, k and v written into the cache, cos/sin rows, positions and
     slots. Anchors: the three separate Triton kernels as the model calls them (rms_norm on q and
-    on k, rotary_embedding, store_kv_cache) and the PyTorch reference.
+    on k, rotary_embedding, store_kv_cache) and the PyTorch reference (eager: it syncs on the
+    slot mask). Decode-sized cases are timed as CUDA-graph replays.
     """
     shapes = [(16384, 16, 8)] if quick else [(16384, 16, 8), (8192, 32, 8), (256, 16, 8)]
     cases = []
@@ -122,7 +123,8 @@ def qk_norm_rotary_cases(quick):
         moved = tokens * (q_heads + 2 * kv_heads) * 128 * 2 * 2 + tokens * 128 * 4 + tokens * 8 * 2
         cases.append(Case("qk_norm_rotary_store", f"{tokens} tok {q_heads}/{kv_heads} heads D128 block 16 bf16", make,
                           kernels.qk_norm_rotary_store,
-                          {"3 triton kernels": separate, "torch": reference.qk_norm_rotary_store}, bytes=moved))
+                          {"3 triton kernels": separate, "torch": reference.qk_norm_rotary_store}, bytes=moved,
+                          graph=tokens <= 1024, eager_anchors=("torch",)))
     return cases
 
 

@@ -1,0 +1,164 @@
+"""Fused Qwen3 attention prologue: per-head q/k RMSNorm + neox rotary + KV-cache store in one launch.
+
+One pass over the packed QKV GEMM output replaces rms_norm (q), rms_norm (k), rotary_embedding and
+store_kv_cache, with exactly their rounding points (kernels/reference.py composes those four).
+"""
+import torch
+import triton
+import triton.language as tl
+
+from tritonllm.kernels.tuning import Tunable, dtype_name, pow2
+
+
+@triton.jit
+def _norm_rotate(x_ptrs, mask, weight_ptr, cos, sin, eps,
+                 HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Heads at x_ptrs [TOKENS, H, BLOCK_HALF] (first halves; second halves at +HALF): HF Qwen3
+    RMSNorm over the head dim, then neox rotary. Returns the two rotated halves rounded once to
+    the input dtype."""
+    raw1 = tl.load(x_ptrs, mask=mask, other=0.0)
+    dtype = raw1.dtype
+    x1 = raw1.to(tl.float32)
+    x2 = tl.load(x_ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt((tl.sum(x1 * x1, axis=2) + tl.sum(x2 * x2, axis=2)) / HEAD_DIM + eps)[:, :, None]
+    dims = tl.arange(0, BLOCK_HALF)
+    w1 = tl.load(weight_ptr + dims, mask=dims < HALF, other=0.0).to(tl.float32)[None, None, :]
+    w2 = tl.load(weight_ptr + HALF + dims, mask=dims < HALF, other=0.0).to(tl.float32)[None, None, :]
+    # HF: the normalized value is cast to the model dtype before the weight multiply, and the
+    # product is rounded to the model dtype (rms_norm's output, rotary_embedding's input).
+    y1 = (w1 * (x1 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    y2 = (w2 * (x2 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    return (y1 * cos - y2 * sin).to(dtype), (y2 * cos + y1 * sin).to(dtype)
+
+
+@triton.jit(do_not_specialize=["n_tokens", "eps"])
+def _qk_norm_rotary_store_kernel(
+    positions_ptr, qkv_ptr, q_weight_ptr, k_weight_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, q_out_ptr,
+    n_tokens, qkv_token_stride, cos_sin_stride, q_out_token_stride, q_out_head_stride, eps,
+    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr, TOKENS: tl.constexpr,
+):
+    # Each program handles TOKENS tokens: all their q, k and v heads. Tensors are
+    # [TOKENS, heads, BLOCK_HALF]; a head is processed as its two rotary halves.
+    tokens = (tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)).to(tl.int64)
+    token_mask = tokens < n_tokens
+    positions = tl.load(positions_ptr + tokens, mask=token_mask, other=0).to(tl.int64)
+    # slot < 0 marks a row whose K/V must not be stored (padding); q is still produced.
+    slots = tl.load(slot_ptr + tokens, mask=token_mask, other=-1).to(tl.int64)
+    dims = tl.arange(0, BLOCK_HALF)
+    dim_mask = dims < HALF
+
+    cos_sin_ptrs = cos_sin_ptr + positions[:, None] * cos_sin_stride + dims[None, :]
+    cos_sin_mask = token_mask[:, None] & dim_mask[None, :]
+    cos = tl.load(cos_sin_ptrs, mask=cos_sin_mask, other=0.0).to(tl.float32)[:, None, :]
+    sin = tl.load(cos_sin_ptrs + HALF, mask=cos_sin_mask, other=0.0).to(tl.float32)[:, None, :]
+
+    rows = qkv_ptr + tokens[:, None, None] * qkv_token_stride  # [TOKENS, 1, 1]
+    token_mask3 = token_mask[:, None, None]
+    dims3 = dims[None, None, :]
+    dim_mask3 = dim_mask[None, None, :]
+
+    # q: normed + roped into q_out.
+    q_heads = tl.arange(0, BLOCK_QH)[None, :, None]
+    q_mask = token_mask3 & (q_heads < NUM_Q_HEADS) & dim_mask3
+    q1, q2 = _norm_rotate(rows + q_heads * HEAD_DIM + dims3, q_mask, q_weight_ptr, cos, sin, eps,
+                          HEAD_DIM, HALF, BLOCK_HALF)
+    q_out = q_out_ptr + tokens[:, None, None] * q_out_token_stride + q_heads * q_out_head_stride + dims3
+    tl.store(q_out, q1.to(q_out_ptr.dtype.element_ty), mask=q_mask)
+    tl.store(q_out + HALF, q2.to(q_out_ptr.dtype.element_ty), mask=q_mask)
+
+    # k (normed + roped) and v (as is) into their cache slot; rows with slot < 0 are not even read.
+    kv_heads = tl.arange(0, BLOCK_KH)[None, :, None]
+    kv_mask = token_mask3 & (slots >= 0)[:, None, None] & (kv_heads < NUM_KV_HEADS) & dim_mask3
+    cache_offsets = slots[:, None, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_heads * HEAD_DIM + dims3
+    k1, k2 = _norm_rotate(rows + (NUM_Q_HEADS + kv_heads) * HEAD_DIM + dims3, kv_mask, k_weight_ptr, cos, sin, eps,
+                          HEAD_DIM, HALF, BLOCK_HALF)
+    tl.store(k_cache_ptr + cache_offsets, k1.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
+    tl.store(k_cache_ptr + cache_offsets + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
+    v_ptrs = rows + (NUM_Q_HEADS + NUM_KV_HEADS + kv_heads) * HEAD_DIM + dims3
+    v1 = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    v2 = tl.load(v_ptrs + HALF, mask=kv_mask, other=0.0)
+    tl.store(v_cache_ptr + cache_offsets, v1.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
+    tl.store(v_cache_ptr + cache_offsets + HALF, v2.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
+
+
+def _space(dtype, row_bucket, tokens_bucket):
+    # row_bucket: the padded elements of one token's q, k and v heads. At least 8 elements a thread.
+    return [
+        {"TOKENS": tokens, "num_warps": warps, "num_stages": 1}
+        for tokens in (1, 2, 4)
+        for warps in (1, 2, 4, 8)
+        if tokens <= tokens_bucket and tokens * row_bucket <= 16384 and (warps == 1 or warps * 32 * 8 <= tokens * row_bucket)
+    ]
+
+
+def _default(dtype, row_bucket, tokens_bucket):
+    # One token a program (16/8 heads x 128: 4096 elements, 4 warps); small rows (TP shards) share
+    # a program when there are many tokens.
+    tokens = max(1, min(4, 2048 // row_bucket)) if tokens_bucket >= 1024 else 1
+    return {"TOKENS": tokens, "num_warps": min(8, max(1, tokens * row_bucket // 1024)), "num_stages": 1}
+
+
+_TUNING = Tunable("qk_norm_rotary_store", _space, _default)
+
+
+def qk_norm_rotary_store(positions, qkv, q_weight, k_weight, eps, cos_sin_cache, k_cache, v_cache, slot_mapping,
+                         num_heads, num_kv_heads, out=None):
+    """Qwen3's attention prologue on the packed QKV GEMM output, in one launch; returns q [T, Hq, D].
+
+    qkv [T, (Hq + 2*Hkv) * D] float32/float16/bfloat16: per token the Hq q heads, then the Hkv k
+    heads, then the Hkv v heads; any row stride, last dim contiguous. q_weight, k_weight [D] (any
+    float dtype); eps float; positions [T] int32/int64; cos_sin_cache [max_pos, D] float32 (cos in
+    [:, :D/2], sin in [:, D/2:], rows contiguous); k_cache, v_cache [num_blocks, block_size, Hkv, D]
+    contiguous; slot_mapping [T] int32/int64 (slot = block * block_size + offset); num_heads = Hq,
+    num_kv_heads = Hkv. D even (a power of two, 64 or 128, for Qwen3).
+
+    Per token t, exactly as reference.rms_norm then reference.rotary_embedding then
+    reference.store_kv_cache: q and k heads get HF Qwen3 RMSNorm over D (normalized value rounded
+    to qkv's dtype, times the weight, rounded) then neox rotary at positions[t] (float32, one
+    rounding to qkv's dtype). In place: k (normed + roped) and v (unchanged) are written to slot
+    slot_mapping[t] of k_cache / v_cache (cast to the cache dtype); slot < 0 skips row t's K/V
+    write (q is still produced). Nothing else is modified: qkv is only read. Returns q [T, Hq, D]
+    of qkv's dtype, a new contiguous tensor, or `out` ([T, Hq, D], qkv's dtype, last dim
+    contiguous) when given.
+    """
+    if qkv.dim() != 2 or qkv.stride(1) != 1:
+        raise ValueError(f"qkv must be [T, (Hq + 2*Hkv) * D] with a contiguous last dim, got {tuple(qkv.shape)} strides {qkv.stride()}")
+    n_tokens, width = qkv.shape
+    heads = num_heads + 2 * num_kv_heads
+    head_dim = width // heads
+    if num_heads <= 0 or num_kv_heads <= 0 or head_dim * heads != width or head_dim % 2:
+        raise ValueError(f"qkv width {width} is not (Hq + 2*Hkv) * D with Hq={num_heads}, Hkv={num_kv_heads}, D even")
+    if q_weight.shape != (head_dim,) or k_weight.shape != (head_dim,):
+        raise ValueError(f"q_weight and k_weight must have shape ({head_dim},), got {tuple(q_weight.shape)}, {tuple(k_weight.shape)}")
+    if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != head_dim or cos_sin_cache.stride(1) != 1:
+        raise ValueError(f"cos_sin_cache must be [max_pos, {head_dim}] with contiguous rows, got {tuple(cos_sin_cache.shape)}")
+    if (k_cache.dim() != 4 or k_cache.shape[2:] != (num_kv_heads, head_dim) or v_cache.shape != k_cache.shape
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
+        raise ValueError(f"caches must be contiguous [num_blocks, block_size, {num_kv_heads}, {head_dim}], "
+                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if positions.shape != (n_tokens,) or slot_mapping.shape != (n_tokens,):
+        raise ValueError(f"positions and slot_mapping must have shape ({n_tokens},), got {tuple(positions.shape)}, {tuple(slot_mapping.shape)}")
+    if out is None:
+        out = torch.empty(n_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    elif out.shape != (n_tokens, num_heads, head_dim) or out.dtype != qkv.dtype or out.stride(2) != 1:
+        raise ValueError(f"out must be [{n_tokens}, {num_heads}, {head_dim}] {qkv.dtype} with a contiguous last dim, "
+                         f"got {tuple(out.shape)} {out.dtype}")
+    if n_tokens == 0:
+        return out
+    half = head_dim // 2
+    block_qh, block_kh = triton.next_power_of_2(num_heads), triton.next_power_of_2(num_kv_heads)
+    block_half = triton.next_power_of_2(half)
+
+    def launch(config):
+        _qk_norm_rotary_store_kernel[(triton.cdiv(n_tokens, config["TOKENS"]),)](
+            positions, qkv, q_weight, k_weight, cos_sin_cache, k_cache, v_cache, slot_mapping, out,
+            n_tokens, qkv.stride(0), cos_sin_cache.stride(0), out.stride(0), out.stride(1), eps,
+            NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
+            BLOCK_QH=block_qh, BLOCK_KH=block_kh, BLOCK_HALF=block_half, **config,
+        )
+
+    # The launch only writes q_out and cache slots it fully determines: repeating it is harmless.
+    bucket = (dtype_name(qkv.dtype), pow2((block_qh + 2 * block_kh) * 2 * block_half), pow2(n_tokens))
+    launch(_TUNING.config(bucket, launch))
+    return out

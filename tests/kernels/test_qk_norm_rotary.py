@@ -1,0 +1,138 @@
+import pytest
+import torch
+from kernel_utils import DEVICE, DTYPES, poisoned, randn, rel_err
+
+from tritonllm.kernels import qk_norm_rotary_store, reference
+from tritonllm.kernels import qk_norm_rotary as module
+from tritonllm.kernels.tuning import INTERPRET
+
+MAX_POS = 4096
+
+# Relative error ||out - ref|| / ||ref|| against the same-dtype reference, which rounds at the same
+# points: only float32 rounding-order differences remain. Under the interpreter float32 -> bf16
+# casts truncate, at each of the three rounding points (normed, times weight, rotated): ~1e-2.
+TOLERANCE = {torch.float32: 1e-6, torch.float16: 2e-4, torch.bfloat16: 2.5e-2 if INTERPRET else 2e-3}
+
+
+def assert_close(out, ref, dtype):
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    assert torch.isfinite(out).all(), "output has NaN/inf: an element was not written"
+    err = rel_err(out, ref)
+    assert err <= TOLERANCE[dtype], f"relative error {err:.3g} > {TOLERANCE[dtype]:.3g}"
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def cos_sin_cache(max_pos, head_dim, theta=1e6):
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    freqs = torch.arange(max_pos, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(DEVICE)
+
+
+def make_inputs(tokens, q_heads, kv_heads, head_dim, block_size, dtype, pad=0, index_dtype=torch.int64):
+    """Fresh random inputs; qkv is a [T, W] view of a [T, W + pad] buffer whose padding is NaN."""
+    width = (q_heads + 2 * kv_heads) * head_dim
+    buffer = randn(tokens, width + pad, dtype=dtype)
+    buffer[:, width:] = float("nan")  # read by mistake, it would poison q or the caches
+    qkv = buffer[:, :width]
+    q_weight, k_weight = randn(head_dim, dtype=dtype), randn(head_dim, dtype=dtype)
+    positions = torch.randperm(MAX_POS, device=DEVICE)[:tokens].to(index_dtype)  # random order
+    num_blocks = (tokens + block_size - 1) // block_size + 2
+    slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:tokens].to(index_dtype)
+    slots[3::4] = -1  # padding rows: no KV write, q still produced
+    slots[7::8] = -5
+    k_cache = poisoned(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    return buffer, qkv, q_weight, k_weight, positions, slots, k_cache, k_cache.clone()
+
+
+def check(tokens, q_heads, kv_heads, head_dim, block_size, dtype, pad=0, index_dtype=torch.int64, with_out=False):
+    buffer, qkv, q_weight, k_weight, positions, slots, k_cache, v_cache = make_inputs(
+        tokens, q_heads, kv_heads, head_dim, block_size, dtype, pad, index_dtype)
+    cache = cos_sin_cache(MAX_POS, head_dim)
+    buffer_before = buffer.clone()
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    eps = 1e-6
+    ref_q = reference.qk_norm_rotary_store(positions, qkv, q_weight, k_weight, eps, cache, ref_k, ref_v, slots,
+                                           q_heads, kv_heads)
+    out = poisoned(tokens, q_heads, head_dim, dtype=dtype) if with_out else None
+    q = qk_norm_rotary_store(positions, qkv, q_weight, k_weight, eps, cache, k_cache, v_cache, slots,
+                             q_heads, kv_heads, out=out)
+
+    assert q.shape == (tokens, q_heads, head_dim) and q.dtype == dtype and q.is_contiguous()
+    if with_out:
+        assert q.data_ptr() == out.data_ptr()
+    assert_close(q, ref_q, dtype)
+    # Nothing but q and the cache slots is written: qkv (padding included) is untouched.
+    assert torch.equal(buffer.nan_to_num(7.0), buffer_before.nan_to_num(7.0))
+    # Cache: exactly the slots >= 0 written (the rest still NaN), k matching, v bit-exact.
+    written = slots[slots >= 0].long()
+    assert torch.equal(k_cache.isnan(), ref_k.isnan()) and torch.equal(v_cache.isnan(), ref_v.isnan())
+    assert int(torch.isfinite(k_cache).all(-1).all(-1).sum()) == len(written)
+    assert int(torch.isnan(k_cache).all(-1).all(-1).sum()) == k_cache.shape[0] * k_cache.shape[1] - len(written)
+    if len(written):
+        rows = lambda c: c.view(-1, kv_heads, head_dim)[written]  # noqa: E731
+        assert_close(rows(k_cache), rows(ref_k), dtype)
+    assert torch.equal(v_cache.nan_to_num(7.0), ref_v.nan_to_num(7.0))
+
+
+# tokens, q heads, kv heads (GQA 1/2/4/8), head dim, block size, qkv row padding
+CASES = [
+    (1, 2, 2, 64, 16, 0),
+    (7, 4, 2, 128, 256, 0),
+    (100, 8, 2, 64, 16, 0),
+    (7, 8, 1, 128, 16, 24),
+    (100, 2, 2, 128, 256, 64),
+    (1, 16, 2, 128, 256, 0),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens, q_heads, kv_heads, head_dim, block_size, pad", CASES)
+def test_qk_norm_rotary_store(tokens, q_heads, kv_heads, head_dim, block_size, pad, dtype):
+    check(tokens, q_heads, kv_heads, head_dim, block_size, dtype, pad)
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_strided_qkv_int32_indices_and_out_buffer(index_dtype):
+    check(7, 4, 1, 64, 16, torch.bfloat16, pad=40, index_dtype=index_dtype, with_out=True)
+
+
+def test_head_dim_not_a_power_of_two():
+    check(5, 6, 2, 80, 16, torch.float16, pad=8)
+
+
+@pytest.mark.parametrize("tokens_per_program", [1, 2, 4])
+def test_every_tokens_per_program(monkeypatch, tokens_per_program):
+    # 7 tokens: the last program of 2 or 4 tokens is partly masked.
+    monkeypatch.setattr(module._TUNING, "default",
+                        lambda *bucket: {"TOKENS": tokens_per_program, "num_warps": 1, "num_stages": 1})
+    check(7, 4, 2, 64, 16, torch.bfloat16, pad=16)
+
+
+def test_config_space_and_default():
+    for bucket in [("bfloat16", 4096, 16384), ("bfloat16", 4096, 1), ("float32", 512, 8), ("float16", 256, 4096)]:
+        space = module._space(*bucket)
+        default = module._default(*bucket)
+        assert space and all(set(config) == set(default) for config in space)
+        assert default["TOKENS"] <= bucket[2]
+
+
+def test_no_tokens():
+    qkv = randn(0, 8 * 64)
+    k_cache = poisoned(2, 16, 2, 64, dtype=torch.float32)
+    empty = torch.zeros(0, dtype=torch.long, device=DEVICE)
+    q = qk_norm_rotary_store(empty, qkv, randn(64), randn(64), 1e-6, cos_sin_cache(16, 64), k_cache, k_cache.clone(),
+                             empty, 4, 2)
+    assert q.shape == (0, 4, 64) and torch.isnan(k_cache).all()
+
+
+def test_rejects_bad_shapes():
+    qkv, cache = randn(3, 8 * 64), cos_sin_cache(16, 64)
+    k_cache = poisoned(2, 16, 2, 64, dtype=torch.float32)
+    index = torch.zeros(3, dtype=torch.long, device=DEVICE)
+    with pytest.raises(ValueError, match="qkv width"):
+        qk_norm_rotary_store(index, qkv, randn(64), randn(64), 1e-6, cache, k_cache, k_cache.clone(), index, 4, 3)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        qk_norm_rotary_store(index, qkv, randn(64), randn(64), 1e-6, cache, k_cache, k_cache.clone(), index[:2], 4, 2)
+    with pytest.raises(ValueError, match="caches"):
+        qk_norm_rotary_store(index, qkv, randn(64), randn(64), 1e-6, cache, k_cache[:, :, :1], k_cache.clone(), index, 4, 2)
