@@ -6,7 +6,7 @@ from tritonllm.layers.ops import ops
 
 
 class Attention(nn.Module):
-    """Stores the new K/V in this layer's paged cache, then attends from the cache."""
+    """Attention of one layer over its paged KV cache (the new K/V are stored by the q/k prologue)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
         super().__init__()
@@ -14,14 +14,12 @@ class Attention(nn.Module):
         # [num_blocks, block_size, num_kv_heads, head_dim], given by the model runner.
         self.k_cache = self.v_cache = torch.tensor([])
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor) -> torch.Tensor:
         context = get_context()
-        kernels = ops()
-        kernels.store_kv_cache(k, v, self.k_cache, self.v_cache, context.slot_mapping)
         if context.is_prefill:
-            return kernels.prefill_attention(q, self.k_cache, self.v_cache, context.cu_seqlens_q, context.seq_lens,
-                                             context.block_tables, self.scale, max_q_len=context.max_q_len)
-        return kernels.decode_attention(q, self.k_cache, self.v_cache, context.seq_lens, context.block_tables, self.scale)
+            return ops().prefill_attention(q, self.k_cache, self.v_cache, context.cu_seqlens_q, context.seq_lens,
+                                           context.block_tables, self.scale, max_q_len=context.max_q_len)
+        return ops().decode_attention(q, self.k_cache, self.v_cache, context.seq_lens, context.block_tables, self.scale)
 
 
 def allocate_kv_caches(model: nn.Module, num_blocks: int, block_size: int, dtype, device, fill: float | None = None):

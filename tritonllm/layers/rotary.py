@@ -1,8 +1,6 @@
 import torch
 from torch import nn
 
-from tritonllm.layers.ops import ops
-
 
 def cos_sin_cache(head_dim: int, max_position: int, base: float) -> torch.Tensor:
     """[max_position, head_dim] float32: cos in the first half, sin in the second, as HF computes them."""
@@ -12,9 +10,8 @@ def cos_sin_cache(head_dim: int, max_position: int, base: float) -> torch.Tensor
 
 
 class RotaryEmbedding(nn.Module):
+    """Holds the cos/sin table, shared by the layers (the rotation runs in the fused q/k prologue)."""
+
     def __init__(self, head_dim: int, max_position: int, base: float):
         super().__init__()
         self.register_buffer("cos_sin_cache", cos_sin_cache(head_dim, max_position, base), persistent=False)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        return ops().rotary_embedding(positions, q, k, self.cos_sin_cache)

@@ -2,11 +2,13 @@
 import torch
 from torch import nn
 
+from tritonllm.context import get_context
 from tritonllm.layers.activation import SiluAndMul
 from tritonllm.layers.attention import Attention
 from tritonllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from tritonllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tritonllm.layers.norm import RMSNorm
+from tritonllm.layers.ops import ops
 from tritonllm.layers.rotary import RotaryEmbedding
 
 
@@ -33,13 +35,11 @@ class Qwen3Attention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
-        q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
-        k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
-        q, k = self.rotary(positions, q, k)
-        o = self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim))
-        return self.o_proj(o.flatten(1))
+        # One launch: per-head q/k RMSNorm, rotary, and the new K/V stored in this layer's cache.
+        q = ops().qk_norm_rotary_store(positions, self.qkv_proj(hidden), self.q_norm.weight, self.k_norm.weight,
+                                       self.q_norm.eps, self.rotary.cos_sin_cache, self.attn.k_cache, self.attn.v_cache,
+                                       get_context().slot_mapping, self.num_heads, self.num_kv_heads)
+        return self.o_proj(self.attn(q).flatten(1))
 
 
 class Qwen3MLP(nn.Module):
