@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from throughput import workload
-from tritonllm import LLM, SamplingParams
+from throughput import warm_up, workload
+from tritonllm import LLM
 from tritonllm.loader import load_config
 
 KINDS = [  # first match wins, on the kernel's name
@@ -48,7 +48,7 @@ def main():
     config = load_config(args.model)
     prompts, params = workload(args.num_seqs, 1024, 1024, min(10000, config.vocab_size - 1))
     llm = LLM(args.model, max_model_len=args.max_model_len, load_format="auto" if Path(args.model).is_dir() else "dummy")
-    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+    warm_up(llm, prompts)
 
     steps = Counter()
     step = llm._step
