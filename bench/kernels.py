@@ -119,14 +119,19 @@ def main():
     cases = all_cases(args.quick)
     if args.only:  # in the order given
         cases = [case for name in args.only for case in cases if case.kernel == name]
+    if not cases:
+        sys.exit(f"no benchmark case for {args.only}")
     results = []
     for case in cases:  # configs and table saved after every case: a run cut short keeps what it measured
         results.append(run_case(case))
-        path = tuning.config_path() if args.no_tune else tuning.save(args.configs)
+        if not args.no_tune:
+            path = tuning.save(args.configs)
         table = report(results)
         if args.report:
             args.report.write_text(table + "\n")
-    print(f"\ntuned configs written to {path}\n\n{table}")
+    if not args.no_tune:
+        print(f"\ntuned configs written to {path}")
+    print(f"\n{table}")
 
 
 def report(results: list[Result]) -> str:
@@ -142,6 +147,7 @@ def report(results: list[Result]) -> str:
         cells = [f"{r.ratios[a]:.2f}x" if a in r.ratios else "" for a in anchors]
         lines.append(f"| {r.case} | {r.ms * 1e3:.1f} | {r.rate} | {r.percent:.0f}% | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
 
 if __name__ == "__main__":
     main()
