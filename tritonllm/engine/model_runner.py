@@ -105,7 +105,6 @@ class ModelRunner:
 
     def prepare(self, seqs: list[Sequence], num_new: list[int], is_prefill: bool) -> dict:
         """Host tensors of one step, built with numpy and little Python per sequence."""
-        lengths = np.fromiter(map(len, seqs), dtype=np.int64, count=len(seqs))
         tables = [block_table_array(seq) for seq in seqs]
         block_tables = np.zeros((len(seqs), max(map(len, tables))), dtype=np.int32)
         for row, table in zip(block_tables, tables):
@@ -124,6 +123,7 @@ class ModelRunner:
         else:
             token_ids = [seq.token_ids[-1] for seq in seqs]
             seq_index = np.arange(len(seqs))
+            lengths = np.fromiter(map(len, seqs), dtype=np.int64, count=len(seqs))
             positions = lengths - 1
             cu_seqlens_q = None
             seq_lens = lengths
