@@ -84,6 +84,7 @@ class LLM:
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.kv_block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, self.eos_ids)
         self.rng = random.Random(config.seed)
+        self._in_flight = None  # the launched step whose sampled tokens are not resolved yet
         self._closed = False
         atexit.register(self.close)
 
@@ -143,22 +144,37 @@ class LLM:
         return (seq.params.seed * 0x9E3779B97F4A7C15 + seq.num_completion_tokens) % (1 << 62)
 
     def _step(self):
-        """One engine step: returns (sequences that got a token, tokens computed, is_prefill)."""
+        """Launch the next step, then bring in the previous step's sampled tokens while the GPU runs
+        this one, so the GPU does not wait on Python between steps. Returns (sequences that got a
+        token, tokens the launched step computes, whether it is a prefill)."""
         dead = [(rank, p.exitcode) for rank, p in enumerate(self._workers, start=1) if not p.is_alive()]
         if dead:  # a collective with a dead rank would wait forever
             raise RuntimeError(f"tensor-parallel worker(s) exited: {', '.join(f'rank {r} (exit code {c})' for r, c in dead)}")
         seqs, num_new, is_prefill = self.scheduler.schedule()
-        if not seqs:
+        if not seqs and self._in_flight is None:
             raise RuntimeError("the scheduler found nothing to run: the KV cache is too small for the waiting requests")
-        seeds = [self._seed(seq) for seq in seqs]
-        token_ids, logprobs = self.runner.step(seqs, num_new, is_prefill, seeds)
-        sampled = [seq for seq, n in zip(seqs, num_new or [1] * len(seqs)) if seq.reaches_end(n)]
-        per_seq = dict(zip((s.seq_id for s in sampled), token_ids))
-        for seq, lp in zip(sampled, logprobs or []):
-            if seq.params.logprobs:
-                seq.logprobs.append(lp)
-        self.scheduler.postprocess(seqs, num_new, [per_seq.get(seq.seq_id) for seq in seqs])
-        return sampled, sum(num_new) if is_prefill else len(seqs), is_prefill
+        launched = None
+        if seqs:
+            sampled = self.runner.launch(seqs, num_new, is_prefill, [self._seed(seq) for seq in seqs])
+            rows = self.scheduler.launched(seqs, num_new)
+            launched = (rows, sampled) if sampled is not None else None
+        resolved = self._resolve(self._in_flight)
+        self._in_flight = launched
+        return resolved, sum(num_new) if is_prefill else len(seqs), is_prefill
+
+    def _resolve(self, in_flight) -> list[Sequence]:
+        """Wait for a launched step's sampled tokens and hand them to the scheduler."""
+        if in_flight is None:
+            return []
+        rows, sampled = in_flight
+        token_ids, logprobs = sampled.result()
+        resolved = self.scheduler.resolve(rows, token_ids)
+        if logprobs is not None:
+            by_seq = {seq.seq_id: lp for (seq, _), lp in zip(rows, logprobs)}
+            for seq in resolved:
+                if seq.params.logprobs:
+                    seq.logprobs.append(by_seq[seq.seq_id])
+        return resolved
 
     def _text(self, seq: Sequence) -> str | None:
         if self.tokenizer is None:
@@ -167,7 +183,7 @@ class LLM:
 
     def _check_stop_strings(self, seq: Sequence, text: str | None) -> str | None:
         """Finish seq at the first stop string in its text; returns the text cut before it."""
-        if text is None or not seq.params.stop or seq.num_completion_tokens <= seq.params.min_tokens:
+        if text is None or not seq.params.stop or len(seq.completion_token_ids) <= seq.params.min_tokens:
             return text
         cut = min((i for i in (text.find(s) for s in seq.params.stop) if i >= 0), default=-1)
         if cut < 0:
@@ -198,8 +214,9 @@ class LLM:
                 delta = ""
                 if text is not None and (is_done or not text.endswith("\ufffd")):  # hold back a partial character
                     delta, texts[seq.seq_id] = text[len(texts[seq.seq_id]):], text
-                new = seq.completion_token_ids[emitted[seq.seq_id]:]
-                emitted[seq.seq_id] = seq.num_completion_tokens
+                known = seq.completion_token_ids
+                new = known[emitted[seq.seq_id]:]
+                emitted[seq.seq_id] = len(known)
                 pending -= is_done
                 yield StreamOutput(index[seq.seq_id], new, delta, is_done, self._output(seq, text) if is_done else None)
 

@@ -1,6 +1,6 @@
 from tritonllm.engine.block_manager import BlockManager
 from tritonllm.engine.scheduler import Scheduler
-from tritonllm.engine.sequence import Sequence, SequenceStatus
+from tritonllm.engine.sequence import PENDING, Sequence, SequenceStatus
 from tritonllm.sampling_params import SamplingParams
 
 BS = 4
@@ -18,10 +18,11 @@ def add(scheduler, n, **params):
 
 
 def step(scheduler, token=7):
+    """One step whose sampled tokens are resolved at once; returns the sequences it finished too."""
     seqs, num_new, is_prefill = scheduler.schedule()
-    done = [s.num_computed_tokens + n == len(s) for s, n in zip(seqs, num_new)] if is_prefill else [True] * len(seqs)
-    finished = scheduler.postprocess(seqs, num_new, [token if d else None for d in done])
-    return seqs, num_new, is_prefill, finished
+    rows = scheduler.launched(seqs, num_new)
+    resolved = scheduler.resolve(rows, [token] * len(rows))
+    return seqs, num_new, is_prefill, [s for s in resolved if s.finish_reason]
 
 
 def test_prefill_then_decode_until_max_tokens():
@@ -84,3 +85,24 @@ def test_max_num_seqs_limits_the_batch():
     assert is_prefill and len(seqs) == 2
     seqs, _, is_prefill, _ = step(s)
     assert not is_prefill and len(seqs) == 2
+
+
+def test_a_step_launched_before_the_previous_resolves():
+    """The engine schedules step N + 1 with step N's tokens pending: an EOS found then drops the
+    sequence's row of step N + 1; a sequence at max_tokens waits for its last token unscheduled."""
+    s = make()
+    a, b = add(s, 3, max_tokens=10), add(s, 5, max_tokens=2)
+    step(s)  # prefill: both sample their first token
+    seqs, num_new, _ = s.schedule()
+    rows_n = s.launched(seqs, num_new)
+    assert [x for x, _ in rows_n] == [a, b] and a.token_ids[-1] == PENDING
+    seqs, num_new, _ = s.schedule()
+    assert seqs == [a]  # b reached max_tokens with its last token pending: held
+    rows_next = s.launched(seqs, num_new)
+    assert a.completion_token_ids == [7] and a.num_completion_tokens == 3
+    resolved = s.resolve(rows_n, [EOS, 9])
+    assert resolved == [a, b] and a.finish_reason == "stop" and b.finish_reason == "length"
+    assert a.completion_token_ids == [7, EOS] and a.token_ids[-1] == EOS and b.completion_token_ids == [7, 9]
+    assert s.resolve(rows_next, [5]) == []  # a's row of the next step came too late
+    assert a.completion_token_ids == [7, EOS]
+    assert s.is_finished() and s.block_manager.num_free_blocks == 64

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from tritonllm.config import EngineConfig
 from tritonllm.context import Context, set_context
 from tritonllm.distributed import init_distributed
-from tritonllm.engine.sequence import Sequence
+from tritonllm.engine.sequence import PENDING, Sequence
 from tritonllm.layers.attention import Attention, allocate_kv_caches
 from tritonllm.layers.ops import ops, use_kernels
 from tritonllm.loader import build_model, init_dummy_weights, load_weights
@@ -35,6 +35,26 @@ def block_table_array(seq: Sequence) -> np.ndarray:
     return cached[1]
 
 
+class SampledTokens:
+    """A step's sampled ids [N] (and logprobs [N] or None) on the device, copied to the host in the
+    background; `result()` waits for the copy."""
+
+    def __init__(self, ids: torch.Tensor, logprobs: torch.Tensor | None):
+        self.ids = ids
+        self._host = [t.to("cpu", non_blocking=True) for t in (ids, logprobs) if t is not None]
+        self._copied = None
+        if ids.is_cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        self.has_logprobs = logprobs is not None
+
+    def result(self) -> tuple[list[int], list[float] | None]:
+        if self._copied is not None:
+            self._copied.synchronize()
+        values = [t.tolist() for t in self._host]
+        return values[0], values[1] if self.has_logprobs else None
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, hf_config, rank: int, init_method: str | None):
         self.config, self.hf_config, self.rank = config, hf_config, rank
@@ -51,6 +71,8 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         self.num_kv_blocks = self._allocate_kv_cache()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.last_sample_rows: dict[int, int] = {}  # seq_id -> row of the last launched step's samples
+        self.last_samples = torch.empty(0, dtype=torch.long)  # those samples, on the device
         # The references index with boolean masks, which syncs the host: they cannot be captured.
         if self.device.type == "cuda" and not config.enforce_eager and config.kernels == "triton":
             self._capture_decode_graphs()
@@ -121,7 +143,7 @@ class ModelRunner:
             need_logits = [seq.reaches_end(n) for seq, n in zip(seqs, num_new)]
             last_rows = np.cumsum(counts) - 1
         else:
-            token_ids = [seq.token_ids[-1] for seq in seqs]
+            token_ids = [seq.token_ids[-1] for seq in seqs]  # PENDING where the last step's sample is still on the GPU
             seq_index = np.arange(len(seqs))
             lengths = np.fromiter(map(len, seqs), dtype=np.int64, count=len(seqs))
             positions = lengths - 1
@@ -130,25 +152,50 @@ class ModelRunner:
             need_logits = [True] * len(seqs)
             last_rows = seq_index
         slots = block_tables[seq_index, positions // self.block_size].astype(np.int64) * self.block_size + positions % self.block_size
+        pending_rows = None  # prefill tokens are all known: only a decode step runs on pending ones
+        if not is_prefill and PENDING in token_ids:
+            pending_rows = torch.tensor([self.last_sample_rows[seq.seq_id] if t == PENDING else -1 for seq, t in zip(seqs, token_ids)])
         return {
             "is_prefill": is_prefill, "token_ids": torch.tensor(token_ids), "positions": torch.from_numpy(positions),
+            "pending_rows": pending_rows,
+            "num_last_samples": len(self.last_sample_rows),
             "slot_mapping": torch.from_numpy(slots), "seq_lens": torch.from_numpy(seq_lens.astype(np.int32)),
             "block_tables": torch.from_numpy(block_tables), "cu_seqlens_q": cu_seqlens_q,
             "max_q_len": max(num_new) if is_prefill else 1, "max_seq_len": int(seq_lens.max()),
             "need_logits": need_logits, "logit_rows": torch.from_numpy(last_rows[np.array(need_logits)]),
         }
 
+    def _to_device(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """Host tensor to this rank's device; from pinned memory on a GPU, so the copy never waits for
+        the step still running there."""
+        if t is None or self.device.type == "cpu":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    def _input_ids(self, inputs: dict) -> torch.Tensor:
+        """The step's token ids on the device; pending ones are taken from the last step's samples."""
+        token_ids = self._to_device(inputs["token_ids"])
+        if inputs["pending_rows"] is None:
+            return token_ids
+        if self.world_size > 1:  # rank 0 sampled them; the other ranks receive them here
+            if self.rank > 0:
+                self.last_samples = torch.empty(inputs["num_last_samples"], dtype=torch.long, device=self.device)
+            dist.broadcast(self.last_samples, src=0)
+        rows = self._to_device(inputs["pending_rows"])
+        return torch.where(rows >= 0, self.last_samples[rows.clamp(min=0)], token_ids)
+
     @torch.inference_mode()
     def execute(self, inputs: dict) -> torch.Tensor | None:
-        """Forward one step on this rank; logits [N, V] of the rows that sample (rank 0), else None."""
-        to = lambda t: None if t is None else t.to(self.device, non_blocking=True)  # noqa: E731
+        """Forward one step on this rank (no host sync); logits [N, V] of the rows that sample."""
+        to = self._to_device
         batch = len(inputs["seq_lens"])
+        token_ids = self._input_ids(inputs)
         if not inputs["is_prefill"] and self.graphs and batch <= max(self.graphs):
-            hidden = self._replay(inputs)
+            hidden = self._replay(inputs, token_ids)
         else:
             context = Context(inputs["is_prefill"], to(inputs["slot_mapping"]), to(inputs["seq_lens"]),
                               to(inputs["block_tables"]), to(inputs["cu_seqlens_q"]), inputs["max_q_len"], inputs["max_seq_len"])
-            hidden = self._forward(to(inputs["token_ids"]), to(inputs["positions"]), context)
+            hidden = self._forward(token_ids, to(inputs["positions"]), context)
         return self.model.compute_logits(hidden[to(inputs["logit_rows"])])
 
     @torch.inference_mode()
@@ -189,48 +236,47 @@ class ModelRunner:
             self.graphs[batch] = graph
             torch.cuda.synchronize(d)
 
-    def _replay(self, inputs: dict) -> torch.Tensor:
+    def _replay(self, inputs: dict, token_ids: torch.Tensor) -> torch.Tensor:
         batch = len(inputs["seq_lens"])
         g = self.graph_inputs
         g["slot_mapping"].fill_(-1)
         g["seq_lens"].fill_(1)
         g["block_tables"].zero_()
-        for name in ("token_ids", "positions", "slot_mapping", "seq_lens"):
-            g[name][:batch].copy_(inputs[name], non_blocking=True)
-        g["block_tables"][:batch, : inputs["block_tables"].shape[1]].copy_(inputs["block_tables"], non_blocking=True)
+        g["token_ids"][:batch].copy_(token_ids)
+        for name in ("positions", "slot_mapping", "seq_lens"):
+            g[name][:batch].copy_(self._to_device(inputs[name]))
+        g["block_tables"][:batch, : inputs["block_tables"].shape[1]].copy_(self._to_device(inputs["block_tables"]))
         self.graphs[self._graph_batch(batch)].replay()
         return self.graph_output[:batch]
 
     # ---- sampling (rank 0)
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence], seeds: list[int]) -> tuple[list[int], list[float] | None]:
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], seeds: list[int]) -> "SampledTokens":
+        """Sample each row (no host sync); the ids and, when asked, logprobs head to the host."""
         params = [seq.params for seq in seqs]
-        d = logits.device
-        ids = ops().sample(
-            logits,
-            torch.tensor([p.temperature for p in params], dtype=torch.float32, device=d),
-            torch.tensor([p.top_k for p in params], dtype=torch.int32, device=d),
-            torch.tensor([p.top_p for p in params], dtype=torch.float32, device=d),
-            torch.tensor([p.min_p for p in params], dtype=torch.float32, device=d),
-            torch.tensor(seeds, dtype=torch.int64, device=d),
-        )
-        logprobs = None
-        if any(p.logprobs for p in params):
-            logprobs = ops().compute_logprobs(logits, ids).tolist()
-        return ids.tolist(), logprobs
+        floats = self._to_device(torch.tensor([[p.temperature for p in params], [p.top_p for p in params],
+                                               [p.min_p for p in params]], dtype=torch.float32))
+        ints = self._to_device(torch.tensor([[p.top_k for p in params], seeds], dtype=torch.int64))
+        ids = ops().sample(logits, floats[0], ints[0].to(torch.int32), floats[1], floats[2], ints[1])
+        logprobs = ops().compute_logprobs(logits, ids) if any(p.logprobs for p in params) else None
+        return SampledTokens(ids, logprobs)
 
     # ---- tensor-parallel driving
 
-    def step(self, seqs, num_new, is_prefill, seeds):
-        """Rank 0: run one step on every rank; returns the sampled ids and logprobs of the sampling rows."""
+    def launch(self, seqs, num_new, is_prefill, seeds) -> "SampledTokens | None":
+        """Rank 0: start one step on every rank; returns its sampled tokens (None if no row samples)
+        without waiting for them. Their ids stay on the GPU as the next step's pending inputs."""
         inputs = self.prepare(seqs, num_new, is_prefill)
         if self.world_size > 1:
             dist.broadcast_object_list([("execute", inputs)], src=0)
         logits = self.execute(inputs)
-        need = inputs["need_logits"]
-        if not any(need):
-            return [], None
-        return self.sample(logits, [q for q, n in zip(seqs, need) if n], [s for s, n in zip(seeds, need) if n])
+        sampling = [seq for seq, need in zip(seqs, inputs["need_logits"]) if need]
+        self.last_sample_rows = {seq.seq_id: row for row, seq in enumerate(sampling)}
+        if not sampling:
+            return None
+        sampled = self.sample(logits, sampling, [s for s, need in zip(seeds, inputs["need_logits"]) if need])
+        self.last_samples = sampled.ids
+        return sampled
 
     def worker_loop(self) -> None:
         """Ranks > 0: run what rank 0 broadcasts until it says exit."""

@@ -1,8 +1,13 @@
-"""Continuous batching: chunked prefill under a token budget, decode otherwise, preemption by recompute."""
+"""Continuous batching: chunked prefill under a token budget, decode otherwise, preemption by recompute.
+
+The engine schedules step N + 1 before step N's sampled tokens reach the host: `launched` appends
+a PENDING placeholder for each token a step samples, `resolve` fills them in later. A sequence
+that a step-N token finishes (EOS, stop token) has already run in step N + 1: that row is dropped.
+"""
 from collections import deque
 
 from tritonllm.engine.block_manager import BlockManager
-from tritonllm.engine.sequence import Sequence, SequenceStatus
+from tritonllm.engine.sequence import PENDING, Sequence, SequenceStatus
 
 
 class Scheduler:
@@ -48,9 +53,12 @@ class Scheduler:
         return seqs, num_new
 
     def _schedule_decode(self) -> list[Sequence]:
-        scheduled = []
+        scheduled, held = [], []
         while self.running:
             seq = self.running.popleft()
+            if seq.num_completion_tokens >= seq.params.max_tokens:
+                held.append(seq)  # its last token is pending: it finishes when that arrives
+                continue
             while not self.block_manager.can_append(seq):
                 if self.running:
                     self._preempt(self.running.pop())
@@ -60,7 +68,7 @@ class Scheduler:
             else:
                 self.block_manager.append_slot(seq)
                 scheduled.append(seq)
-        self.running.extend(scheduled)
+        self.running.extend(scheduled + held)
         return scheduled
 
     def _preempt(self, seq: Sequence) -> None:
@@ -70,34 +78,49 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 
-    def postprocess(self, seqs: list[Sequence], num_new: list[int], token_ids: list[int | None]) -> list[Sequence]:
-        """Account the computed tokens, append the sampled ones, stop finished sequences; returns those."""
-        finished = []
+    def launched(self, seqs: list[Sequence], num_new: list[int]) -> list[tuple[Sequence, int]]:
+        """Account a step just launched: its computed tokens, and a PENDING placeholder for each token
+        it samples. Returns (sequence, index of the placeholder) per sampled row, in row order."""
+        rows = []
         for i, seq in enumerate(seqs):
             seq.num_computed_tokens = len(seq) if not num_new else seq.num_computed_tokens + num_new[i]
-            self.block_manager.register_computed_blocks(seq)
-            token = token_ids[i]
-            if token is None:  # a prefill chunk that did not reach the end of the prompt
+            if seq.num_computed_tokens == len(seq):  # reached the end: a token was sampled
+                rows.append((seq, len(seq)))
+                seq.token_ids.append(PENDING)
+        return rows
+
+    def resolve(self, rows: list[tuple[Sequence, int]], token_ids: list[int]) -> list[Sequence]:
+        """Fill in a step's sampled tokens (rows as `launched` returned them); finish the sequences
+        they end. Returns the sequences that got their token, skipping rows of sequences that
+        finished since the step was launched."""
+        resolved = []
+        for (seq, index), token in zip(rows, token_ids):
+            if index >= len(seq):  # the sequence stopped before this token
                 continue
-            seq.token_ids.append(token)
-            reason = self._finish_reason(seq, token)
+            seq.token_ids[index] = token
+            self.block_manager.register_computed_blocks(seq)
+            resolved.append(seq)
+            reason = self._finish_reason(seq, index)
             if reason:
                 self.finish(seq, reason)
-                finished.append(seq)
-        return finished
+        return resolved
 
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        params = seq.params
-        if seq.num_completion_tokens >= params.max_tokens:
+    def _finish_reason(self, seq: Sequence, index: int) -> str | None:
+        params, token = seq.params, seq.token_ids[index]
+        num_completion = index + 1 - seq.num_prompt_tokens
+        if num_completion >= params.max_tokens:
             return "length"
-        if seq.num_completion_tokens <= params.min_tokens:
+        if num_completion <= params.min_tokens:
             return None
         if (not params.ignore_eos and token in self.eos_ids) or token in params.stop_token_ids:
             return "stop"
         return None
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Stop seq from outside (a stop string found in its text)."""
+        """Stop seq (also from outside: a stop string found in its text); tokens still pending after
+        its last known one are dropped."""
+        while seq.token_ids[-1] == PENDING:
+            seq.token_ids.pop()
         seq.finish_reason, seq.status = reason, SequenceStatus.FINISHED
         self.block_manager.deallocate(seq)
-        self.running.remove(seq)
+        (self.running if seq in self.running else self.waiting).remove(seq)

@@ -3,6 +3,8 @@ from itertools import count
 
 from tritonllm.sampling_params import SamplingParams
 
+PENDING = -1  # a sampled token still on its way from the GPU (the engine runs one step ahead)
+
 
 class SequenceStatus(Enum):
     WAITING = auto()
@@ -35,10 +37,15 @@ class Sequence:
 
     @property
     def completion_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        """The sampled tokens known on the host (without trailing PENDING placeholders)."""
+        ids = self.token_ids[self.num_prompt_tokens:]
+        while ids and ids[-1] == PENDING:
+            ids.pop()
+        return ids
 
     @property
     def num_completion_tokens(self) -> int:
+        """Sampled tokens, those still pending included."""
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
