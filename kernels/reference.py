@@ -133,7 +133,8 @@ def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale=None):
 def sampling_probs(logits, temperature, top_k, top_p, min_p):
     """The exact distribution `sample` draws from, [B, V] float64, zero outside the allowed set.
 
-    Rows with temperature 0 put all mass on the argmax (lowest index on ties). The filters are
+    Rows with temperature 0 put all mass on the argmax (lowest index on ties), and so do rows
+    holding +inf (their mass sits on the +inf logits; the first wins, as greedy). The filters are
     thresholds: top-k keeps tokens at or above the k-th largest probability; top-p keeps, on the
     top-k set renormalized, tokens at or above the probability where the most-likely-first
     cumulative mass reaches top_p; min-p keeps tokens with p >= min_p * p_max.
@@ -143,7 +144,7 @@ def sampling_probs(logits, temperature, top_k, top_p, min_p):
     for b in range(batch):
         row = logits[b].double()
         t = float(temperature[b])
-        if t == 0:
+        if t == 0 or bool((row == float("inf")).any()):
             out[b, int(torch.argmax(row))] = 1.0
             continue
         probs = torch.softmax(row / t, dim=-1)
@@ -174,9 +175,11 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds=None):
     batch, vocab = logits.shape
     x = logits.to(_compute_dtype(logits.dtype))
     x = x.masked_fill(x.isnan(), float("-inf"))
-    greedy = temperature <= 0
+    has_inf = (x == float("inf")).any(-1)
+    greedy = (temperature <= 0) | has_inf  # a +inf row returns its first +inf logit
     t = torch.where(greedy, torch.ones_like(temperature), temperature).to(x.dtype)
-    probs, order = torch.softmax(x / t[:, None], dim=-1).sort(dim=-1, descending=True)
+    finite = x.masked_fill(has_inf[:, None], 0.0)  # keeps softmax a number on the +inf rows (unused there)
+    probs, order = torch.softmax(finite / t[:, None], dim=-1).sort(dim=-1, descending=True)
     k = torch.where((top_k > 0) & (top_k < vocab), top_k, torch.full_like(top_k, vocab)).long()
     keep = probs >= probs.gather(1, k[:, None] - 1)  # a prefix of the sorted row (ties included)
     kept = probs * keep

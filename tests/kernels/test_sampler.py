@@ -56,12 +56,12 @@ def replica(x, threshold, temperature, seeds):
     return tokens[np.argmax((x[tokens] - x.max()) * inv_t + noise, axis=1)]
 
 
-def draws(logits_row, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, n=DRAWS):
+def draws(logits_row, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, n=DRAWS, config=None):
     """n draws for one row of logits [V] under the given filters, one seed each (see the module doc)."""
     batch = min(n, KERNEL_DRAWS)
     seeds = torch.arange(batch, device=DEVICE) * 1_000_003 - 2**40
     ids, thr = sample_with_threshold(logits_row.expand(batch, -1).contiguous(),
-                                     *params(batch, temperature, top_k, top_p, min_p), seeds)
+                                     *params(batch, temperature, top_k, top_p, min_p), seeds, config=config)
     assert (thr == thr[0]).all()
     ids = ids.cpu().numpy()
     x = logits_row.float().nan_to_num(nan=-math.inf).cpu().numpy()
@@ -87,7 +87,7 @@ def assert_frequencies(ids, probs):
 
 def assert_allowed_sets(logits, thr, probs):
     """Per sampled row, {x >= T} is exactly the support of sampling_probs."""
-    x = logits.float().nan_to_num(nan=-math.inf)
+    x = logits.float().nan_to_num(nan=-math.inf, neginf=-math.inf)  # (nan_to_num's default makes -inf finite)
     for b in range(logits.shape[0]):
         mine, oracle = x[b] >= thr[b], probs[b] > 0
         assert torch.equal(mine, oracle), f"row {b}: {int(mine.sum())} allowed, oracle {int(oracle.sum())}"
@@ -235,19 +235,93 @@ def test_scratch_overflow_path_matches_candidate_path():
     # CAP 16 sends most rows through the row-search path and makes rows with top-k use the lane
     # bound; tokens and allowed sets must not change.
     gen = torch.Generator().manual_seed(2)
-    batch, vocab = 5, 1000
+    batch, vocab = 7, 1000
     logits = (torch.randn(batch, vocab, generator=gen) * 2).to(DEVICE)
     logits[4] = torch.linspace(-3, 3, vocab)  # the top 40 sit in distinct lanes: the lane bound is tight
-    temperature, top_k, top_p, min_p = params(batch, 1.0, [0, 40, 0, 200, 40], [0.5, 0.9, 1.0, 0.95, 0.9],
-                                               [0.0, 0.0, 0.02, 0.0, 0.0])
+    logits[5:] = 1.0  # one tie over the row: the row search closes at once, nothing to copy
+    temperature, top_k, top_p, min_p = params(batch, 1.0, [0, 40, 0, 200, 40, 0, 10],
+                                               [0.5, 0.9, 1.0, 0.95, 0.9, 0.5, 0.3], [0, 0, 0.02, 0, 0, 0, 0])
     seeds = torch.arange(batch, device=DEVICE) + 100
     args = (logits, temperature, top_k, top_p, min_p, seeds)
     ids, thr = sample_with_threshold(*args)
     assert_allowed_sets(logits, thr, reference.sampling_probs(logits, temperature, top_k, top_p, min_p))
-    for config in ({"BLOCK": 128, "CAP": 16, "num_warps": 4}, {"BLOCK": 256, "CAP": 1024, "num_warps": 4}):
+    for config in ({"BLOCK": 128, "CAP": 16, "num_warps": 4}, {"BLOCK": 256, "CAP": 1024, "num_warps": 4},
+                   {"BLOCK": 128, "CAP": 1, "num_warps": 4}):  # CAP 1: the row search runs to the end
         other_ids, other_thr = sample_with_threshold(*args, config=config)
         assert torch.equal(ids, other_ids), config
         assert torch.equal(logits >= thr[:, None], logits >= other_thr[:, None]), config
+
+
+def test_overflow_path_frequencies():
+    # Top-p alone on flat logits keeps ~85% of 1000 tokens, far more than CAP 128: the search narrows
+    # over the row until the bracket fits the scratch, ends there, and the race runs over the row.
+    x = flat_row(1000, scale=0.5)
+    probs = reference.sampling_probs(x[None], *params(1, 0.8, 0, 0.95))[0]
+    assert int((probs > 0).sum()) > 500
+    config = {"BLOCK": 256, "CAP": 128, "num_warps": 4}
+    assert_frequencies(draws(x, 0.8, 0, 0.95, config=config), probs)
+
+
+def extreme_rows(vocab=2000):
+    """Rows the value-spaced pivots handle badly: masked tokens at the float32 minimum, values over
+    many decades on both sides of 0, bfloat16 ties, and integers with +-0. Returns (rows [4, vocab],
+    the filters of each as (top_k, top_p) pairs: top-p only where float32 masses tell values apart;
+    the float64 reference ties values whose probabilities round equal, so none are below 1e-15)."""
+    gen = torch.Generator().manual_seed(5)
+    base = torch.randn(4, vocab, generator=gen)
+    rows = base.clone()
+    rows[0] = torch.where(torch.rand(vocab, generator=gen) < 0.3, torch.finfo(torch.float32).min, 3 * base[0])
+    rows[1] = base[1].sign() * 10 ** (torch.rand(vocab, generator=gen) * 16.5 - 15)
+    rows[2] = (4 * base[2]).bfloat16().float()
+    rows[3] = (base[3] * 2).round() * 0.5  # -0.0 where base rounds to -0
+    filters = [[(0, 0.9), (100, 0.95), (1000, 1.0)], [(10, 1.0), (500, 1.0), (1500, 1.0)],
+               [(50, 1.0), (0, 0.9), (300, 0.5)], [(300, 1.0), (1, 1.0)]]
+    return rows.to(DEVICE), filters
+
+
+@pytest.mark.parametrize("config", [None, {"BLOCK": 256, "CAP": 64, "num_warps": 4},
+                                    {"BLOCK": 128, "CAP": 512, "num_warps": 4}])
+def test_allowed_sets_on_extreme_values(config):
+    # CAP 64: most rows overflow the scratch and search the row; CAP 512: top-k <= 128 rows use the lane bound.
+    rows, filters = extreme_rows()
+    picks = [(b, k, p) for b in range(len(rows)) for k, p in filters[b]]
+    logits = torch.stack([rows[b] for b, _, _ in picks])
+    temperature, top_k, top_p, min_p = params(len(picks), 1.0, [k for _, k, _ in picks], [p for _, _, p in picks])
+    ids, thr = sample_with_threshold(logits, temperature, top_k, top_p, min_p, torch.arange(len(picks), device=DEVICE),
+                                     config=config)
+    probs = reference.sampling_probs(logits, temperature, top_k, top_p, min_p)
+    assert_allowed_sets(logits, thr, probs)
+    assert (probs[torch.arange(len(picks)), ids] > 0).all()
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered")  # inf - inf, computed and then discarded
+@pytest.mark.parametrize("config", [None, {"BLOCK": 128, "CAP": 128, "num_warps": 4}])
+def test_infinite_logits(config):
+    # +inf takes all the mass: a row holding it returns its first +inf, greedy or sampled, filtered
+    # or not, with T = +inf. Without +inf, NaN and -inf logits are never drawn nor allowed (T > -inf).
+    x = flat_row(1000)
+    x[[3, 500]] = math.nan
+    x[[10, 700]] = -math.inf
+    with_inf = x.clone()
+    with_inf[[600, 900]] = math.inf  # in different 128-wide tiles
+    x[[600, 900]] = -math.inf
+    finite = int(x.isfinite().sum())
+    # (temperature, top_k, top_p, min_p) of each row: every path of the kernel
+    rows = [(0.0, 0, 1.0, 0.0), (1.0, 0, 1.0, 0.0), (1.0, 20, 1.0, 0.0), (1.0, 0, 0.9, 0.0), (1.0, 0, 1.0, 0.1),
+            (0.8, 50, 0.9, 0.05), (1.0, finite + 2, 1.0, 0.0), (1.0, finite + 2, 0.99, 0.0)]
+    temperature, top_k, top_p, min_p = (torch.tensor(column, device=DEVICE) for column in zip(*rows))
+    seeds = torch.arange(len(rows), device=DEVICE)
+    ids, thr = sample_with_threshold(with_inf.expand(len(rows), -1).contiguous(), temperature, top_k, top_p, min_p,
+                                     seeds, config=config)
+    assert ids.tolist() == [600] * len(rows)
+    assert (thr == math.inf).all()
+
+    logits = x.expand(len(rows), -1).contiguous()
+    ids, thr = sample_with_threshold(logits, temperature, top_k, top_p, min_p, seeds, config=config)
+    probs = reference.sampling_probs(logits.nan_to_num(nan=-math.inf, neginf=-math.inf), temperature, top_k, top_p,
+                                     min_p)
+    assert (probs[torch.arange(len(rows)), ids] > 0).all()
+    assert_allowed_sets(logits[2:], thr[2:], probs[2:])  # row 0's T is the max, row 1's -inf (no filter)
 
 
 def test_seeds():
