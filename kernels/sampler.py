@@ -421,10 +421,9 @@ def _sample_space(dtype, batch, vocab):
 
 
 def _sample_default(dtype, batch, vocab):
-    # Many rows: 2048-wide tiles keep ~100 registers a thread, two programs an SM. Few rows leave
-    # SMs idle anyway: wider tiles and more warps put more loads in flight for each row.
-    block = min(2048 if batch > 32 else 4096, max(vocab, 128))
-    return {"BLOCK": block, "CAP": min(4096, vocab), "num_warps": 16 if block >= 4096 else 8}
+    # What the H200 sweep picked for B 1, 32 and 256 (bench/NOTES-sampler.md): 2048-wide tiles;
+    # 8 warps while rows are few (more loads in flight per row), 4 once two programs share an SM.
+    return {"BLOCK": min(2048, max(vocab, 128)), "CAP": min(4096, vocab), "num_warps": 4 if batch > 128 else 8}
 
 
 _TUNING = Tunable("sample", _sample_space, _sample_default)

@@ -69,6 +69,8 @@ class ModelRunner:
             load_weights(self.model, config.model)
         self.block_size = config.kv_block_size
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
+        if self.device.type == "cuda" and self.rank == 0:
+            self._compile_sampler()  # before the KV cache is sized: its scratch is gone by then
         self.num_kv_blocks = self._allocate_kv_cache()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.last_sample_rows: dict[int, int] = {}  # seq_id -> row of the last launched step's samples
@@ -250,6 +252,20 @@ class ModelRunner:
         return self.graph_output[:batch]
 
     # ---- sampling (rank 0)
+
+    @torch.inference_mode()
+    def _compile_sampler(self) -> None:
+        """Sample once per batch-size bucket of the sampler's configs (powers of two up to
+        max_num_seqs), so no Triton compile (seconds each) lands in the middle of serving."""
+        max_bs = self.config.max_num_seqs
+        vocab = self.hf_config.vocab_size
+        for batch in sorted({min(1 << i, max_bs) for i in range(max_bs.bit_length() + 1)}):
+            logits = torch.zeros(batch, vocab, device=self.device)
+            ones = torch.ones(batch, device=self.device)
+            top_k, seeds = (50 * ones).to(torch.int32), ones.to(torch.int64)
+            ids = ops().sample(logits, ones, top_k, 0.9 * ones, 0.05 * ones, seeds)
+            ops().compute_logprobs(logits, ids)
+        torch.cuda.synchronize(self.device)
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence], seeds: list[int]) -> "SampledTokens":
         """Sample each row (no host sync); the ids and, when asked, logprobs head to the host."""
