@@ -147,9 +147,7 @@ class LLM:
         """Launch the next step, then bring in the previous step's sampled tokens while the GPU runs
         this one, so the GPU does not wait on Python between steps. Returns (sequences that got a
         token, tokens the launched step computes, whether it is a prefill)."""
-        dead = [(rank, p.exitcode) for rank, p in enumerate(self._workers, start=1) if not p.is_alive()]
-        if dead:  # a collective with a dead rank would wait forever
-            raise RuntimeError(f"tensor-parallel worker(s) exited: {', '.join(f'rank {r} (exit code {c})' for r, c in dead)}")
+        self._check_workers()
         seqs, num_new, is_prefill = self.scheduler.schedule()
         if not seqs and self._in_flight is None:
             raise RuntimeError("the scheduler found nothing to run: the KV cache is too small for the waiting requests")
@@ -162,12 +160,18 @@ class LLM:
         self._in_flight = launched
         return resolved, sum(num_new) if is_prefill else len(seqs), is_prefill
 
+    def _check_workers(self) -> None:
+        """Raise if a tensor-parallel worker has exited: a collective with a dead rank would wait forever."""
+        dead = [(rank, p.exitcode) for rank, p in enumerate(self._workers, start=1) if not p.is_alive()]
+        if dead:
+            raise RuntimeError(f"tensor-parallel worker(s) exited: {', '.join(f'rank {r} (exit code {c})' for r, c in dead)}")
+
     def _resolve(self, in_flight) -> list[Sequence]:
         """Wait for a launched step's sampled tokens and hand them to the scheduler."""
         if in_flight is None:
             return []
         rows, sampled = in_flight
-        token_ids, logprobs = sampled.result()
+        token_ids, logprobs = sampled.result(self._check_workers if self._workers else None)
         resolved = self.scheduler.resolve(rows, token_ids)
         if logprobs is not None:
             by_seq = {seq.seq_id: lp for (seq, _), lp in zip(rows, logprobs)}
@@ -256,7 +260,7 @@ class LLM:
         if getattr(self, "_closed", True):
             return
         self._closed = True
-        self.runner.shutdown(notify_workers=all(p.is_alive() for p in self._workers))
+        self.runner.shutdown(peers_alive=all(p.is_alive() for p in self._workers))
         for process in self._workers:
             process.join(timeout=30)
             if process.is_alive():

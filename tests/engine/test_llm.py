@@ -138,6 +138,22 @@ def test_a_dead_tensor_parallel_worker_is_an_error(tiny_qwen3):
     assert not torch.distributed.is_initialized()
 
 
+def test_a_worker_killed_during_generate_is_an_error(tiny_qwen3):
+    """The worker dies while steps it must join are in flight (collectives it never enters): rank 0
+    raises instead of waiting forever, and closing the LLM still releases the process group."""
+    if torch.cuda.is_available() and torch.cuda.device_count() < 2:
+        pytest.skip("TP=2 on GPUs needs two of them; on CPU it runs under gloo")
+    llm = LLM(str(tiny_qwen3), **SMALL, tensor_parallel_size=2, num_kv_blocks=64)
+    outputs = llm.stream(PROMPTS, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    next(outputs)
+    llm._workers[0].kill()
+    with pytest.raises(RuntimeError):
+        for _ in outputs:
+            pass
+    llm.close()
+    assert not torch.distributed.is_initialized()
+
+
 @pytest.mark.parametrize("options, match", [
     ({"max_num_seqs": 0}, "max_num_seqs"), ({"kv_block_size": 24}, "kv_block_size"), ({"dtype": "int8"}, "dtype"),
     ({"max_model_len": 10**6}, "max_model_len"), ({"tensor_parallel_size": 3}, "tensor_parallel_size"),

@@ -3,6 +3,8 @@
 Rank 0 builds each step's inputs on the host and broadcasts them; every rank runs the same
 forward on its shards; rank 0 samples. Ranks > 0 sit in `worker_loop` until told to exit.
 """
+import time
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -48,9 +50,15 @@ class SampledTokens:
             self._copied.record()
         self.has_logprobs = logprobs is not None
 
-    def result(self) -> tuple[list[int], list[float] | None]:
-        if self._copied is not None:
+    def result(self, check=None) -> tuple[list[int], list[float] | None]:
+        """The ids and logprobs as lists. While the copy is not done, `check()` (if given) runs every
+        0.1 ms: it raises when a tensor-parallel worker died, whose collectives would never finish."""
+        if self._copied is not None and check is None:
             self._copied.synchronize()
+        elif self._copied is not None:
+            while not self._copied.query():
+                check()
+                time.sleep(1e-4)
         values = [t.tolist() for t in self._host]
         return values[0], values[1] if self.has_logprobs else None
 
@@ -305,10 +313,16 @@ class ModelRunner:
             self.execute(inputs)
         self.shutdown()
 
-    def shutdown(self, notify_workers: bool = True) -> None:
+    def shutdown(self, peers_alive: bool = True) -> None:
         """Release the graphs and the process group; rank 0 first tells live workers to exit."""
-        if self.rank == 0 and self.world_size > 1 and notify_workers:
+        if self.rank == 0 and self.world_size > 1 and peers_alive:
             dist.broadcast_object_list([("exit", None)], src=0)
         self.graphs.clear()
-        if dist.is_initialized():
+        if not dist.is_initialized():
+            return
+        if not peers_alive and dist.get_backend() == "nccl":
+            # Collectives with the dead rank never finish and destroying the group would wait on
+            # them: abort it (a private but documented torch API, NCCL only).
+            dist.distributed_c10d._abort_process_group()
+        else:
             dist.destroy_process_group()
