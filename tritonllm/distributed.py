@@ -10,6 +10,9 @@ import torch
 import torch.distributed as dist
 
 
+_control_group = None  # gloo group over the same ranks, for host objects (each step's inputs)
+
+
 def tp_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
@@ -35,9 +38,33 @@ def init_distributed(rank: int, world_size: int, device: str, init_method: str |
         raise RuntimeError(f"a process group of {dist.get_world_size()} ranks is still open: close() the "
                            f"tensor-parallel LLM before making one with tensor_parallel_size={world_size}")
     if world_size > 1 and not dist.is_initialized():
+        global _control_group
         backend = "gloo" if device == "cpu" else "nccl"
         dist.init_process_group(backend, init_method=init_method or "env://", rank=rank, world_size=world_size)
+        # Objects broadcast over NCCL go through GPU tensors and a stream sync: rank 0 would wait for
+        # the running step, and forever if a peer died. Over gloo they stay on the host.
+        _control_group = dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
     return torch.device(device)
+
+
+def broadcast_object(obj=None):
+    """Rank 0's `obj` on every rank, sent over the host (gloo); a dead peer makes it raise."""
+    message = [obj]
+    dist.broadcast_object_list(message, src=0, group=_control_group)
+    return message[0]
+
+
+def close_distributed(peers_alive: bool = True) -> None:
+    """Leave the process groups. Collectives with a dead peer never finish on NCCL and destroying the
+    group would wait on them, so then the groups are aborted (a private torch API, NCCL only)."""
+    global _control_group
+    if not dist.is_initialized():
+        return
+    if not peers_alive and dist.get_backend() == "nccl":
+        dist.distributed_c10d._abort_process_group()
+    else:
+        dist.destroy_process_group()
+    _control_group = None
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:

@@ -152,16 +152,23 @@ class LLM:
         if not seqs and self._in_flight is None:
             raise RuntimeError("the scheduler found nothing to run: the KV cache is too small for the waiting requests")
         launched = None
-        if seqs:
-            sampled = self.runner.launch(seqs, num_new, is_prefill, [self._seed(seq) for seq in seqs])
-            rows = self.scheduler.launched(seqs, num_new)
-            launched = (rows, sampled) if sampled is not None else None
-        resolved = self._resolve(self._in_flight)
+        try:
+            if seqs:
+                sampled = self.runner.launch(seqs, num_new, is_prefill, [self._seed(seq) for seq in seqs])
+                rows = self.scheduler.launched(seqs, num_new)
+                launched = (rows, sampled) if sampled is not None else None
+            resolved = self._resolve(self._in_flight)
+        except RuntimeError:  # a collective fails when a worker dies in it: name the worker
+            self._check_workers(wait=1.0)
+            raise
         self._in_flight = launched
         return resolved, sum(num_new) if is_prefill else len(seqs), is_prefill
 
-    def _check_workers(self) -> None:
-        """Raise if a tensor-parallel worker has exited: a collective with a dead rank would wait forever."""
+    def _check_workers(self, wait: float = 0.0) -> None:
+        """Raise if a tensor-parallel worker has exited (within `wait` seconds each): a collective with
+        a dead rank would wait forever."""
+        for process in self._workers if wait else ():
+            process.join(wait)
         dead = [(rank, p.exitcode) for rank, p in enumerate(self._workers, start=1) if not p.is_alive()]
         if dead:
             raise RuntimeError(f"tensor-parallel worker(s) exited: {', '.join(f'rank {r} (exit code {c})' for r, c in dead)}")

@@ -147,7 +147,7 @@ def test_a_worker_killed_during_generate_is_an_error(tiny_qwen3):
     outputs = llm.stream(PROMPTS, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     next(outputs)
     llm._workers[0].kill()
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="rank 1"):
         for _ in outputs:
             pass
     llm.close()

@@ -5,7 +5,7 @@ import torch.multiprocessing as mp
 from model_utils import allocate_kv_cache, run_step
 from transformers.models.qwen3 import Qwen3ForCausalLM as HFQwen3
 
-from tritonllm.distributed import free_port, init_distributed
+from tritonllm.distributed import close_distributed, free_port, init_distributed
 from tritonllm.loader import build_model, init_dummy_weights, load_config, load_weights
 from tritonllm.models.presets import PRESETS, preset_config
 
@@ -135,7 +135,7 @@ def tp_worker(rank, world_size, port, path, out_file):
     assert (logits is None) == (rank != 0)
     if rank == 0:
         torch.save(logits.cpu(), out_file)
-    torch.distributed.destroy_process_group()
+    close_distributed()
 
 
 @pytest.fixture(scope="module")

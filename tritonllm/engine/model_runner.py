@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from tritonllm.config import EngineConfig
 from tritonllm.context import Context, set_context
-from tritonllm.distributed import init_distributed
+from tritonllm.distributed import broadcast_object, close_distributed, init_distributed
 from tritonllm.engine.sequence import PENDING, Sequence
 from tritonllm.layers.attention import Attention, allocate_kv_caches
 from tritonllm.layers.ops import ops, use_kernels
@@ -292,7 +292,7 @@ class ModelRunner:
         without waiting for them. Their ids stay on the GPU as the next step's pending inputs."""
         inputs = self.prepare(seqs, num_new, is_prefill)
         if self.world_size > 1:
-            dist.broadcast_object_list([("execute", inputs)], src=0)
+            broadcast_object(("execute", inputs))
         logits = self.execute(inputs)
         sampling = [seq for seq, need in zip(seqs, inputs["need_logits"]) if need]
         self.last_sample_rows = {seq.seq_id: row for row, seq in enumerate(sampling)}
@@ -305,9 +305,7 @@ class ModelRunner:
     def worker_loop(self) -> None:
         """Ranks > 0: run what rank 0 broadcasts until it says exit."""
         while True:
-            message = [None]
-            dist.broadcast_object_list(message, src=0)
-            method, inputs = message[0]
+            method, inputs = broadcast_object()
             if method == "exit":
                 break
             self.execute(inputs)
@@ -316,13 +314,6 @@ class ModelRunner:
     def shutdown(self, peers_alive: bool = True) -> None:
         """Release the graphs and the process group; rank 0 first tells live workers to exit."""
         if self.rank == 0 and self.world_size > 1 and peers_alive:
-            dist.broadcast_object_list([("exit", None)], src=0)
+            broadcast_object(("exit", None))
         self.graphs.clear()
-        if not dist.is_initialized():
-            return
-        if not peers_alive and dist.get_backend() == "nccl":
-            # Collectives with the dead rank never finish and destroying the group would wait on
-            # them: abort it (a private but documented torch API, NCCL only).
-            dist.distributed_c10d._abort_process_group()
-        else:
-            dist.destroy_process_group()
+        close_distributed(peers_alive)
