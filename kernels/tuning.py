@@ -22,7 +22,7 @@ CONFIG_DIR = Path(__file__).with_name("configs")
 REGISTRY: dict[str, "Tunable"] = {}
 
 _table: dict[str, dict[str, dict]] | None = None  # kernel name -> bucket key -> config
-_tuning_run = False  # set by start_tuning(): every bucket is tuned afresh on first use
+_tuning: set[str] = set()  # kernels whose buckets are tuned afresh on first use (start_tuning)
 
 
 def pow2(n: int) -> int:
@@ -57,12 +57,14 @@ def tuned_table() -> dict[str, dict[str, dict]]:
     return _table
 
 
-def start_tuning():
-    """Forget the loaded configs and tune every bucket on its first call (bench/kernels.py)."""
-    global _table, _tuning_run
+def start_tuning(names) -> None:
+    """Forget the loaded configs of the kernels named and tune each of their buckets on its first
+    call (bench/kernels.py). Other kernels, e.g. those an anchor calls, keep their tuned configs."""
     if INTERPRET:
         raise RuntimeError("tuning needs a GPU: Triton's interpreter cannot time kernels")
-    _table, _tuning_run = {}, True
+    for name in names:
+        tuned_table().pop(name, None)
+    _tuning.update(names)
 
 
 def save(path: Path | None = None) -> Path:
@@ -81,8 +83,8 @@ def save(path: Path | None = None) -> Path:
     return path
 
 
-def autotune_enabled() -> bool:
-    return (_tuning_run or os.environ.get("TRITONLLM_AUTOTUNE") == "1") and not INTERPRET
+def autotune_enabled(name: str) -> bool:
+    return (name in _tuning or os.environ.get("TRITONLLM_AUTOTUNE") == "1") and not INTERPRET
 
 
 class Tunable:
@@ -105,7 +107,7 @@ class Tunable:
         tuned = tuned_table().get(self.name, {}).get(self.last_key)
         if tuned is not None:
             return tuned
-        if launch is not None and autotune_enabled():
+        if launch is not None and autotune_enabled(self.name):
             return self.tune(bucket, launch, restore)[0][0]
         return self.default(*bucket)
 

@@ -57,6 +57,14 @@ def test_save_merges_with_the_file(tuned_file):
 def test_interpreter_never_tunes(monkeypatch):
     monkeypatch.setenv("TRITONLLM_AUTOTUNE", "1")
     monkeypatch.setattr(tuning, "INTERPRET", True)
-    assert not tuning.autotune_enabled()
+    assert not tuning.autotune_enabled("sample")
     with pytest.raises(RuntimeError, match="GPU"):
-        tuning.start_tuning()
+        tuning.start_tuning(["sample"])
+
+
+def test_tuning_run_forgets_only_the_kernels_it_tunes(tuned_file, monkeypatch):
+    monkeypatch.setattr(tuning, "_tuning", set())
+    tuned_file.write_text(json.dumps({"gpu": "x", "triton": "y", "kernels": {"a": {"1": {"X": 1}}, "b": {"2": {"Y": 2}}}}))
+    tuning.start_tuning(["a"])
+    assert tuning.tuned_table() == {"b": {"2": {"Y": 2}}}
+    assert tuning.autotune_enabled("a") and not tuning.autotune_enabled("b")
