@@ -1,8 +1,8 @@
 """The public API: LLM(model).generate / stream / chat."""
-import atexit
 import os
 import random
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -48,6 +48,15 @@ def _worker(config: EngineConfig, hf_config, rank: int, init_method: str) -> Non
     ModelRunner(config, hf_config, rank, init_method).worker_loop()
 
 
+def _shut_down(runner: ModelRunner, workers: list) -> None:
+    """Stop the workers (killed if they do not exit within 30 s) and leave the process group."""
+    runner.shutdown(peers_alive=all(p.is_alive() for p in workers))
+    for process in workers:
+        process.join(timeout=30)
+        if process.is_alive():
+            process.kill()
+
+
 class LLM:
     """An offline engine for one model. `model`: a checkpoint folder or a preset name (load_format="dummy").
 
@@ -77,7 +86,12 @@ class LLM:
                 process = context.Process(target=_worker, args=(config, hf_config, worker_rank, init_method), daemon=True)
                 process.start()
                 self._workers.append(process)
-        self.runner = ModelRunner(config, hf_config, rank, init_method)
+        try:
+            self.runner = ModelRunner(config, hf_config, rank, init_method)
+        except BaseException:  # the workers would wait for rank 0 forever
+            for process in self._workers:
+                process.kill()
+            raise
         if rank > 0:  # under torchrun: serve rank 0 until it shuts down
             self.runner.worker_loop()
             return
@@ -85,8 +99,9 @@ class LLM:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, self.eos_ids)
         self.rng = random.Random(config.seed)
         self._in_flight = None  # the launched step whose sampled tokens are not resolved yet
-        self._closed = False
-        atexit.register(self.close)
+        # Runs on close(), when the LLM is garbage-collected, or at interpreter exit, whichever is first;
+        # it holds the runner and workers, not the LLM, so `del llm` frees it.
+        self._finalizer = weakref.finalize(self, _shut_down, self.runner, self._workers)
 
     def _eos_ids(self) -> set[int]:
         ids = set()
@@ -263,22 +278,13 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers and release the GPU memory; called at exit and by `del`."""
-        if getattr(self, "_closed", True):
-            return
-        self._closed = True
-        self.runner.shutdown(peers_alive=all(p.is_alive() for p in self._workers))
-        for process in self._workers:
-            process.join(timeout=30)
-            if process.is_alive():
-                process.kill()
-        atexit.unregister(self.close)
+        """Stop the tensor-parallel workers and leave the process group; also done by `del` and at exit."""
+        finalizer = getattr(self, "_finalizer", None)  # absent if __init__ failed, or on ranks > 0
+        if finalizer is not None:
+            finalizer()
 
     def __enter__(self) -> "LLM":
         return self
 
     def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self):
         self.close()

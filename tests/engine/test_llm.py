@@ -1,9 +1,16 @@
 """The engine end to end on the tiny checkpoint: greedy completions equal HF transformers'."""
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from transformers.models.qwen3 import Qwen3ForCausalLM as HFQwen3
 
+import tritonllm.llm
 from tritonllm import LLM, SamplingParams
+from tritonllm.distributed import free_port
 
 PROMPTS = ["hello world", "12 + 34 = 46, 100 + 7 =", [5], list(range(40, 80))]  # 2..40 tokens
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -152,6 +159,48 @@ def test_a_worker_killed_during_generate_is_an_error(tiny_qwen3):
             pass
     llm.close()
     assert not torch.distributed.is_initialized()
+
+
+def running(pid: int) -> bool:
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+
+
+def test_close_and_del_leave_no_worker_or_port_and_a_second_llm_works(tiny_qwen3, expected, monkeypatch):
+    if torch.cuda.is_available() and torch.cuda.device_count() < 2:
+        pytest.skip("TP=2 on GPUs needs two of them; on CPU it runs under gloo")
+    ports = []
+    monkeypatch.setattr(tritonllm.llm, "free_port", lambda: ports.append(free_port()) or ports[-1])
+    for release in ("close", "del"):
+        llm = LLM(str(tiny_qwen3), **SMALL, tensor_parallel_size=2, num_kv_blocks=64)
+        assert completions(llm) == expected[1]
+        workers = llm._workers
+        if release == "close":
+            llm.close()
+        else:
+            del llm
+        assert not any(running(p.pid) for p in workers), release
+        assert not torch.distributed.is_initialized(), release
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", ports[-1]))  # raises while the rendezvous store still holds it
+
+
+EXIT_WITHOUT_CLOSE = """
+import sys
+from tritonllm import LLM, SamplingParams
+llm = LLM(sys.argv[1], max_num_seqs=8, tensor_parallel_size=2, num_kv_blocks=64)
+llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
+print(*[p.pid for p in llm._workers])
+"""
+
+
+def test_exit_without_close_leaves_no_worker(tiny_qwen3):
+    if torch.cuda.is_available() and torch.cuda.device_count() < 2:
+        pytest.skip("TP=2 on GPUs needs two of them; on CPU it runs under gloo")
+    done = subprocess.run([sys.executable, "-c", EXIT_WITHOUT_CLOSE, str(tiny_qwen3)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    pids = [int(pid) for pid in done.stdout.split()]
+    assert len(pids) == 1 and not running(pids[0])
 
 
 @pytest.mark.parametrize("options, match", [
