@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install, then the steps asked for, each logged in full to $OUT,
 # with a short summary printed last.
-#   bash bench/gpu_check.sh [tests] [stress] [generate] [kernels [--quick]] [throughput]
+#   bash bench/gpu_check.sh [tests] [stress] [generate] [kernels [--quick]] [throughput] [tp]
 # STEP_TIMEOUT (seconds) bounds each step; TESTS picks the test paths (default: tests);
 # PYTEST_ADDOPTS, KERNEL_ARGS and THROUGHPUT_ARGS pass options through.
 set -uo pipefail
@@ -32,6 +32,14 @@ for step in "$@"; do
     throughput)
       timeout "$step_timeout" python bench/throughput.py --no-tqdm ${THROUGHPUT_ARGS:-} >> "$OUT/throughput.log" 2>&1; rc=$?
       summary+=$'\n== throughput '"${THROUGHPUT_ARGS:-}"' (rc '$rc$')\n'"$(tail -7 "$OUT/throughput.log")" ;;
+    tp)  # two GPUs: the tensor-parallel and shutdown tests over NCCL, then 8B at TP 1 and TP 2
+      timeout "$step_timeout" python -m pytest tests/engine/test_llm.py tests/models/test_qwen3.py -q -p no:cacheprovider \
+        -k "tensor_parallel or worker or close or exit" > "$OUT/tp_tests.log" 2>&1; rc=$?
+      summary+=$'\n== tensor-parallel tests (rc '$rc$')\n'"$(grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tp_tests.log" | tail -8)"
+      for tp in 1 2; do
+        timeout "$step_timeout" python bench/throughput.py --no-tqdm --model qwen3-8b --tp $tp > "$OUT/throughput_8b_tp$tp.log" 2>&1; rc=$?
+        summary+=$'\n== qwen3-8b TP '$tp' (rc '$rc$')\n'"$(tail -1 "$OUT/throughput_8b_tp$tp.log")"
+      done ;;
   esac
 done
 echo "$summary"
