@@ -119,8 +119,7 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str) -> None:
         """Stop seq (also from outside: a stop string found in its text); tokens still pending after
         its last known one are dropped."""
-        while seq.token_ids[-1] == PENDING:
-            seq.token_ids.pop()
+        del seq.token_ids[seq.num_prompt_tokens + len(seq.completion_token_ids):]
         seq.finish_reason, seq.status = reason, SequenceStatus.FINISHED
         self.block_manager.deallocate(seq)
         (self.running if seq in self.running else self.waiting).remove(seq)
