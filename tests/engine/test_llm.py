@@ -15,6 +15,8 @@ from tritonllm.distributed import free_port
 PROMPTS = ["hello world", "12 + 34 = 46, 100 + 7 =", [5], list(range(40, 80))]  # 2..40 tokens
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 SMALL = {"max_num_seqs": 8}  # few CUDA graphs to capture on a GPU
+two_ranks = pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2,
+                               reason="TP=2 on GPUs needs two of them; on CPU it runs under gloo")
 
 
 def hf_greedy(path, prompt_ids, n):
@@ -125,17 +127,15 @@ def test_chat_uses_the_template(tiny_qwen3):
     assert len(out.token_ids) == 6
 
 
+@two_ranks
 def test_tensor_parallel_2_equals_1(tiny_qwen3, expected):
-    if torch.cuda.is_available() and torch.cuda.device_count() < 2:
-        pytest.skip("TP=2 on GPUs needs two of them; on CPU it runs under gloo")
     with LLM(str(tiny_qwen3), **SMALL, tensor_parallel_size=2, num_kv_blocks=64) as llm:
         assert completions(llm) == expected[1]
     assert all(not p.is_alive() for p in llm._workers)
 
 
+@two_ranks
 def test_a_dead_tensor_parallel_worker_is_an_error(tiny_qwen3):
-    if torch.cuda.is_available() and torch.cuda.device_count() < 2:
-        pytest.skip("TP=2 on GPUs needs two of them; on CPU it runs under gloo")
     llm = LLM(str(tiny_qwen3), **SMALL, tensor_parallel_size=2, num_kv_blocks=64)
     llm._workers[0].kill()
     llm._workers[0].join()
@@ -145,11 +145,10 @@ def test_a_dead_tensor_parallel_worker_is_an_error(tiny_qwen3):
     assert not torch.distributed.is_initialized()
 
 
+@two_ranks
 def test_a_worker_killed_during_generate_is_an_error(tiny_qwen3):
     """The worker dies while steps it must join are in flight (collectives it never enters): rank 0
     raises instead of waiting forever, and closing the LLM still releases the process group."""
-    if torch.cuda.is_available() and torch.cuda.device_count() < 2:
-        pytest.skip("TP=2 on GPUs needs two of them; on CPU it runs under gloo")
     llm = LLM(str(tiny_qwen3), **SMALL, tensor_parallel_size=2, num_kv_blocks=64)
     outputs = llm.stream(PROMPTS, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     next(outputs)
@@ -166,9 +165,8 @@ def running(pid: int) -> bool:
     return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
 
 
+@two_ranks
 def test_close_and_del_leave_no_worker_or_port_and_a_second_llm_works(tiny_qwen3, expected, monkeypatch):
-    if torch.cuda.is_available() and torch.cuda.device_count() < 2:
-        pytest.skip("TP=2 on GPUs needs two of them; on CPU it runs under gloo")
     ports = []
     monkeypatch.setattr(tritonllm.llm, "free_port", lambda: ports.append(free_port()) or ports[-1])
     for release in ("close", "del"):
@@ -182,7 +180,10 @@ def test_close_and_del_leave_no_worker_or_port_and_a_second_llm_works(tiny_qwen3
         assert not any(running(p.pid) for p in workers), release
         assert not torch.distributed.is_initialized(), release
         with socket.socket() as s:
-            s.bind(("127.0.0.1", ports[-1]))  # raises while the rendezvous store still holds it
+            # Raises while the rendezvous store still listens there; SO_REUSEADDR only lets closed
+            # connections in TIME_WAIT (timing-dependent, not a leak) share the port.
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", ports[-1]))
 
 
 EXIT_WITHOUT_CLOSE = """
@@ -194,9 +195,8 @@ print(*[p.pid for p in llm._workers])
 """
 
 
+@two_ranks
 def test_exit_without_close_leaves_no_worker(tiny_qwen3):
-    if torch.cuda.is_available() and torch.cuda.device_count() < 2:
-        pytest.skip("TP=2 on GPUs needs two of them; on CPU it runs under gloo")
     done = subprocess.run([sys.executable, "-c", EXIT_WITHOUT_CLOSE, str(tiny_qwen3)], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     pids = [int(pid) for pid in done.stdout.split()]
