@@ -1,0 +1,94 @@
+"""Decode attention at the shapes of the nano-vllm workload, with the engine's config and others.
+
+    python bench/decode_workload.py [--stride 64] [--out PATH]
+
+bench/throughput.py's workload (256 requests, prompts 100..1024, outputs 100..1024) decodes with
+batches that shrink from 256 as requests finish and contexts spread from 100 to 2k, under a
+context bound of max_model_len 4096. bench/kernels.py tunes on uniform contexts at the bound.
+This replays one layer of every `stride`-th decode step of the workload (Qwen3-0.6B heads: 16 q /
+8 kv, D 128, bf16, KV block 16, batch padded to the engine's CUDA-graph size, block tables 256
+wide), times the engine's config and a grid of others (one CUDA graph each, median), and
+estimates the workload's decode-attention seconds (28 layers) for each config per batch bucket.
+"""
+import argparse
+import itertools
+import json
+from collections import defaultdict
+
+import torch
+
+from kernel_cases import paged_cache, randn
+from kernels import COPY_BYTES_PER_S, graph_time_ms
+from throughput import workload
+from tritonllm import kernels
+from tritonllm.engine.model_runner import graph_batch_sizes
+from tritonllm.kernels import decode_attention as decode
+from tritonllm.kernels import tuning
+
+LAYERS, BLOCK_SIZE, MAX_MODEL_LEN = 28, 16, 4096
+
+
+def candidates():
+    for block_n, splits, split_min, stages in itertools.product((64, 128), (1, 2, 4, 8), (128, 256, 512), (2, 3)):
+        if splits == 1 and split_min != 256:
+            continue  # SPLIT_MIN is unused with one split
+        yield {"BLOCK_N": block_n, "NUM_SPLITS": splits, "SPLIT_MIN": split_min, "num_warps": 4, "num_stages": stages}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--stride", type=int, default=64, help="time every stride-th decode step")
+    parser.add_argument("--out", help="write every timing as JSON here")
+    args = parser.parse_args()
+    prompts, params = workload(256, 1024, 1024)
+    requests = [(len(p), sp.max_tokens) for p, sp in zip(prompts, params)]
+    sizes = graph_batch_sizes(256)
+    total_tokens = sum(p + o for p, o in requests)
+    k_cache, v_cache, _ = paged_cache(total_tokens + 64 * BLOCK_SIZE, 1, BLOCK_SIZE)
+    num_blocks = k_cache.shape[0]
+    configs = list(candidates())
+    rows = []
+    by_bucket = defaultdict(lambda: defaultdict(float))  # batch bucket -> config key -> estimated s
+    for step in range(0, max(o for _, o in requests), args.stride):
+        lens = [p + step + 1 for p, o in requests if o > step]
+        batch = next(s for s in sizes if s >= len(lens))
+        seq_lens = torch.zeros(batch, dtype=torch.int32, device="cuda")
+        seq_lens[: len(lens)] = torch.tensor(lens, dtype=torch.int32)
+        tables = torch.randint(0, num_blocks, (batch, MAX_MODEL_LEN // BLOCK_SIZE), dtype=torch.int32, device="cuda")
+        q = randn(batch, 16, 128)
+        moved = sum(lens) * 8 * 128 * 2 * 2
+        bucket = tuning.pow2(batch)
+        engine_cfg = decode.DECODE_TUNABLE.config(("bfloat16", 128, 2, 8, BLOCK_SIZE, bucket, MAX_MODEL_LEN), None)
+        times = {}
+        for cfg in [engine_cfg] + configs:
+            key = json.dumps(cfg, sort_keys=True)
+            if key not in times:
+                times[key] = graph_time_ms(lambda c=cfg: kernels.decode_attention(q, k_cache, v_cache, seq_lens, tables,
+                                                                                   config=c), [()], replays=20)
+            by_bucket[bucket][key] += times[key] * 1e-3 * args.stride * LAYERS
+        best = min(times, key=times.get)
+        engine_ms = times[json.dumps(engine_cfg, sort_keys=True)]
+        rows.append({"step": step, "batch": len(lens), "graph_batch": batch, "mean_context": sum(lens) / len(lens),
+                     "engine": engine_cfg, "engine_us": engine_ms * 1e3, "best": json.loads(best),
+                     "best_us": times[best] * 1e3, "floor_us": moved / COPY_BYTES_PER_S * 1e6, "all": times})
+        print(f"step {step:4d}: batch {len(lens):3d} (graph {batch:3d}), mean context {sum(lens) / len(lens):6.0f}: "
+              f"engine {engine_ms * 1e3:7.1f} us ({moved / engine_ms / 1e9:5.0f} GB/s), best {times[best] * 1e3:7.1f} us "
+              f"({moved / times[best] / 1e9:5.0f} GB/s) {best}", flush=True)
+    engine_total = sum(r["engine_us"] for r in rows) * 1e-6 * args.stride * LAYERS
+    best_total = floor_total = 0.0
+    print("\n| batch bucket | engine config (s) | best single config (s) | that config |\n|---|---|---|---|")
+    for bucket, totals in sorted(by_bucket.items()):
+        key = min(totals, key=totals.get)
+        engine_s = sum(r["engine_us"] for r in rows if tuning.pow2(r["graph_batch"]) == bucket) * 1e-6 * args.stride * LAYERS
+        best_total += totals[key]
+        print(f"| {bucket} | {engine_s:.3f} | {totals[key]:.3f} | {key} |")
+    floor_total = sum(r["floor_us"] for r in rows) * 1e-6 * args.stride * LAYERS
+    print(f"\nworkload decode attention, estimated: engine configs {engine_total:.3f} s, best config per bucket "
+          f"{best_total:.3f} s, floor at 4.24 TB/s {floor_total:.3f} s")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
