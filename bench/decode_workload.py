@@ -22,7 +22,7 @@ from kernels import COPY_BYTES_PER_S, graph_time_ms
 from throughput import workload
 from tritonllm import kernels
 from tritonllm.engine.model_runner import graph_batch_sizes
-from tritonllm.kernels import decode_attention as decode
+from tritonllm.kernels.decode_attention import DECODE_TUNABLE
 from tritonllm.kernels import tuning
 
 LAYERS, BLOCK_SIZE, MAX_MODEL_LEN = 28, 16, 4096
@@ -58,7 +58,7 @@ def main():
         q = randn(batch, 16, 128)
         moved = sum(lens) * 8 * 128 * 2 * 2
         bucket = tuning.pow2(batch)
-        engine_cfg = decode.DECODE_TUNABLE.config(("bfloat16", 128, 2, 8, BLOCK_SIZE, bucket, MAX_MODEL_LEN), None)
+        engine_cfg = DECODE_TUNABLE.config(("bfloat16", 128, 2, 8, BLOCK_SIZE, bucket, MAX_MODEL_LEN), None)
         times = {}
         for cfg in [engine_cfg] + configs:
             key = json.dumps(cfg, sort_keys=True)
