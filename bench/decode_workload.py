@@ -1,6 +1,6 @@
 """Decode attention at the shapes of the nano-vllm workload, with the engine's config and others.
 
-    python bench/decode_workload.py [--stride 64] [--out PATH]
+    python bench/decode_workload.py [--stride 16] [--save] [--out PATH]
 
 bench/throughput.py's workload (256 requests, prompts 100..1024, outputs 100..1024) decodes with
 batches that shrink from 256 as requests finish and contexts spread from 100 to 2k, under a
@@ -9,6 +9,10 @@ This replays one layer of every `stride`-th decode step of the workload (Qwen3-0
 8 kv, D 128, bf16, KV block 16, batch padded to the engine's CUDA-graph size, block tables 256
 wide), times the engine's config and a grid of others (one CUDA graph each, median), and
 estimates the workload's decode-attention seconds (28 layers) for each config per batch bucket.
+
+--save writes each bucket's best config into the tuned-config file under the engine's bucket key
+(context bound 4096). Run it after bench/kernels.py, which tunes the same keys on uniform contexts
+at the bound: the engine serves spread contexts below its bound, as here.
 """
 import argparse
 import itertools
@@ -28,6 +32,11 @@ from tritonllm.kernels import tuning
 LAYERS, BLOCK_SIZE, MAX_MODEL_LEN = 28, 16, 4096
 
 
+def engine_bucket(batch_bucket):
+    """The decode tuning bucket the engine's graphs use: bf16, D 128, group 2, 8 kv heads, block 16, bound 4096."""
+    return ("bfloat16", 128, 2, 8, BLOCK_SIZE, batch_bucket, MAX_MODEL_LEN)
+
+
 def candidates():
     for block_n, splits, split_min, stages in itertools.product((64, 128), (1, 2, 4, 8), (128, 256, 512), (2, 3)):
         if splits == 1 and split_min != 256:
@@ -37,7 +46,8 @@ def candidates():
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--stride", type=int, default=64, help="time every stride-th decode step")
+    parser.add_argument("--stride", type=int, default=16, help="time every stride-th decode step")
+    parser.add_argument("--save", action="store_true", help="write each bucket's best config to the tuned-config file")
     parser.add_argument("--out", help="write every timing as JSON here")
     args = parser.parse_args()
     prompts, params = workload(256, 1024, 1024)
@@ -58,7 +68,7 @@ def main():
         q = randn(batch, 16, 128)
         moved = sum(lens) * 8 * 128 * 2 * 2
         bucket = tuning.pow2(batch)
-        engine_cfg = DECODE_TUNABLE.config(("bfloat16", 128, 2, 8, BLOCK_SIZE, bucket, MAX_MODEL_LEN), None)
+        engine_cfg = DECODE_TUNABLE.config(engine_bucket(bucket), None)
         times = {}
         for cfg in [engine_cfg] + configs:
             key = json.dumps(cfg, sort_keys=True)
@@ -72,19 +82,23 @@ def main():
                      "engine": engine_cfg, "engine_us": engine_ms * 1e3, "best": json.loads(best),
                      "best_us": times[best] * 1e3, "floor_us": moved / COPY_BYTES_PER_S * 1e6, "all": times})
         print(f"step {step:4d}: batch {len(lens):3d} (graph {batch:3d}), mean context {sum(lens) / len(lens):6.0f}: "
-              f"engine {engine_ms * 1e3:7.1f} us ({moved / engine_ms / 1e9:5.0f} GB/s), best {times[best] * 1e3:7.1f} us "
-              f"({moved / times[best] / 1e9:5.0f} GB/s) {best}", flush=True)
+              f"engine {engine_ms * 1e3:7.1f} us ({moved / engine_ms / 1e6:5.0f} GB/s), best {times[best] * 1e3:7.1f} us "
+              f"({moved / times[best] / 1e6:5.0f} GB/s) {best}", flush=True)
     engine_total = sum(r["engine_us"] for r in rows) * 1e-6 * args.stride * LAYERS
-    best_total = floor_total = 0.0
+    best_total = 0.0
     print("\n| batch bucket | engine config (s) | best single config (s) | that config |\n|---|---|---|---|")
     for bucket, totals in sorted(by_bucket.items()):
         key = min(totals, key=totals.get)
         engine_s = sum(r["engine_us"] for r in rows if tuning.pow2(r["graph_batch"]) == bucket) * 1e-6 * args.stride * LAYERS
         best_total += totals[key]
+        if args.save:
+            tuning.tuned_table().setdefault("decode_attention", {})[tuning.bucket_key(engine_bucket(bucket))] = json.loads(key)
         print(f"| {bucket} | {engine_s:.3f} | {totals[key]:.3f} | {key} |")
     floor_total = sum(r["floor_us"] for r in rows) * 1e-6 * args.stride * LAYERS
     print(f"\nworkload decode attention, estimated: engine configs {engine_total:.3f} s, best config per bucket "
           f"{best_total:.3f} s, floor at 4.24 TB/s {floor_total:.3f} s")
+    if args.save:
+        print(f"saved to {tuning.save()}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
