@@ -1,8 +1,8 @@
 """Sampling without sorting: temperature, top-k, top-p and min-p as logit thresholds, then a Gumbel race.
 
-One program per row. Every filter of the contract keeps a superlevel set of the row's logits
-{x >= T} (temperature > 0 preserves the order), so sampling reduces to finding one threshold T
-and running the race argmax(x / t + Gumbel noise) over {x >= T}:
+One program per row (rows without filters get a first launch, below). Every filter of the
+contract keeps a superlevel set of the row's logits {x >= T} (temperature > 0 preserves the
+order), so sampling reduces to finding one threshold T and running the race argmax(x / t + Gumbel noise) over {x >= T}:
 
   pass 1 (read the row): per lane of the BLOCK-wide tiles, the max, its first index and the
          sum-exp against it (no cross-thread step in the loop); then the row max m, the sum-exp
@@ -32,12 +32,14 @@ Counts are exact and ties are kept; masses are float32 sums, so only a top-p/min
 rounding can differ from the float64 reference. T is an element value, or on the overflow path
 possibly a key between two elements (the same set).
 
-Rows without filters skip both passes: one pass runs the race over the whole row, skipping tiles
-that cannot beat the running winner. Conventions: NaN logits count as -inf, and -inf logits are
+Rows without filters skip both passes and only race: a first launch of B x chunks programs races
+each 4-tile chunk of the row (skipping tiles that cannot beat the chunk's running winner), so one
+row's reads and Philox work spread over many SMs, and the row's program takes the best chunk.
+Conventions: NaN logits count as -inf, and -inf logits are
 never drawn (a filtered row's T is finite); a row holding +inf puts all its mass on its +inf
 logits and returns the first of them, as greedy does (T = +inf); a row whose logits are all -inf
 returns token 0; temperature <= 0 is greedy; top_p <= 0 keeps the most likely token(s) only;
-min_p > 1 acts as 1. The launch has a fixed grid of B programs and never syncs the host.
+min_p > 1 acts as 1. The two launches have grids fixed by (B, V, BLOCK) and never sync the host.
 """
 import torch
 import triton
@@ -52,6 +54,7 @@ INT_MAX = tl.constexpr(2**31 - 1)
 # The noise is g = -log(E) with E = max(-log(u), 5e-8), so g <= -log(5e-8) = 16.8 < G_MAX.
 E_MIN = tl.constexpr(5e-8)
 G_MAX = tl.constexpr(17.0)
+RACE_CHUNK_TILES = 4  # tiles of a row one _race_chunks_kernel program races (8192 tokens at BLOCK 2048)
 PIVOTS = tl.constexpr(16)  # keys a row-search pass tests: even slots spaced in value, odd ones in key space
 
 
@@ -316,22 +319,23 @@ def _race_candidates(vals_ptr, idx_ptr, n, thr, m, inv_t, seed, BLOCK: tl.conste
 
 
 @triton.jit
-def _race_row(row_ptr, V, thr, inv_t, seed, BLOCK: tl.constexpr):
-    """Gumbel-max over the row's elements >= thr, in [BLOCK // 4, 4] tiles (one Philox call per 4 tokens).
+def _race_row(row_ptr, first, end, thr, inv_t, seed, BLOCK: tl.constexpr):
+    """Gumbel-max over the row's elements in [first, end) that are >= thr, in [BLOCK // 4, 4] tiles
+    (one Philox call per 4 tokens); first is a multiple of BLOCK.
 
     The running winner's score is kept relative to its own tile max `ref`, so no global max is needed
     and scores stay small numbers; a tile whose max plus the largest noise cannot beat it is skipped.
     A +inf logit takes all the mass: the first one wins and no later tile can beat ref = +inf.
-    Returns (token, ref).
+    Returns (token, ref, best): the winner's score is ref * inv_t + best (-inf if none).
     """
     quad = tl.arange(0, BLOCK // 4)[:, None]
     lane = tl.arange(0, 4)[None, :]
     ref = 0.0  # any finite value before the first winner: best = -inf accepts any finite tile
     best = NEG_INF
-    token = 0
-    for start in range(0, V, BLOCK):
+    token = first
+    for start in range(first, end, BLOCK):
         offs = start + quad * 4 + lane
-        x = _load_row(row_ptr, offs, V)
+        x = _load_row(row_ptr, offs, end)
         x = tl.where(x >= thr, x, NEG_INF)
         tile_max = tl.max(tl.max(x, 1), 0)
         if (tile_max - ref) * inv_t + G_MAX > best:
@@ -343,31 +347,64 @@ def _race_row(row_ptr, V, thr, inv_t, seed, BLOCK: tl.constexpr):
             token = tl.where(wins, tile_token, token)
             best = tl.where(wins, tile_best, best)
             ref = tl.where(wins, tile_max, ref)
-    return token, ref
+    return token, ref, best
+
+
+@triton.jit
+def _row_params(row, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, V):
+    """A row's sampling parameters (t, k, p, min_p, 1 / t) and which filters are on: (sampled, k_on, p_on, min_p_on)."""
+    t = tl.load(temperature_ptr + row).to(tl.float32)
+    k = tl.load(top_k_ptr + row).to(tl.int64)
+    p = tl.maximum(tl.load(top_p_ptr + row).to(tl.float32), 0.0)
+    min_p = tl.minimum(tl.load(min_p_ptr + row).to(tl.float32), 1.0)
+    sampled = t > 0
+    inv_t = 1.0 / tl.where(sampled, t, 1.0)
+    return t, k, p, min_p, inv_t, sampled, (k > 0) & (k < V), p < 1.0, min_p > 0.0
+
+
+@triton.jit
+def _race_chunks_kernel(
+    logits_ptr, stride, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seeds_ptr, score_ptr, token_ptr,
+    V, num_chunks, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """Rows without filters: the race over one CHUNK of the row per program, so that a row's reads
+    spread over many SMs; _sample_kernel takes the best chunk. Other rows' programs exit at once."""
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    _, _, _, _, inv_t, sampled, k_on, p_on, min_p_on = _row_params(row, temperature_ptr, top_k_ptr, top_p_ptr,
+                                                                    min_p_ptr, V)
+    if sampled & ~(k_on | p_on | min_p_on):
+        row_ptr = logits_ptr + row.to(tl.int64) * stride
+        first = chunk * CHUNK
+        token, ref, best = _race_row(row_ptr, first, tl.minimum(first + CHUNK, V), NEG_INF, inv_t,
+                                     tl.load(seeds_ptr + row), BLOCK)
+        slot = row.to(tl.int64) * num_chunks + chunk
+        tl.store(score_ptr + slot, ref * inv_t + best)  # +inf for a chunk holding +inf
+        tl.store(token_ptr + slot, token)
 
 
 @triton.jit
 def _sample_kernel(
     logits_ptr, stride, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seeds_ptr,
-    out_ptr, thr_ptr, vals_ptr, idx_ptr, V,
-    CAP: tl.constexpr, BLOCK: tl.constexpr,
+    out_ptr, thr_ptr, vals_ptr, idx_ptr, chunk_score_ptr, chunk_token_ptr, V, num_chunks,
+    CAP: tl.constexpr, BLOCK: tl.constexpr, CHUNKS_POW2: tl.constexpr,
 ):
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * stride
-    t = tl.load(temperature_ptr + row).to(tl.float32)
-    k = tl.load(top_k_ptr + row).to(tl.int64)
-    p = tl.maximum(tl.load(top_p_ptr + row).to(tl.float32), 0.0)
-    min_p = tl.minimum(tl.load(min_p_ptr + row).to(tl.float32), 1.0)
+    t, k, p, min_p, inv_t, sampled, k_on, p_on, min_p_on = _row_params(row, temperature_ptr, top_k_ptr, top_p_ptr,
+                                                                        min_p_ptr, V)
     seed = tl.load(seeds_ptr + row)
-    sampled = t > 0
-    inv_t = 1.0 / tl.where(sampled, t, 1.0)
-    k_on = (k > 0) & (k < V)
-    p_on = p < 1.0
-    min_p_on = min_p > 0.0
     if ~sampled:
         _, thr, _, token = _row_stats(row_ptr, V, inv_t, BLOCK, False)
     elif ~(k_on | p_on | min_p_on):
-        token, top = _race_row(row_ptr, V, NEG_INF, inv_t, seed, BLOCK)
+        # The best of _race_chunks_kernel's chunks, the lowest token on ties: the first +inf if any,
+        # token 0 if all are -inf.
+        offs = tl.arange(0, CHUNKS_POW2)
+        slots = row.to(tl.int64) * num_chunks + offs
+        scores = tl.load(chunk_score_ptr + slots, mask=offs < num_chunks, other=NEG_INF)
+        tokens = tl.load(chunk_token_ptr + slots, mask=offs < num_chunks, other=INT_MAX)
+        top = tl.max(scores, 0)
+        token = tl.min(tl.where(scores == top, tokens, INT_MAX), 0)
         thr = tl.where(top == POS_INF, POS_INF, NEG_INF)
     else:
         lanes, m, z, token = _row_stats(row_ptr, V, inv_t, BLOCK, True)
@@ -406,7 +443,7 @@ def _sample_kernel(
             if complete:
                 token = _race_candidates(row_vals, row_idx, n, thr, m, inv_t, seed, BLOCK)
             else:
-                token, _ = _race_row(row_ptr, V, thr, inv_t, seed, BLOCK)
+                token, _, _ = _race_row(row_ptr, 0, V, thr, inv_t, seed, BLOCK)
     tl.store(out_ptr + row, token.to(tl.int64))
     tl.store(thr_ptr + row, thr)
 
@@ -449,9 +486,17 @@ def sample_with_threshold(logits, temperature, top_k, top_p, min_p, seeds=None, 
     def launch(config):
         vals = torch.empty(batch, config["CAP"], dtype=torch.float32, device=logits.device)
         idx = torch.empty(batch, config["CAP"], dtype=torch.int32, device=logits.device)
+        chunk = RACE_CHUNK_TILES * config["BLOCK"]
+        num_chunks = triton.cdiv(vocab, chunk)
+        chunk_scores = torch.empty(batch, num_chunks, dtype=torch.float32, device=logits.device)
+        chunk_tokens = torch.empty(batch, num_chunks, dtype=torch.int32, device=logits.device)
+        _race_chunks_kernel[(batch, num_chunks)](
+            logits, logits.stride(0), temperature, top_k, top_p, min_p, seeds, chunk_scores, chunk_tokens,
+            vocab, num_chunks, BLOCK=config["BLOCK"], CHUNK=chunk, num_warps=config["num_warps"],
+        )
         _sample_kernel[(batch,)](
-            logits, logits.stride(0), temperature, top_k, top_p, min_p, seeds, out, thr, vals, idx, vocab,
-            **config,
+            logits, logits.stride(0), temperature, top_k, top_p, min_p, seeds, out, thr, vals, idx,
+            chunk_scores, chunk_tokens, vocab, num_chunks, CHUNKS_POW2=triton.next_power_of_2(num_chunks), **config,
         )
 
     launch(config or _TUNING.config((dtype_name(logits.dtype), pow2(batch), pow2(vocab)), launch))
