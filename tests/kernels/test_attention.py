@@ -5,6 +5,8 @@ block) and the block-table entries past each sequence point at NaN blocks; outpu
 buffers. A kernel that reads a key it must not, or skips a row, produces NaN and fails.
 """
 import importlib
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -204,6 +206,27 @@ def test_decode_splits(num_splits, split_min, block_n, dtype):
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     out, ref = run_decode(q, k_cache, v_cache, lens, tables, config=decode_config(num_splits, split_min, block_n))
     assert_close(out, ref, dtype, ATTN)
+
+
+def shipped_decode_configs():
+    """The distinct split/tile choices of the tuned decode configs shipped for every GPU."""
+    found = {}
+    for path in sorted((Path(decode_module.__file__).parent / "configs").glob("*.json")):
+        for config in json.loads(path.read_text())["kernels"].get("decode_attention", {}).values():
+            found.setdefault((config["NUM_SPLITS"], config["SPLIT_MIN"], config["BLOCK_N"]), config)
+    return [found[key] for key in sorted(found)]
+
+
+# What the engine runs: lengths around SPLIT_MIN (128..512) and BLOCK_N (64, 128) boundaries.
+@pytest.mark.parametrize("config", shipped_decode_configs(),
+                         ids=lambda c: f"splits{c['NUM_SPLITS']}-min{c['SPLIT_MIN']}-n{c['BLOCK_N']}")
+def test_decode_shipped_configs(config):
+    seq_lens = [1, 127, 129, 513, 1100]
+    k_cache, v_cache, tables = paged_kv(seq_lens, 2, 64, 16, torch.bfloat16)
+    q = randn(len(seq_lens), 4, 64, dtype=torch.bfloat16, scale=2.0)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    out, ref = run_decode(q, k_cache, v_cache, lens, tables, config=config)
+    assert_close(out, ref, torch.bfloat16, ATTN)
 
 
 def test_decode_default_splits_on_a_large_gpu(monkeypatch):
