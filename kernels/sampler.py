@@ -2,7 +2,8 @@
 
 One program per row (rows without filters get a first launch, below). Every filter of the
 contract keeps a superlevel set of the row's logits {x >= T} (temperature > 0 preserves the
-order), so sampling reduces to finding one threshold T and running the race argmax(x / t + Gumbel noise) over {x >= T}:
+order), so sampling reduces to finding one threshold T and running the race
+argmax(x / t + Gumbel noise) over {x >= T}:
 
   pass 1 (read the row): per lane of the BLOCK-wide tiles, the max, its first index and the
          sum-exp against it (no cross-thread step in the loop); then the row max m, the sum-exp
@@ -35,11 +36,12 @@ possibly a key between two elements (the same set).
 Rows without filters skip both passes and only race: a first launch of B x chunks programs races
 each 4-tile chunk of the row (skipping tiles that cannot beat the chunk's running winner), so one
 row's reads and Philox work spread over many SMs, and the row's program takes the best chunk.
-Conventions: NaN logits count as -inf, and -inf logits are
-never drawn (a filtered row's T is finite); a row holding +inf puts all its mass on its +inf
-logits and returns the first of them, as greedy does (T = +inf); a row whose logits are all -inf
-returns token 0; temperature <= 0 is greedy; top_p <= 0 keeps the most likely token(s) only;
-min_p > 1 acts as 1. The two launches have grids fixed by (B, V, BLOCK) and never sync the host.
+
+Conventions: NaN logits count as -inf, and -inf logits are never drawn (a filtered row's T is
+finite); a row holding +inf puts all its mass on its +inf logits and returns the first of them,
+as greedy does (T = +inf); a row whose logits are all -inf returns token 0; temperature <= 0 is
+greedy; top_p <= 0 keeps the most likely token(s) only; min_p > 1 acts as 1. The two launches
+have grids fixed by (B, V, BLOCK) and never sync the host.
 """
 import torch
 import triton
@@ -512,8 +514,9 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     min_p [B] float (0: off); seeds [B] int64, or None to draw them with torch.randint on the
     device. Same seeds, same tokens. Returns int64 ids [B]; nothing is modified in place.
     Semantics are kernels.reference.sampling_probs'; NaN logits count as -inf, an all -inf row
-    returns 0, a row holding +inf returns its first +inf (greedy or not). No host sync; the grid is
-    B programs, so it can be captured in a CUDA graph.
+    returns 0, a row holding +inf returns its first +inf (greedy or not). No host sync; two launches
+    with grids fixed by (B, V, config) and float32 scratch allocated per call, so it can be captured
+    in a CUDA graph.
     """
     return sample_with_threshold(logits, temperature, top_k, top_p, min_p, seeds)[0]
 
