@@ -78,16 +78,20 @@ def rotary_cases(quick):
 
 
 def kv_cache_cases(quick):
-    shapes = [(16384, 16)] if quick else [(16384, 16), (16384, 256), (256, 16)]
+    """Random slots (as after preemptions and frees) and, once, consecutive slots (a fresh cache):
+    the two separate the cost of scattered 2 KiB rows from the kernel's own."""
+    shapes = [(16384, 16, False)] if quick else [(16384, 16, False), (16384, 16, True), (16384, 256, False),
+                                                 (256, 16, False)]
     cases = []
-    for tokens, block_size in shapes:
-        def make(t=tokens, bs=block_size):
+    for tokens, block_size, consecutive in shapes:
+        def make(t=tokens, bs=block_size, c=consecutive):
             num_blocks = 2 * t // bs + 1
-            slots = torch.randperm(num_blocks * bs, device="cuda")[:t]
+            slots = torch.arange(t, device="cuda") if c else torch.randperm(num_blocks * bs, device="cuda")[:t]
             cache = lambda: randn(num_blocks, bs, 8, 128)  # noqa: E731
             return randn(t, 8, 128), randn(t, 8, 128), cache(), cache(), slots
 
-        cases.append(Case("store_kv_cache", f"{tokens} tok 8x128 block {block_size} bf16", make,
+        slots = "consecutive" if consecutive else "random"
+        cases.append(Case("store_kv_cache", f"{tokens} tok 8x128 block {block_size} {slots} slots bf16", make,
                           kernels.store_kv_cache, {"torch": reference.store_kv_cache},
                           bytes=4 * tokens * 8 * 128 * 2 + tokens * 8))
     return cases
