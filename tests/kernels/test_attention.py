@@ -6,13 +6,12 @@ buffers. A kernel that reads a key it must not, or skips a row, produces NaN and
 """
 import importlib
 import json
-from pathlib import Path
 
 import pytest
 import torch
 from kernel_utils import DEVICE, DTYPES, assert_close, poisoned, randn, rel_err
 
-from tritonllm.kernels import decode_attention, prefill_attention, reference
+from tritonllm.kernels import decode_attention, prefill_attention, reference, tuning
 
 # The package exports the function under the module's name: fetch the module itself.
 decode_module = importlib.import_module("tritonllm.kernels.decode_attention")
@@ -211,7 +210,7 @@ def test_decode_splits(num_splits, split_min, block_n, dtype):
 def shipped_decode_configs():
     """The distinct split/tile choices of the tuned decode configs shipped for every GPU."""
     found = {}
-    for path in sorted((Path(decode_module.__file__).parent / "configs").glob("*.json")):
+    for path in sorted(tuning.CONFIG_DIR.glob("*.json")):
         for config in json.loads(path.read_text())["kernels"].get("decode_attention", {}).values():
             found.setdefault((config["NUM_SPLITS"], config["SPLIT_MIN"], config["BLOCK_N"]), config)
     return [found[key] for key in sorted(found)]

@@ -1,12 +1,11 @@
 import json
-from pathlib import Path
 
 import pytest
 
 import tritonllm.kernels  # noqa: F401  (registers every Tunable)
 from tritonllm.kernels import tuning
 
-SHIPPED = sorted((Path(tuning.__file__).parent / "configs").glob("*.json"))
+SHIPPED = sorted(tuning.CONFIG_DIR.glob("*.json"))
 
 
 def parse_bucket(key):
