@@ -90,8 +90,8 @@ def kv_cache_cases(quick):
             cache = lambda: randn(num_blocks, bs, 8, 128)  # noqa: E731
             return randn(t, 8, 128), randn(t, 8, 128), cache(), cache(), slots
 
-        slots = "consecutive" if consecutive else "random"
-        cases.append(Case("store_kv_cache", f"{tokens} tok 8x128 block {block_size} {slots} slots bf16", make,
+        pattern = "consecutive" if consecutive else "random"
+        cases.append(Case("store_kv_cache", f"{tokens} tok 8x128 block {block_size} {pattern} slots bf16", make,
                           kernels.store_kv_cache, {"torch": reference.store_kv_cache},
                           bytes=4 * tokens * 8 * 128 * 2 + tokens * 8))
     return cases
