@@ -6,10 +6,14 @@ Runs bench/throughput.py's workload (fewer requests by default, to keep the trac
 torch.profiler and sums the CUDA kernel time by kind: attention, GEMM, norms, other elementwise
 kernels (rotary, SiLU-and-mul, KV store), sampler, communication, the rest. Host overhead is the
 wall time the GPU sat idle: wall time minus the summed kernel time (one stream, no overlap).
-Also counts kernel launches per step and layer.
+Also counts kernel launches per step and layer, and splits the idle time by gap length from the
+trace: gaps of a few microseconds sit between the kernels of one CUDA graph or launch sequence,
+long ones are the GPU waiting for the host.
 """
 import argparse
+import json
 import re
+import tempfile
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -34,6 +38,22 @@ KINDS = [  # first match wins, on the kernel's name
 
 def kind_of(name: str) -> str:
     return next((kind for kind, pattern in KINDS if re.search(pattern, name, re.IGNORECASE)), "other")
+
+
+GAP_BOUNDS_US = (2, 5, 20, 100)
+
+
+def print_gaps(trace: Path):
+    """GPU idle time between consecutive kernels and copies, by gap length (one stream: no overlap)."""
+    kernels = sorted((event["ts"], event["ts"] + event["dur"]) for event in json.loads(trace.read_text())["traceEvents"]
+                     if event.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    gaps = [max(0.0, start - end) for (_, end), (start, _) in zip(kernels, kernels[1:])]
+    bounds = (0, *GAP_BOUNDS_US, float("inf"))
+    print("\n| gap between kernels | gaps | idle seconds |\n|---|---|---|")
+    for low, high in zip(bounds, bounds[1:]):
+        inside = [g for g in gaps if low <= g < high]
+        print(f"| {low}-{high} us | {len(inside)} | {sum(inside) / 1e6:.3f} |")
+    print(f"| all | {len(gaps)} | {sum(gaps) / 1e6:.3f} |")
 
 
 def main():
@@ -65,8 +85,8 @@ def main():
         outputs = llm.generate(prompts, params, use_tqdm=False)
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
-    if args.trace:
-        prof.export_chrome_trace(str(args.trace))
+    trace = args.trace or Path(tempfile.mkdtemp()) / "trace.json"
+    prof.export_chrome_trace(str(trace))
 
     by_kind, launches = defaultdict(float), Counter()
     for event in prof.key_averages():
@@ -83,6 +103,7 @@ def main():
         print(f"| {kind} | {seconds:.3f} | {100 * seconds / wall:.1f}% | {launches[kind]} |")
     print(f"| host (GPU idle) | {wall - gpu:.3f} | {100 * (wall - gpu) / wall:.1f}% | |")
     print(f"| total | {wall:.3f} | 100% | {sum(launches.values())} |")
+    print_gaps(trace)
     per_step = steps[True] + steps[False]
     print(f"\nkernel launches per step and layer ({config.num_hidden_layers} layers; sampler and LM head included): "
           + ", ".join(f"{kind} {n / per_step / config.num_hidden_layers:.2f}" for kind, n in sorted(launches.items()))

@@ -69,11 +69,11 @@ def _decode_attention_kernel(
     for n0 in range(start, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_row, head_offset,
                                      n0, seq_len, pos, qk_scale, stride_cache_block, stride_cache_token,
-                                     HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, INTERPRET)
+                                     HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, INTERPRET, False)
     for n0 in range(full_end, end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_row, head_offset,
                                      n0, seq_len, pos, qk_scale, stride_cache_block, stride_cache_token,
-                                     HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, INTERPRET)
+                                     HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, INTERPRET, False)
 
     if NUM_SPLITS == 1:
         # seq_len 0 (a padding row of a captured batch) leaves l = 0 and acc = 0: write zeros.

@@ -7,11 +7,18 @@ head kv * G + r % G), so each K/V tile is loaded once for all G heads and tl.dot
 keys on the diagonal run in a second loop with the causal mask; nothing past the last row's
 position is read. Online softmax in float32 with exp2 and scale * log2(e) folded in.
 
+Where each key tile lies inside one cache block (BLOCK_N <= block_size) on a GPU with TMA, K and
+V tiles arrive as TMA bulk copies through tensor descriptors: one block-table lookup a tile, no
+per-element address math, and the copies pipeline ahead of the dots.
+
 `_cache_offsets`, `_attend_tile` and `check_paged_inputs` are shared with decode_attention.py.
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tritonllm.kernels import tuning
 
@@ -37,40 +44,55 @@ def _cache_offsets(block_table_row, n0, seq_len, stride_cache_block, stride_cach
 
 
 @triton.jit
-def _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_row, head_offset, n0, seq_len,
+def _attend_tile(acc, m_i, l_i, q, k_cache, v_cache, block_table_row, head_offset, n0, seq_len,
                  pos, qk_scale, stride_cache_block, stride_cache_token,
                  HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
+                 MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+                 TMA: tl.constexpr):
     """One online-softmax step of the rows of q over keys n0 .. n0 + BLOCK_N - 1.
 
     m_i is the running row max in log2 units (scores times qk_scale = scale * log2(e)), l_i the
     running sum of exp2(score - m_i), acc the unnormalized output. MASKED: key j counts for a row
-    only if j <= pos[row], and keys at or past seq_len are not loaded; unmasked tiles must lie
-    entirely inside every row's visible range.
+    only if j <= pos[row] (pos < seq_len), and keys at or past seq_len are not loaded; unmasked
+    tiles must lie entirely inside every row's visible range. TMA: k_cache/v_cache are tensor
+    descriptors over the cache as [cache rows, Hkv * D] with BLOCK_N <= BLOCK_SIZE, head_offset
+    the head's first column; otherwise pointers, head_offset an element offset.
     """
-    rows = _cache_offsets(block_table_row, n0, seq_len, stride_cache_block, stride_cache_token,
-                          BLOCK_SIZE, BLOCK_N)
-    offsets = rows[:, None] + head_offset + tl.arange(0, HEAD_DIM)[None, :]
     keys = n0 + tl.arange(0, BLOCK_N)
-    if MASKED:
-        in_seq = (keys < seq_len)[:, None]
-        k = tl.load(k_cache_ptr + offsets, mask=in_seq, other=0.0)
+    in_seq = (keys < seq_len)[:, None]
+    if TMA:
+        # One cache block holds the whole tile: one lookup, then one bulk copy each for K and V.
+        block = tl.load(block_table_row + n0 // BLOCK_SIZE)
+        row = block * BLOCK_SIZE + n0 % BLOCK_SIZE
+        k = k_cache.load([row, head_offset])
     else:
-        k = tl.load(k_cache_ptr + offsets)
+        rows = _cache_offsets(block_table_row, n0, seq_len, stride_cache_block, stride_cache_token,
+                              BLOCK_SIZE, BLOCK_N)
+        offsets = rows[:, None] + head_offset + tl.arange(0, HEAD_DIM)[None, :]
+        if MASKED:
+            k = tl.load(k_cache + offsets, mask=in_seq, other=0.0)
+        else:
+            k = tl.load(k_cache + offsets)
     if INTERPRET:
         # The interpreter's tl.dot multiplies raw bfloat16 bits: compute in float32 there.
         k = k.to(tl.float32)
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     if MASKED:
+        # pos < seq_len, so this also drops any key a TMA tile read past the sequence.
         scores = tl.where(keys[None, :] <= pos[:, None], scores, float("-inf"))
     # Every row sees at least one key by its first tile, so m_new is finite and no NaN arises.
     m_new = tl.maximum(m_i, tl.max(scores, 1))
     p = tl.math.exp2(scores - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
-    if MASKED:
-        v = tl.load(v_cache_ptr + offsets, mask=in_seq, other=0.0)
+    if TMA:
+        v = v_cache.load([row, head_offset])
+        if MASKED:
+            # Rows past the sequence hold whatever the block held before: p is 0 there, 0 * NaN is not.
+            v = tl.where(in_seq, v, 0.0)
+    elif MASKED:
+        v = tl.load(v_cache + offsets, mask=in_seq, other=0.0)
     else:
-        v = tl.load(v_cache_ptr + offsets)
+        v = tl.load(v_cache + offsets)
     if INTERPRET:
         v = v.to(tl.float32)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
@@ -81,13 +103,13 @@ def _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_row, he
 
 @triton.jit
 def _prefill_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
+    q_ptr, k_cache, v_cache, o_ptr, cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
     qk_scale,
     stride_q_token, stride_q_head, stride_o_token, stride_o_head,
     stride_cache_block, stride_cache_token, stride_cache_head, stride_block_table,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr, TMA: tl.constexpr,
 ):
     kv_head = tl.program_id(0)
     seq = tl.program_id(1)
@@ -106,7 +128,8 @@ def _prefill_attention_kernel(
     head = kv_head * GROUP + rows % GROUP
     # BLOCK_M need not be a multiple of GROUP: rows past BLOCK_Q * GROUP are idle.
     row_mask = (rows < BLOCK_Q * GROUP) & (token < q_len)
-    pos = context + token
+    # Idle rows past q_len see the sequence's last key, so no row's mask reaches past seq_len.
+    pos = tl.minimum(context + token, seq_len - 1)
     offs_d = tl.arange(0, HEAD_DIM)
     q_rows = (q_start + token).to(tl.int64) * stride_q_token + head * stride_q_head
     q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_mask[:, None], other=0.0)
@@ -121,15 +144,15 @@ def _prefill_attention_kernel(
     # Keys [0, full_end) are visible to every row: the first row sits at position context + q0.
     full_end = (context + q0 + 1) // BLOCK_N * BLOCK_N
     for n0 in range(0, full_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_row, head_offset,
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache, v_cache, block_table_row, head_offset,
                                      n0, seq_len, pos, qk_scale, stride_cache_block, stride_cache_token,
-                                     HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, INTERPRET)
+                                     HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, INTERPRET, TMA)
     # The diagonal: up to the last row's position (rows past q_len are idle, hence the clamp).
     diag_end = tl.minimum(seq_len, context + q0 + BLOCK_Q)
     for n0 in range(full_end, diag_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_row, head_offset,
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache, v_cache, block_table_row, head_offset,
                                      n0, seq_len, pos, qk_scale, stride_cache_block, stride_cache_token,
-                                     HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, INTERPRET)
+                                     HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, INTERPRET, TMA)
     out = acc / l_i[:, None]
     o_rows = (q_start + token).to(tl.int64) * stride_o_token + head * stride_o_head
     tl.store(o_ptr + o_rows[:, None] + offs_d[None, :], out.to(o_ptr.dtype.element_ty), mask=row_mask[:, None])
@@ -163,6 +186,30 @@ def _prefill_default(dtype_name, head_dim, group, block_size, q_len):
 
 
 PREFILL_TUNABLE = tuning.Tunable("prefill_attention", _prefill_space, _prefill_default)
+
+
+@functools.cache
+def _has_tma(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def _cache_descriptors(k_cache, v_cache, block_n):
+    """TMA descriptors for BLOCK_N x D tiles of K and V viewed as [cache rows, Hkv * D], or None.
+
+    None where a tile may span cache blocks (BLOCK_N > block_size), the caches are not contiguous
+    or not 16-byte aligned, or the GPU has no TMA (before Hopper); the kernel then loads through
+    pointers. CPU tensors (the interpreter, sm_90 compile checks) take the TMA path.
+    """
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    if block_n > block_size or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return None
+    if k_cache.data_ptr() % 16 or v_cache.data_ptr() % 16:
+        return None
+    if k_cache.is_cuda and not _has_tma(k_cache.device.index):
+        return None
+    shape = [num_blocks * block_size, num_kv_heads * head_dim]
+    return tuple(TensorDescriptor(cache.view(shape), shape, [shape[1], 1], [block_n, head_dim])
+                 for cache in (k_cache, v_cache))
 
 
 def check_paged_inputs(q, k_cache, v_cache, seq_lens, block_tables, out):
@@ -234,12 +281,13 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
         cfg = dict(cfg)
         block_q = cfg["BLOCK_M"] // group
         grid = (num_kv_heads, batch, triton.cdiv(max_q_len, block_q))
+        descriptors = _cache_descriptors(k_cache, v_cache, cfg["BLOCK_N"])
         _prefill_attention_kernel[grid](
-            q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables, qk_scale,
+            q, *(descriptors or (k_cache, v_cache)), out, cu_seqlens_q, seq_lens, block_tables, qk_scale,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
             GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_Q=block_q,
-            DOT_PRECISION=dot_precision(q.dtype), INTERPRET=tuning.INTERPRET, **cfg)
+            DOT_PRECISION=dot_precision(q.dtype), INTERPRET=tuning.INTERPRET, TMA=descriptors is not None, **cfg)
 
     if config is None:
         # Past 1k query rows the grid is long whatever the length: one bucket serves them all.

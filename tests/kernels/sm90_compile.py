@@ -16,6 +16,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
+from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32",
          torch.int64: "i64", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}
@@ -43,6 +44,8 @@ def record_launches(calls):
 
 
 def arg_type(value):
+    if isinstance(value, TensorDescriptor):
+        return f"tensordesc<{TYPES[value.base.dtype]}{list(value.block_shape)}>"
     if isinstance(value, torch.Tensor):
         return "*" + TYPES[value.dtype]
     if isinstance(value, bool):
