@@ -178,11 +178,12 @@ def _prefill_default(dtype_name, head_dim, group, block_size, q_len):
     if dtype_name == "float32":
         # Exact float32 products run on FMA, whose operands live in registers: small tiles, 8 warps.
         return {"BLOCK_M": max(32, triton.next_power_of_2(group)), "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
-    # wgmma wants BLOCK_M 128 with 8 warps; short queries and big heads (accumulator registers)
-    # take 64 with 4.
+    # One warpgroup (4 warps) per tile of 128 rows for wgmma; at about 98 KB of shared memory two
+    # programs share an SM and overlap each other's softmax and dots (8 warps lost on the H200 with
+    # and without TMA, bench/NOTES-attention.md). Short queries and big heads take BLOCK_M 64.
     block_m = max(64 if head_dim > 128 or q_len * group <= 64 else 128, triton.next_power_of_2(group))
     return {"BLOCK_M": block_m, "BLOCK_N": 128 if head_dim <= 64 else 64,
-            "num_warps": 4 if block_m == 64 else 8, "num_stages": 2 if head_dim > 128 else 3}
+            "num_warps": 4 if block_m <= 128 else 8, "num_stages": 2 if head_dim > 128 else 3}
 
 
 PREFILL_TUNABLE = tuning.Tunable("prefill_attention", _prefill_space, _prefill_default)

@@ -144,8 +144,8 @@ def test_chunked_prefill_equals_one_shot(dtype):
     assert_close(chunked, one_shot.double(), dtype, ATTN)
 
 
-# Tilings the default config does not reach: a tile over several blocks (per-key lookup), several
-# tiles per block, several query tiles per sequence, BLOCK_Q > BLOCK_N and the reverse, idle rows
+# Tilings the default config does not reach: a tile over several blocks (per-key lookup through
+# pointers), several tiles per block (TMA descriptors), several query tiles per sequence, BLOCK_Q > BLOCK_N and the reverse, idle rows
 # when BLOCK_M is not a multiple of the group (GQA 3). With 33 cached keys, in every config some
 # full query tile's last row sees exactly one key of a new key tile.
 @pytest.mark.parametrize("num_q_heads, num_kv_heads, block_size, config", [
@@ -158,6 +158,17 @@ def test_chunked_prefill_equals_one_shot(dtype):
 def test_prefill_tilings(num_q_heads, num_kv_heads, block_size, config):
     inputs = prefill_inputs([0, 33, 3], [70, 100, 1], num_q_heads, num_kv_heads, 64, block_size, torch.float32)
     out, ref = run_prefill(*inputs, config=config)
+    assert_close(out, ref, torch.float32, ATTN)
+
+
+def test_prefill_non_contiguous_cache_takes_pointer_loads():
+    # Caches padded in head_dim cannot be viewed as [rows, Hkv * D] for TMA: the same tiling as
+    # "tile-in-block" then loads through pointers, with the padding (NaN) never read.
+    q, k_cache, v_cache, cu, seq_lens, tables = prefill_inputs([0, 33, 3], [70, 100, 1], 2, 2, 64, 64, torch.float32)
+    padded = [torch.cat([c, torch.full_like(c[..., :16], float("nan"))], -1)[..., :64] for c in (k_cache, v_cache)]
+    assert not padded[0].is_contiguous()
+    out, ref = run_prefill(q, *padded, cu, seq_lens, tables,
+                           config={"BLOCK_M": 64, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1})
     assert_close(out, ref, torch.float32, ATTN)
 
 
