@@ -88,14 +88,13 @@ def main():
     trace = args.trace or Path(tempfile.mkdtemp()) / "trace.json"
     prof.export_chrome_trace(str(trace))
 
-    by_kind, launches, unnamed = defaultdict(float), Counter(), []
+    by_kind, launches, names = defaultdict(float), Counter(), defaultdict(list)
     for event in prof.key_averages():
         if event.device_type == torch.autograd.DeviceType.CUDA and event.self_device_time_total > 0:
             kind = kind_of(event.key)
             by_kind[kind] += event.self_device_time_total / 1e6
             launches[kind] += event.count
-            if kind == "other":
-                unnamed.append((event.self_device_time_total / 1e6, event.count, event.key))
+            names[kind].append((event.self_device_time_total / 1e6, event.count, event.key))
     gpu = sum(by_kind.values())
     tokens = sum(len(o.token_ids) for o in outputs)
     print(f"{args.model}: {args.num_seqs} requests, {tokens} output tokens in {wall:.2f} s = {tokens / wall:.0f} tok/s "
@@ -105,8 +104,9 @@ def main():
         print(f"| {kind} | {seconds:.3f} | {100 * seconds / wall:.1f}% | {launches[kind]} |")
     print(f"| host (GPU idle) | {wall - gpu:.3f} | {100 * (wall - gpu) / wall:.1f}% | |")
     print(f"| total | {wall:.3f} | 100% | {sum(launches.values())} |")
-    print("\n'other' kernels, longest first: " + "; ".join(
-        f"{name[:60]} {seconds:.3f} s x{count}" for seconds, count, name in sorted(unnamed, reverse=True)[:6]))
+    for kind in ("GEMM", "other"):  # the kinds made of kernels we do not write
+        print(f"\n{kind} kernels, longest first: " + "; ".join(
+            f"{name[:70]} {seconds:.3f} s x{count}" for seconds, count, name in sorted(names[kind], reverse=True)[:8]))
     print_gaps(trace)
     per_step = steps[True] + steps[False]
     print(f"\nkernel launches per step and layer ({config.num_hidden_layers} layers; sampler and LM head included): "

@@ -8,6 +8,7 @@ import time
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from tritonllm.config import EngineConfig
 from tritonllm.context import Context, set_context
@@ -248,15 +249,18 @@ class ModelRunner:
 
     def _replay(self, inputs: dict, token_ids: torch.Tensor) -> torch.Tensor:
         batch = len(inputs["seq_lens"])
+        graph_batch = self._graph_batch(batch)
         g = self.graph_inputs
-        g["slot_mapping"].fill_(-1)
-        g["seq_lens"].fill_(1)
-        g["block_tables"].zero_()
         g["token_ids"][:batch].copy_(token_ids)
-        for name in ("positions", "slot_mapping", "seq_lens"):
-            g[name][:batch].copy_(self._to_device(inputs[name]))
+        # Rows past the batch are padding: no KV store (slot -1) and one key read (seq_len 1), from
+        # block_tables[row, 0]. Every table entry ever written is a valid block id and entries past a
+        # sequence's length are never read, so the tables are not cleared. The host pads the rest:
+        # one copy from pinned memory straight into each graph buffer.
+        for name, pad_value in (("positions", 0), ("slot_mapping", -1), ("seq_lens", 1)):
+            padded = F.pad(inputs[name], (0, graph_batch - batch), value=pad_value)
+            g[name][:graph_batch].copy_(padded.pin_memory(), non_blocking=True)
         g["block_tables"][:batch, : inputs["block_tables"].shape[1]].copy_(self._to_device(inputs["block_tables"]))
-        self.graphs[self._graph_batch(batch)].replay()
+        self.graphs[graph_batch].replay()
         return self.graph_output[:batch]
 
     # ---- sampling (rank 0)
@@ -268,7 +272,7 @@ class ModelRunner:
         max_bs = self.config.max_num_seqs
         vocab = self.hf_config.vocab_size
         for batch in sorted({min(1 << i, max_bs) for i in range(max_bs.bit_length() + 1)}):
-            logits = torch.zeros(batch, vocab, device=self.device)
+            logits = torch.zeros(batch, vocab, dtype=self.config.dtype, device=self.device)  # compute_logits' dtype
             ones = torch.ones(batch, device=self.device)
             top_k, seeds = (50 * ones).to(torch.int32), ones.to(torch.int64)
             ids = ops().sample(logits, ones, top_k, 0.9 * ones, 0.05 * ones, seeds)

@@ -110,6 +110,7 @@ class Qwen3ForCausalLM(nn.Module):
         return self.model(token_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Logits [N, V] float32 on rank 0 (None elsewhere) for the N rows given, e.g. the last of each sequence."""
-        logits = self.lm_head(hidden)
-        return None if logits is None else logits.float()
+        """Logits [N, V] in the model's dtype on rank 0 (None elsewhere) for the N rows given, e.g. the
+        last of each sequence. Not widened to float32: the sampler reads any float dtype and
+        computes in float32, and a widened copy of a 256-row batch costs ~55 us a step on an H200."""
+        return self.lm_head(hidden)
