@@ -291,9 +291,8 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
             DOT_PRECISION=dot_precision(q.dtype), INTERPRET=tuning.INTERPRET, TMA=descriptors is not None, **cfg)
 
     if config is None:
-        # Past 4k query rows the grid is long whatever the length: one bucket serves them all. Up to
-        # 4k the best pipeline depth still moved with the length on the H200 (bench/NOTES-attention.md).
-        bucket = (tuning.dtype_name(q.dtype), head_dim, group, block_size, min(tuning.pow2(max_q_len), 4096))
+        # Past 1k query rows the grid is long whatever the length: one bucket serves them all.
+        bucket = (tuning.dtype_name(q.dtype), head_dim, group, block_size, min(tuning.pow2(max_q_len), 1024))
         config = PREFILL_TUNABLE.config(bucket, launch)
     if config["BLOCK_M"] < group:
         raise ValueError(f"config BLOCK_M ({config['BLOCK_M']}) must be at least the GQA group ({group})")
