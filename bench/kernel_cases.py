@@ -77,9 +77,15 @@ def rotary_cases(quick):
     return cases
 
 
+def contiguous_copy(k, v, k_cache, v_cache, slots):
+    k_cache.view(-1, *k.shape[1:])[:len(k)].copy_(k)
+    v_cache.view(-1, *v.shape[1:])[:len(v)].copy_(v)
+
+
 def kv_cache_cases(quick):
     """Random slots (as after preemptions and frees) and, once, consecutive slots (a fresh cache):
-    the two separate the cost of scattered 2 KiB rows from the kernel's own."""
+    the two separate the cost of scattered 2 KiB rows from the kernel's own. The "copy" anchor moves
+    the same K/V bytes with two contiguous torch copies: the copy bandwidth at this size."""
     shapes = [(16384, 16, False)] if quick else [(16384, 16, False), (16384, 16, True), (16384, 256, False),
                                                  (256, 16, False)]
     cases = []
@@ -92,7 +98,7 @@ def kv_cache_cases(quick):
 
         pattern = "consecutive" if consecutive else "random"
         cases.append(Case("store_kv_cache", f"{tokens} tok 8x128 block {block_size} {pattern} slots bf16", make,
-                          kernels.store_kv_cache, {"torch": reference.store_kv_cache},
+                          kernels.store_kv_cache, {"torch": reference.store_kv_cache, "copy": contiguous_copy},
                           bytes=4 * tokens * 8 * 128 * 2 + tokens * 8))
     return cases
 

@@ -17,13 +17,16 @@ def _store_kv_cache_kernel(
     slots = tl.load(slot_ptr + tokens, mask=tokens < n_tokens, other=-1).to(tl.int64)
     cols = tl.arange(0, BLOCK_ROW)
     heads, dims = cols // HEAD_DIM, cols % HEAD_DIM
+    in_row = (cols < NUM_HEADS * HEAD_DIM)[None, :]
+    # The loads do not wait for the slots: only the stores need them.
+    load_mask = (tokens < n_tokens)[:, None] & in_row
+    k = tl.load(k_ptr + tokens[:, None] * k_token_stride + (heads * k_head_stride + dims)[None, :], mask=load_mask, other=0.0)
+    v = tl.load(v_ptr + tokens[:, None] * v_token_stride + (heads * v_head_stride + dims)[None, :], mask=load_mask, other=0.0)
     # slot < 0 marks a row that must not be stored (padding).
-    mask = (slots >= 0)[:, None] & (cols < NUM_HEADS * HEAD_DIM)[None, :]
+    store_mask = (slots >= 0)[:, None] & in_row
     cache_offsets = slots[:, None] * (NUM_HEADS * HEAD_DIM) + cols[None, :]
-    k = tl.load(k_ptr + tokens[:, None] * k_token_stride + (heads * k_head_stride + dims)[None, :], mask=mask, other=0.0)
-    v = tl.load(v_ptr + tokens[:, None] * v_token_stride + (heads * v_head_stride + dims)[None, :], mask=mask, other=0.0)
-    tl.store(k_cache_ptr + cache_offsets, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + cache_offsets, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_cache_ptr + cache_offsets, k.to(k_cache_ptr.dtype.element_ty), mask=store_mask)
+    tl.store(v_cache_ptr + cache_offsets, v.to(v_cache_ptr.dtype.element_ty), mask=store_mask)
 
 
 def _space(dtype, block_row, tokens_bucket):
