@@ -145,9 +145,9 @@ def test_chunked_prefill_equals_one_shot(dtype):
 
 
 # Tilings the default config does not reach: a tile over several blocks (per-key lookup through
-# pointers), several tiles per block (TMA descriptors), several query tiles per sequence, BLOCK_Q > BLOCK_N and the reverse, idle rows
-# when BLOCK_M is not a multiple of the group (GQA 3). With 33 cached keys, in every config some
-# full query tile's last row sees exactly one key of a new key tile.
+# pointers), several tiles per block (TMA descriptors), several query tiles per sequence, BLOCK_Q >
+# BLOCK_N and the reverse, idle rows when BLOCK_M is not a multiple of the group (GQA 3). With 33
+# cached keys, in every config some full query tile's last row sees exactly one key of a new key tile.
 @pytest.mark.parametrize("num_q_heads, num_kv_heads, block_size, config", [
     (2, 2, 16, {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1}),
     (2, 2, 64, {"BLOCK_M": 64, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}),
