@@ -43,11 +43,20 @@ def kind_of(name: str) -> str:
 GAP_BOUNDS_US = (2, 5, 20, 100)
 
 
-def print_gaps(trace: Path):
-    """GPU idle time between consecutive kernels and copies, by gap length (one stream: no overlap)."""
-    kernels = sorted((event["ts"], event["ts"] + event["dur"]) for event in json.loads(trace.read_text())["traceEvents"]
+def idle_gaps(prof, trace: Path | None) -> list[float]:
+    """GPU idle time in us between consecutive kernels and copies (one stream: no overlap), read from
+    the profile's Chrome trace, kept at `trace` if given, else written to a temporary file."""
+    with tempfile.TemporaryDirectory() as scratch:
+        path = trace or Path(scratch) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text())["traceEvents"]
+    kernels = sorted((event["ts"], event["ts"] + event["dur"]) for event in events
                      if event.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
-    gaps = [max(0.0, start - end) for (_, end), (start, _) in zip(kernels, kernels[1:])]
+    return [max(0.0, start - end) for (_, end), (start, _) in zip(kernels, kernels[1:])]
+
+
+def print_gaps(gaps: list[float]):
+    """The idle gaps, by length."""
     bounds = (0, *GAP_BOUNDS_US, float("inf"))
     print("\n| gap between kernels | gaps | idle seconds |\n|---|---|---|")
     for low, high in zip(bounds, bounds[1:]):
@@ -85,8 +94,7 @@ def main():
         outputs = llm.generate(prompts, params, use_tqdm=False)
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
-    trace = args.trace or Path(tempfile.mkdtemp()) / "trace.json"
-    prof.export_chrome_trace(str(trace))
+    gaps = idle_gaps(prof, args.trace)
 
     by_kind, launches, names = defaultdict(float), Counter(), defaultdict(list)
     for event in prof.key_averages():
@@ -107,7 +115,7 @@ def main():
     for kind in ("GEMM", "other"):  # the kinds made of kernels we do not write
         print(f"\n{kind} kernels, longest first: " + "; ".join(
             f"{name[:70]} {seconds:.3f} s x{count}" for seconds, count, name in sorted(names[kind], reverse=True)[:8]))
-    print_gaps(trace)
+    print_gaps(gaps)
     per_step = steps[True] + steps[False]
     print(f"\nkernel launches per step and layer ({config.num_hidden_layers} layers; sampler and LM head included): "
           + ", ".join(f"{kind} {n / per_step / config.num_hidden_layers:.2f}" for kind, n in sorted(launches.items()))
