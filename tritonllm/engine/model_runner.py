@@ -254,8 +254,9 @@ class ModelRunner:
         g["token_ids"][:batch].copy_(token_ids)
         # Rows past the batch are padding: no KV store (slot -1) and one key read (seq_len 1), from
         # block_tables[row, 0]. Every table entry ever written is a valid block id and entries past a
-        # sequence's length are never read, so the tables are not cleared. The host pads the rest:
-        # one copy from pinned memory straight into each graph buffer.
+        # sequence's length are never read, so the tables are not cleared. The host pads the other
+        # inputs: one copy from pinned memory straight into each graph buffer. The tables' slice of
+        # their buffer is not contiguous, so they go through a device copy.
         for name, pad_value in (("positions", 0), ("slot_mapping", -1), ("seq_lens", 1)):
             padded = F.pad(inputs[name], (0, graph_batch - batch), value=pad_value)
             g[name][:graph_batch].copy_(padded.pin_memory(), non_blocking=True)
