@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from tritonllm.kernels import tuning
-from tritonllm.kernels.prefill_attention import LOG2E, _attend_tile, check_paged_inputs, dot_precision
+from tritonllm.kernels.paged import LOG2E, _attend_tile, check_paged_inputs, dot_precision
 
 PROGRAMS_PER_SM = 3  # resident programs per SM that hide memory latency without extra splits
 

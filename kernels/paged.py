@@ -1,0 +1,124 @@
+"""The paged-attention core that prefill_attention.py and decode_attention.py share.
+
+A paged KV cache is [num_blocks, block_size, Hkv, D]; a sequence's block table maps its logical
+blocks to physical ones. `_attend_tile` is one online-softmax step of a tile of query rows over
+BLOCK_N keys read through the table (or through TMA descriptors); `_cache_offsets` the addresses
+of those keys; `check_paged_inputs` the shape checks of both wrappers.
+"""
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _cache_offsets(block_table_row, n0, seq_len, stride_cache_block, stride_cache_token,
+                   BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """int64 element offsets of cache rows n0 .. n0 + BLOCK_N - 1 (n0 a multiple of BLOCK_N)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    if BLOCK_N <= BLOCK_SIZE:
+        # The tile lies inside one cache block: one block-table lookup per tile.
+        block = tl.load(block_table_row + n0 // BLOCK_SIZE).to(tl.int64)
+        offsets = block * stride_cache_block + (n0 % BLOCK_SIZE + offs_n) * stride_cache_token
+    else:
+        # The tile spans several blocks: one lookup per key; table entries past the sequence
+        # may be padding, so they are never read.
+        keys = n0 + offs_n
+        block = tl.load(block_table_row + keys // BLOCK_SIZE, mask=keys < seq_len, other=0).to(tl.int64)
+        offsets = block * stride_cache_block + (keys % BLOCK_SIZE) * stride_cache_token
+    return offsets
+
+
+@triton.jit
+def _attend_tile(acc, m_i, l_i, q, k_cache, v_cache, block_table_row, head_offset, n0, seq_len,
+                 pos, qk_scale, stride_cache_block, stride_cache_token,
+                 HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+                 TMA: tl.constexpr):
+    """One online-softmax step of the rows of q over keys n0 .. n0 + BLOCK_N - 1.
+
+    m_i is the running row max in log2 units (scores times qk_scale = scale * log2(e)), l_i the
+    running sum of exp2(score - m_i), acc the unnormalized output. MASKED: key j counts for a row
+    only if j <= pos[row] (pos < seq_len), and keys at or past seq_len are not loaded; unmasked
+    tiles must lie entirely inside every row's visible range. TMA: k_cache/v_cache are tensor
+    descriptors over the cache as [cache rows, Hkv * D] with BLOCK_N <= BLOCK_SIZE, head_offset
+    the head's first column; otherwise pointers, head_offset an element offset.
+    """
+    keys = n0 + tl.arange(0, BLOCK_N)
+    in_seq = (keys < seq_len)[:, None]
+    if TMA:
+        # One cache block holds the whole tile: one lookup, then one bulk copy each for K and V.
+        block = tl.load(block_table_row + n0 // BLOCK_SIZE)
+        row = block * BLOCK_SIZE + n0 % BLOCK_SIZE
+        k = k_cache.load([row, head_offset])
+    else:
+        rows = _cache_offsets(block_table_row, n0, seq_len, stride_cache_block, stride_cache_token,
+                              BLOCK_SIZE, BLOCK_N)
+        offsets = rows[:, None] + head_offset + tl.arange(0, HEAD_DIM)[None, :]
+        if MASKED:
+            k = tl.load(k_cache + offsets, mask=in_seq, other=0.0)
+        else:
+            k = tl.load(k_cache + offsets)
+    if INTERPRET:
+        # The interpreter's tl.dot multiplies raw bfloat16 bits: compute in float32 there.
+        k = k.to(tl.float32)
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    if MASKED:
+        # pos < seq_len, so this also drops any key a TMA tile read past the sequence.
+        scores = tl.where(keys[None, :] <= pos[:, None], scores, float("-inf"))
+    # Every row sees at least one key by its first tile, so m_new is finite and no NaN arises.
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    p = tl.math.exp2(scores - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    if TMA:
+        v = v_cache.load([row, head_offset])
+        if MASKED:
+            # Rows past the sequence hold whatever the block held before: p is 0 there, 0 * NaN is not.
+            v = tl.where(in_seq, v, 0.0)
+    elif MASKED:
+        v = tl.load(v_cache + offsets, mask=in_seq, other=0.0)
+    else:
+        v = tl.load(v_cache + offsets)
+    if INTERPRET:
+        v = v.to(tl.float32)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    # l after the PV dot keeps fewer values live across it (Triton tutorial 06).
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return acc, m_new, l_i
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot input precision: exact float32 products (TF32 would break float32 parity with HF)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def check_paged_inputs(q, k_cache, v_cache, seq_lens, block_tables, out):
+    """Cheap shape checks shared by the attention wrappers; returns (group, block_size)."""
+    if q.dim() != 3:
+        raise ValueError(f"q must be [tokens, Hq, D], got shape {tuple(q.shape)}")
+    if k_cache.dim() != 4:
+        raise ValueError(f"k_cache must be [num_blocks, block_size, Hkv, D], got shape {tuple(k_cache.shape)}")
+    if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
+        raise ValueError("v_cache must have the shape and strides of k_cache")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"k_cache/v_cache dtype {k_cache.dtype} differs from q dtype {q.dtype}")
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    if q.shape[2] != head_dim:
+        raise ValueError(f"q head_dim {q.shape[2]} differs from k_cache head_dim {head_dim}")
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
+    if q.shape[1] % num_kv_heads:
+        raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of k_cache heads ({num_kv_heads})")
+    if block_size & (block_size - 1):
+        raise ValueError(f"k_cache block_size must be a power of two, got {block_size}")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1:
+        raise ValueError("q and k_cache/v_cache must be contiguous in the last (head_dim) dimension")
+    if seq_lens.dim() != 1:
+        raise ValueError(f"seq_lens must be [B], got shape {tuple(seq_lens.shape)}")
+    batch = seq_lens.shape[0]
+    if block_tables.dim() != 2 or block_tables.shape[0] != batch:
+        raise ValueError(f"block_tables must be [B={batch}, max_blocks], got shape {tuple(block_tables.shape)}")
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1):
+        raise ValueError(f"out must be a {q.dtype} tensor of q's shape {tuple(q.shape)}, contiguous in head_dim")
+    return q.shape[1] // num_kv_heads, block_size
