@@ -54,7 +54,7 @@ def norm_cases(quick):
     return cases
 
 
-def silu_cases(quick):
+def silu_and_mul_cases(quick):
     shapes = [(16384, 3072)] if quick else [(16384, 3072), (8192, 12288), (256, 3072)]
     return [
         Case("silu_and_mul", f"{tokens}x2*{inter} bf16", lambda t=tokens, i=inter: (randn(t, 2 * i),),
@@ -288,6 +288,6 @@ def sampler_cases(quick):
 
 
 def all_cases(quick: bool) -> list[Case]:
-    cases = norm_cases(quick) + silu_cases(quick) + rotary_cases(quick) + kv_cache_cases(quick)
+    cases = norm_cases(quick) + silu_and_mul_cases(quick) + rotary_cases(quick) + kv_cache_cases(quick)
     cases += qk_norm_rotary_cases(quick)
     return cases + prefill_attention_cases(quick) + decode_attention_cases(quick) + sampler_cases(quick)
