@@ -6,6 +6,7 @@ import torch
 
 from tritonllm import kernels
 from tritonllm.kernels import reference
+from tritonllm.layers import rotary
 
 
 @dataclass
@@ -30,10 +31,8 @@ def randn(*shape, dtype=torch.bfloat16):
     return torch.randn(*shape, device="cuda", dtype=dtype)
 
 
-def cos_sin_cache(max_pos, head_dim, theta=1e6):
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cuda") / head_dim)
-    freqs = torch.arange(max_pos, dtype=torch.float32, device="cuda")[:, None] * inv_freq
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+def cos_sin_cache(max_pos, head_dim):
+    return rotary.cos_sin_cache(head_dim, max_pos, 1e6).cuda()
 
 
 def norm_cases(quick):

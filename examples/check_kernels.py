@@ -11,6 +11,7 @@ import torch
 
 from tritonllm import kernels
 from tritonllm.kernels import reference
+from tritonllm.layers.rotary import cos_sin_cache
 
 
 def rel_err(out, ref):
@@ -30,9 +31,7 @@ def main():
         return torch.randn(*shape, device=device, dtype=dtype)
 
     positions = torch.arange(tokens, device=device)
-    inv_freq = 1.0 / 1e6 ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    freqs = torch.arange(tokens, device=device, dtype=torch.float32)[:, None] * inv_freq
-    cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    cos_sin = cos_sin_cache(head_dim, tokens, 1e6).to(device)
     x, residual, weight = randn(tokens, hidden), randn(tokens, hidden), randn(hidden)
     q, k, v = randn(tokens, heads, head_dim), randn(tokens, kv_heads, head_dim), randn(tokens, kv_heads, head_dim)
     gate_up = randn(tokens, 2 * inter)

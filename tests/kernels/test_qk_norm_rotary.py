@@ -5,6 +5,7 @@ from kernel_utils import DEVICE, DTYPES, poisoned, randn, rel_err
 from tritonllm.kernels import qk_norm_rotary_store, reference
 from tritonllm.kernels import qk_norm_rotary as module
 from tritonllm.kernels.tuning import INTERPRET
+from tritonllm.layers import rotary
 
 MAX_POS = 4096
 
@@ -23,10 +24,8 @@ def assert_close(out, ref, dtype):
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
-def cos_sin_cache(max_pos, head_dim, theta=1e6):
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-    freqs = torch.arange(max_pos, dtype=torch.float32)[:, None] * inv_freq[None, :]
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(DEVICE)
+def cos_sin_cache(max_pos, head_dim, yarn=None):
+    return rotary.cos_sin_cache(head_dim, max_pos, 1e6, yarn).to(DEVICE)
 
 
 def make_inputs(tokens, q_heads, kv_heads, head_dim, block_size, dtype, pad=0, index_dtype=torch.int64):
@@ -45,10 +44,11 @@ def make_inputs(tokens, q_heads, kv_heads, head_dim, block_size, dtype, pad=0, i
     return buffer, qkv, q_weight, k_weight, positions, slots, k_cache, k_cache.clone()
 
 
-def check(tokens, q_heads, kv_heads, head_dim, block_size, dtype, pad=0, index_dtype=torch.int64, with_out=False):
+def check(tokens, q_heads, kv_heads, head_dim, block_size, dtype, pad=0, index_dtype=torch.int64, with_out=False,
+          yarn=None):
     buffer, qkv, q_weight, k_weight, positions, slots, k_cache, v_cache = make_inputs(
         tokens, q_heads, kv_heads, head_dim, block_size, dtype, pad, index_dtype)
-    cache = cos_sin_cache(MAX_POS, head_dim)
+    cache = cos_sin_cache(MAX_POS, head_dim, yarn)
     buffer_before = buffer.clone()
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
     eps = 1e-6
@@ -99,6 +99,12 @@ def test_strided_qkv_int32_indices_and_out_buffer(index_dtype):
 
 def test_head_dim_not_a_power_of_two():
     check(5, 6, 2, 80, 16, torch.float16, pad=8)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_yarn_table(dtype):
+    # YaRN's cos and sin carry its attention factor (~1.14 here): not a pure rotation.
+    check(9, 4, 2, 128, 16, dtype, yarn={"factor": 4.0, "original_max_position_embeddings": 1024})
 
 
 @pytest.mark.parametrize("tokens_per_program", [1, 2, 4])

@@ -3,12 +3,11 @@ import torch
 from kernel_utils import DEVICE, DTYPES, assert_close, randn
 
 from tritonllm.kernels import reference, rotary_embedding
+from tritonllm.layers import rotary
 
 
-def cos_sin_cache(max_pos, head_dim, theta=1e6):
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-    freqs = torch.arange(max_pos, dtype=torch.float32)[:, None] * inv_freq[None, :]
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(DEVICE)
+def cos_sin_cache(max_pos, head_dim, yarn=None):
+    return rotary.cos_sin_cache(head_dim, max_pos, 1e6, yarn).to(DEVICE)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -21,6 +20,17 @@ def test_rotary_embedding(tokens, q_heads, k_heads, head_dim, dtype):
     out_q, out_k = rotary_embedding(positions, q.clone(), k.clone(), cache)
     assert_close(out_q, ref_q, dtype)
     assert_close(out_k, ref_k, dtype)
+
+
+def test_rotary_embedding_with_yarn_table():
+    # YaRN's cos and sin carry its attention factor (~1.14 here): not a pure rotation.
+    q, k = randn(9, 4, 128), randn(9, 2, 128)
+    positions = torch.randint(0, 4096, (9,), device=DEVICE)
+    cache = cos_sin_cache(4096, 128, {"factor": 4.0, "original_max_position_embeddings": 1024})
+    ref_q, ref_k = reference.rotary_embedding(positions, q, k, cache)
+    out_q, out_k = rotary_embedding(positions, q.clone(), k.clone(), cache)
+    assert_close(out_q, ref_q, torch.float32)
+    assert_close(out_k, ref_k, torch.float32)
 
 
 @pytest.mark.parametrize("positions_dtype", [torch.int32, torch.int64])

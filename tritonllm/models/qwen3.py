@@ -12,15 +12,6 @@ from tritonllm.layers.ops import ops
 from tritonllm.layers.rotary import RotaryEmbedding
 
 
-def rope_theta(config) -> float:
-    """rope_theta from the config (transformers 5 keeps it in rope_parameters)."""
-    parameters = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    rope_type = parameters.get("rope_type", parameters.get("type", "default"))
-    if rope_type != "default":
-        raise NotImplementedError(f"rope type {rope_type!r} is not supported, only the default rotary embedding")
-    return float(parameters.get("rope_theta") or getattr(config, "rope_theta"))
-
-
 class Qwen3Attention(nn.Module):
     def __init__(self, config, rotary: RotaryEmbedding):
         super().__init__()
@@ -75,7 +66,7 @@ class Qwen3Model(nn.Module):
     def __init__(self, config):
         super().__init__()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        rotary = RotaryEmbedding(head_dim, config.max_position_embeddings, rope_theta(config))
+        rotary = RotaryEmbedding(config, head_dim)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Qwen3DecoderLayer(config, rotary) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
