@@ -102,7 +102,7 @@ def cases():
             calls.append(lambda t=t, n=tokens, hq=q_heads, hk=kv_heads: qk_norm_rotary_store(
                 t(n, dtype=torch.int64), t(n, (hq + 2 * hk) * 128), t(128), t(128), 1e-6, t(40960, 128, dtype=torch.float32),
                 t(600, 16, hk, 128), t(600, 16, hk, 128), t(n, dtype=torch.int32), hq, hk))
-    from tritonllm.kernels.sampler import compute_logprobs, sample
+    from tritonllm.kernels import compute_logprobs, sample
 
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         for batch in (1, 256):  # the default config differs for small batches
