@@ -1,4 +1,4 @@
-"""Shared helpers of the kernel tests: device, dtypes, tolerances, poisoning, relative error."""
+"""Shared helpers of the kernel tests: device, dtypes, tolerances, poisoning, relative error, paged caches."""
 import torch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -7,6 +7,10 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Relative error ||out - ref|| / ||ref|| allowed against a float64 reference: about one rounding
 # of the output dtype (the interpreter truncates float32 -> bfloat16 instead of rounding).
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+# Attention sums hundreds of products per output and, natively, rounds the probabilities to
+# fp16/bf16 before the PV product (plus the output rounding, which the interpreter truncates for
+# bf16): allow twice the elementwise tolerance (float32 2e-5, fp16 4e-3, bf16 2e-2).
+ATTN = 2.0
 
 
 def randn(*shape, dtype=torch.float32, scale=1.0):
@@ -29,3 +33,39 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, facto
     assert torch.isfinite(out).all(), "output has NaN/inf: an element was not written"
     err = rel_err(out, ref)
     assert err <= TOLERANCE[dtype] * factor, f"relative error {err:.3g} > {TOLERANCE[dtype] * factor:.3g}"
+
+
+def paged_kv(seq_lens, num_kv_heads, head_dim, block_size, dtype, spare_blocks=3, pad_columns=2):
+    """K/V caches holding random keys of each sequence in shuffled blocks, NaN everywhere else.
+
+    Every cache row that no sequence owns is NaN (unused blocks, the tail of each sequence's last
+    block), so a kernel that reads a key it must not produces NaN. Returns k_cache, v_cache,
+    block_tables [B, max_blocks + pad_columns] int32 whose entries past each sequence point at
+    unused (NaN) blocks.
+    """
+    blocks = [-(-n // block_size) for n in seq_lens]
+    total = sum(blocks) + spare_blocks
+    order = torch.randperm(total, device=DEVICE)
+    unused = order[sum(blocks):]
+    shape = (total, block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = poisoned(*shape, dtype=dtype), poisoned(*shape, dtype=dtype)
+    tables = unused[torch.randint(len(unused), (len(seq_lens), max(blocks) + pad_columns), device=DEVICE)]
+    first = 0
+    for b, (length, count) in enumerate(zip(seq_lens, blocks)):
+        own = order[first:first + count]
+        first += count
+        tables[b, :count] = own
+        slots = (own[:, None] * block_size + torch.arange(block_size, device=DEVICE)).flatten()[:length]
+        k_cache.view(-1, num_kv_heads, head_dim)[slots] = randn(length, num_kv_heads, head_dim, dtype=dtype)
+        v_cache.view(-1, num_kv_heads, head_dim)[slots] = randn(length, num_kv_heads, head_dim, dtype=dtype)
+    return k_cache, v_cache, tables.to(torch.int32)
+
+
+def prefill_inputs(context_lens, q_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype):
+    """q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables for sequences of cached + new tokens."""
+    seq_lens = [c + n for c, n in zip(context_lens, q_lens)]
+    k_cache, v_cache, tables = paged_kv(seq_lens, num_kv_heads, head_dim, block_size, dtype)
+    cu = torch.tensor([0] + q_lens, device=DEVICE).cumsum(0).to(torch.int32)
+    # Scaled queries make the softmax peaked enough that a misplaced key shows.
+    q = randn(sum(q_lens), num_q_heads, head_dim, dtype=dtype, scale=2.0)
+    return q, k_cache, v_cache, cu, torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), tables

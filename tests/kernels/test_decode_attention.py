@@ -1,0 +1,164 @@
+"""decode_attention against the float64 reference, on a NaN-poisoned paged cache.
+
+Every cache row that no sequence owns is NaN and the block-table entries past each sequence point
+at NaN blocks (kernel_utils.paged_kv); outputs are NaN-poisoned buffers. A kernel that reads a key
+it must not, or skips a row, produces NaN and fails.
+"""
+import importlib
+import json
+
+import pytest
+import torch
+from kernel_utils import ATTN, DEVICE, DTYPES, assert_close, paged_kv, poisoned, prefill_inputs, randn
+
+from tritonllm.kernels import decode_attention, prefill_attention, reference, tuning
+
+# The package exports the function under the module's name: fetch the module itself.
+decode_module = importlib.import_module("tritonllm.kernels.decode_attention")
+
+# Triton 3.6's interpreter converts loop bounds through a NumPy path that NumPy 2.x deprecates.
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+
+
+def run_decode(q, k_cache, v_cache, seq_lens, tables, **kwargs):
+    out = decode_attention(q, k_cache, v_cache, seq_lens, tables, out=poisoned(*q.shape, dtype=q.dtype), **kwargs)
+    ref = reference.decode_attention(q.double(), k_cache.double(), v_cache.double(), seq_lens, tables,
+                                     kwargs.get("scale"))
+    return out, ref
+
+
+def decode_config(num_splits, split_min, block_n):
+    return {"BLOCK_N": block_n, "NUM_SPLITS": num_splits, "SPLIT_MIN": split_min, "num_warps": 4, "num_stages": 2}
+
+
+# (head_dim, Hq, Hkv, block_size, seq_lens)
+DECODE_CASES = [
+    (64, 4, 4, 16, [1, 15, 16, 17, 300]),
+    (128, 4, 2, 32, [31, 33, 100]),
+    (64, 8, 2, 64, [1, 64, 65, 200]),
+    (128, 8, 1, 128, [129, 3]),
+    (64, 6, 2, 256, [255, 257, 1]),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim, num_q_heads, num_kv_heads, block_size, seq_lens", DECODE_CASES)
+def test_decode_matches_reference(head_dim, num_q_heads, num_kv_heads, block_size, seq_lens, dtype):
+    k_cache, v_cache, tables = paged_kv(seq_lens, num_kv_heads, head_dim, block_size, dtype)
+    q = randn(len(seq_lens), num_q_heads, head_dim, dtype=dtype, scale=2.0)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    out, ref = run_decode(q, k_cache, v_cache, lens, tables)
+    assert_close(out, ref, dtype, ATTN)
+
+
+# Split-KV: one split (o written directly), a few, many more than a sequence can use (unused splits
+# exit and the merge skips them), tiles over several blocks (BLOCK_N 64 > block_size 16).
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_splits, split_min, block_n",
+                         [(1, 256, 16), (3, 16, 16), (8, 32, 32), (64, 16, 16), (5, 16, 64)])
+def test_decode_splits(num_splits, split_min, block_n, dtype):
+    seq_lens = [1, 17, 100, 300, 64]
+    k_cache, v_cache, tables = paged_kv(seq_lens, 2, 64, 16, dtype)
+    q = randn(len(seq_lens), 4, 64, dtype=dtype, scale=2.0)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    out, ref = run_decode(q, k_cache, v_cache, lens, tables, config=decode_config(num_splits, split_min, block_n))
+    assert_close(out, ref, dtype, ATTN)
+
+
+def shipped_decode_configs():
+    """The distinct split/tile choices of the tuned decode configs shipped for every GPU."""
+    found = {}
+    for path in sorted(tuning.CONFIG_DIR.glob("*.json")):
+        for config in json.loads(path.read_text())["kernels"].get("decode_attention", {}).values():
+            found.setdefault((config["NUM_SPLITS"], config["SPLIT_MIN"], config["BLOCK_N"]), config)
+    return [found[key] for key in sorted(found)]
+
+
+# What the engine runs: lengths around SPLIT_MIN (128..512) and BLOCK_N (64, 128) boundaries.
+@pytest.mark.parametrize("config", shipped_decode_configs(),
+                         ids=lambda c: f"splits{c['NUM_SPLITS']}-min{c['SPLIT_MIN']}-n{c['BLOCK_N']}")
+def test_decode_shipped_configs(config):
+    seq_lens = [1, 127, 129, 513, 1100]
+    k_cache, v_cache, tables = paged_kv(seq_lens, 2, 64, 16, torch.bfloat16)
+    q = randn(len(seq_lens), 4, 64, dtype=torch.bfloat16, scale=2.0)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    out, ref = run_decode(q, k_cache, v_cache, lens, tables, config=config)
+    assert_close(out, ref, torch.bfloat16, ATTN)
+
+
+def test_decode_default_splits_on_a_large_gpu(monkeypatch):
+    # The default rule as on an H200 (132 SMs): many splits, most of them unused at these lengths.
+    monkeypatch.setattr(decode_module, "num_sms", lambda: 132)
+    seq_lens = [700, 5, 260]
+    k_cache, v_cache, tables = paged_kv(seq_lens, 2, 64, 32, torch.bfloat16)
+    q = randn(3, 4, 64, dtype=torch.bfloat16, scale=2.0)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    assert decode_module._decode_default("bfloat16", 64, 2, 2, 32, 4, 4096)["NUM_SPLITS"] == 16
+    out, ref = run_decode(q, k_cache, v_cache, lens, tables, max_seq_len=4096)
+    assert_close(out, ref, torch.bfloat16, ATTN)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("config", [None, decode_config(6, 16, 16)], ids=["default", "6-splits"])
+def test_decode_after_prefill_equals_last_prefill_row(dtype, config):
+    q_lens = [1, 33, 90]
+    q, k_cache, v_cache, cu, seq_lens, tables = prefill_inputs([0, 0, 0], q_lens, 8, 2, 128, 32, dtype)
+    prefill_out = prefill_attention(q, k_cache, v_cache, cu, seq_lens, tables)
+    last = cu[1:].long() - 1
+    decode_out, ref = run_decode(q[last].contiguous(), k_cache, v_cache, seq_lens, tables, config=config)
+    assert_close(decode_out, ref, dtype, ATTN)
+    assert_close(decode_out, prefill_out[last].double(), dtype, ATTN)
+
+
+@pytest.mark.parametrize("config", [decode_config(1, 256, 16), decode_config(4, 16, 16)], ids=["1-split", "4-splits"])
+def test_decode_zero_length_rows_give_zeros(config):
+    # A CUDA-graph batch padded with seq_len 0 rows: zeros there, nothing read through their table.
+    seq_lens = [40, 0, 7]
+    k_cache, v_cache, tables = paged_kv(seq_lens, 2, 64, 16, torch.float32)
+    q = randn(3, 4, 64, scale=2.0)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    out = decode_attention(q, k_cache, v_cache, lens, tables, out=poisoned(*q.shape, dtype=q.dtype), config=config)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    keep = torch.tensor([0, 2], device=DEVICE)
+    ref = reference.decode_attention(q[keep].double(), k_cache.double(), v_cache.double(), lens[keep], tables[keep])
+    assert_close(out[keep], ref, torch.float32, ATTN)
+
+
+def test_decode_launch_is_graph_capturable(monkeypatch):
+    """No host sync in the wrapper, and the grid and scratch shapes depend on shapes only."""
+    launches = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                shapes = [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]
+                launches.append((self.name, grid, shapes, kwargs.get("NUM_SPLITS")))
+            return launch
+
+    monkeypatch.setattr(decode_module, "num_sms", lambda: 132)
+    monkeypatch.setattr(decode_module, "_decode_attention_kernel", Recorder("attention"))
+    monkeypatch.setattr(decode_module, "_merge_splits_kernel", Recorder("merge"))
+    k_cache, v_cache, tables = paged_kv([300, 5], 2, 64, 16, torch.bfloat16, pad_columns=30)
+    q = randn(2, 4, 64, dtype=torch.bfloat16)
+
+    def host_sync(*args, **kwargs):
+        raise AssertionError("decode_attention synchronized with the host")
+
+    for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, host_sync)
+    for lens in ([300, 5], [1, 2]):
+        decode_attention(q, k_cache, v_cache, torch.tensor(lens, dtype=torch.int32, device=DEVICE), tables)
+    monkeypatch.undo()
+    assert len(launches) == 4 and launches[0] == launches[2] and launches[1] == launches[3], launches
+    assert launches[0][0] == "attention" and launches[1][0] == "merge" and launches[0][3] > 1, launches
+
+
+def test_decode_rejects_bad_inputs():
+    q, k_cache, v_cache, _, seq_lens, tables = prefill_inputs([0, 3], [4, 5], 4, 2, 64, 16, torch.float32)
+    with pytest.raises(ValueError, match="v_cache"):
+        decode_attention(q[:2], k_cache, v_cache[:, :, :1], seq_lens, tables)
+    with pytest.raises(ValueError, match="seq_lens"):
+        decode_attention(q[:3], k_cache, v_cache, seq_lens, tables)
