@@ -1,4 +1,7 @@
 from dataclasses import dataclass
+from functools import partial
+
+from tritonllm.validation import check_field, check_list
 
 
 @dataclass
@@ -25,26 +28,23 @@ class SamplingParams:
     logprobs: bool = False
 
     def __post_init__(self):
-        def check(ok: bool, field: str, allowed: str):
-            if not ok:
-                raise ValueError(f"SamplingParams.{field}={getattr(self, field)!r} is invalid: {allowed}")
+        self.validate()
 
-        for field in ("temperature", "top_p", "min_p"):
-            if isinstance(getattr(self, field), bool) or not isinstance(getattr(self, field), (int, float)):
-                raise TypeError(f"SamplingParams.{field} must be a number, got {type(getattr(self, field)).__name__}")
-        for field in ("top_k", "max_tokens", "min_tokens"):
-            if isinstance(getattr(self, field), bool) or not isinstance(getattr(self, field), int):
-                raise TypeError(f"SamplingParams.{field} must be an int, got {type(getattr(self, field)).__name__}")
-        check(self.temperature >= 0, "temperature", "must be >= 0 (0 = greedy)")
-        check(self.top_k >= 0, "top_k", "must be >= 0 (0 = off)")
-        check(0 < self.top_p <= 1, "top_p", "must be in (0, 1] (1 = off)")
-        check(0 <= self.min_p <= 1, "min_p", "must be in [0, 1] (0 = off)")
-        check(self.max_tokens >= 1, "max_tokens", "must be >= 1")
-        check(0 <= self.min_tokens <= self.max_tokens, "min_tokens", f"must be in [0, max_tokens={self.max_tokens}]")
+    def validate(self) -> None:
+        """Check every field and normalize in place (numbers to float or int, stop to a list). The engine
+        runs it again when a request is added, as fields may change after construction; idempotent."""
+        field = partial(check_field, self, prefix="SamplingParams.")
+        field("temperature", float, lambda t: t >= 0, ">= 0 (0 = greedy)")
+        field("top_k", int, lambda k: k >= 0, ">= 0 (0 = off)")
+        field("top_p", float, lambda p: 0 < p <= 1, "in (0, 1] (1 = off)")
+        field("min_p", float, lambda p: 0 <= p <= 1, "in [0, 1] (0 = off)")
+        field("max_tokens", int, lambda n: n >= 1, ">= 1")
+        field("min_tokens", int, lambda n: 0 <= n <= self.max_tokens, f"in [0, max_tokens={self.max_tokens}]")
+        field("ignore_eos", bool)
+        field("seed", int, optional=True)  # any int: the engine mixes it into 62 bits
+        field("logprobs", bool)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be token ids >= 0")
-        check(self.seed is None or isinstance(self.seed, int), "seed", "must be an int or None")
+        self.stop = check_list("SamplingParams.stop", self.stop, str, bool, "a non-empty string")
+        # Token ids of numpy or torch (e.g. from a tokenizer's tensors) become ints.
+        self.stop_token_ids = check_list("SamplingParams.stop_token_ids", self.stop_token_ids, int, lambda t: t >= 0, ">= 0")

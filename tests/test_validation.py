@@ -1,0 +1,53 @@
+"""Bad sampling parameters fail with errors that name the field (issue 16.5)."""
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from tritonllm import SamplingParams
+from tritonllm.validation import check
+
+
+@pytest.mark.parametrize("field, value, error", [
+    ("temperature", math.inf, ValueError), ("temperature", math.nan, ValueError), ("top_p", math.nan, ValueError),
+    ("min_p", -math.inf, ValueError), ("temperature", "0.5", TypeError), ("top_p", None, TypeError),
+    ("top_k", 2.5, TypeError), ("max_tokens", True, TypeError), ("min_tokens", "1", TypeError),
+    ("stop", 123, TypeError), ("stop", [""], ValueError), ("stop", ["ok", 1], TypeError),
+    ("stop_token_ids", 5, TypeError), ("stop_token_ids", "12", TypeError), ("stop_token_ids", [-1], ValueError),
+    ("stop_token_ids", [1.5], TypeError), ("stop_token_ids", [True], TypeError),
+    ("logprobs", "yes", TypeError), ("logprobs", 1, TypeError), ("ignore_eos", "no", TypeError),
+    ("seed", 1.5, TypeError), ("seed", "7", TypeError),
+])
+def test_bad_sampling_params_name_the_field(field, value, error):
+    with pytest.raises(error, match=rf"SamplingParams\.{field}\b"):
+        SamplingParams(**{field: value})
+
+
+def test_validate_normalizes_and_is_idempotent():
+    p = SamplingParams(temperature=1, top_k=10**9, stop="###", stop_token_ids=(np.int64(5), torch.tensor(7)),
+                       seed=np.int32(-3))
+    assert p.stop == ["###"] and p.stop_token_ids == [5, 7] and p.seed == -3 and p.temperature == 1.0
+    assert all(type(t) is int for t in p.stop_token_ids) and type(p.seed) is int and type(p.temperature) is float
+    before = dataclasses.asdict(p)
+    p.validate()
+    assert dataclasses.asdict(p) == before
+    assert SamplingParams(stop_token_ids=np.array([1, 2]), seed=2**100).stop_token_ids == [1, 2]
+    p.stop, p.max_tokens = "end", 3  # fields changed after construction: the engine validates again
+    p.validate()
+    assert p.stop == ["end"]
+    p.min_tokens = 4
+    with pytest.raises(ValueError, match="min_tokens"):
+        p.validate()
+
+
+def test_check_converts_integer_scalars_and_rejects_bools():
+    assert check("n", np.int16(3), int) == 3 and check("x", np.float32(0.5), float) == 0.5
+    assert check("x", 2, float) == 2.0 and check("n", None, int, optional=True) is None
+    for value in (True, np.bool_(True), torch.tensor(True)):
+        with pytest.raises(TypeError, match="n must be an int"):
+            check("n", value, int)
+    with pytest.raises(ValueError, match=r"n=0 is invalid: must be >= 1"):
+        check("n", 0, int, lambda n: n >= 1, ">= 1")
+

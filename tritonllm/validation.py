@@ -1,0 +1,62 @@
+"""check(): the one validation helper of the engine options and sampling parameters (check_field
+and check_list apply it to an attribute and to each item of a list).
+
+A bad value is a TypeError (wrong type) or a ValueError (out of range) that names its field,
+before anything deeper turns it into a confusing error.
+"""
+import math
+import numbers
+import operator
+
+NAMES = {int: "an int", float: "a number", bool: "a bool (True or False)", str: "a string"}
+
+
+def _convert(value, kind: type):
+    """`value` as `kind`, or None if it is not one. Integer scalars of numpy and torch count as ints
+    (through __index__); bools count only as bools, never as numbers."""
+    if kind is bool or kind is str:
+        return value if isinstance(value, kind) else None
+    if isinstance(value, bool) or str(getattr(value, "dtype", "")) == "torch.bool":  # numpy's bool has no __index__
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return value if kind is float and isinstance(value, numbers.Real) else None
+
+
+def check(name: str, value, kind: type, rule=None, allowed: str = "", optional: bool = False):
+    """Return `value` converted to `kind` (int, float, bool or str) if it is one and `rule` holds for
+    it; floats must also be finite. optional: None passes as None."""
+    if value is None and optional:
+        return None
+    converted = _convert(value, kind)
+    if converted is None:
+        raise TypeError(f"{name} must be {NAMES[kind]}{' or None' if optional else ''}, got {type(value).__name__} {value!r}")
+    if kind is float:
+        converted = float(converted)
+        if not math.isfinite(converted):
+            raise ValueError(f"{name}={value!r} is invalid: must be finite")
+    if rule is not None and not rule(converted):
+        raise ValueError(f"{name}={value!r} is invalid: must be {allowed}")
+    return converted
+
+
+def check_field(obj, name: str, kind: type, rule=None, allowed: str = "", optional: bool = False,
+                prefix: str = "") -> None:
+    """check() the attribute `name` of `obj` (`prefix + name` in errors) and store the converted value."""
+    setattr(obj, name, check(prefix + name, getattr(obj, name), kind, rule, allowed, optional))
+
+
+def check_list(name: str, value, kind: type, rule=None, allowed: str = "") -> list:
+    """A list (or other iterable, not a string) of `kind`, each item checked; None is the empty list."""
+    items = None
+    if value is None:
+        items = []
+    elif not isinstance(value, (str, bytes)):
+        try:
+            items = list(value)
+        except TypeError:  # not iterable, e.g. one int (or a 0-d array or tensor)
+            pass
+    if items is None:
+        raise TypeError(f"{name} must be a list, each item {NAMES[kind]}; got {type(value).__name__} {value!r}")
+    return [check(f"{name}[{i}]", item, kind, rule, allowed) for i, item in enumerate(items)]
