@@ -1,4 +1,4 @@
-"""Bad sampling parameters fail with errors that name the field (issue 16.5)."""
+"""Bad sampling parameters and checkpoint files fail with errors that name the field or the file (issue 16.5)."""
 import dataclasses
 import math
 
@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tritonllm import SamplingParams
+from tritonllm.loader import build_model, load_config, load_weights
 from tritonllm.validation import check
 
 
@@ -51,3 +52,12 @@ def test_check_converts_integer_scalars_and_rejects_bools():
     with pytest.raises(ValueError, match=r"n=0 is invalid: must be >= 1"):
         check("n", 0, int, lambda n: n >= 1, ">= 1")
 
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_an_unreadable_checkpoint_file_is_named(tiny_qwen3, tmp_path, damage):
+    data = (tiny_qwen3 / "model.safetensors").read_bytes()
+    (tmp_path / "config.json").write_text((tiny_qwen3 / "config.json").read_text())
+    (tmp_path / "model.safetensors").write_bytes(data[:len(data) // 2] if damage == "truncated" else bytes(range(256)) * 16)
+    model = build_model(load_config(str(tmp_path)), torch.float32, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"model\.safetensors' is unreadable: .*header"):
+        load_weights(model, tmp_path)

@@ -6,25 +6,22 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers import AutoConfig
 
 from tritonllm.layers.linear import copy_weight
 from tritonllm.models import model_class
-from tritonllm.models.presets import PRESETS, preset_config
+from tritonllm.models.presets import is_preset, preset_config
 
 
 def load_config(model: str):
     """The HF config of a checkpoint folder, or of a preset name (qwen3-0.6b ... qwen3-32b)."""
-    path = Path(model)
-    if path.is_dir():
-        if not (path / "config.json").exists():
-            raise ValueError(f"model folder {model!r} has no config.json")
-        return AutoConfig.from_pretrained(path, trust_remote_code=False)
-    if model.lower() in PRESETS:
+    if is_preset(model):
         return preset_config(model)
-    raise ValueError(f"model {model!r} is neither a checkpoint folder nor a preset ({', '.join(PRESETS)})")
+    if not Path(model, "config.json").exists():
+        raise ValueError(f"model folder {model!r} has no config.json")
+    return AutoConfig.from_pretrained(model, trust_remote_code=False)
 
 
 def build_model(config, dtype: torch.dtype, device: torch.device) -> nn.Module:
@@ -42,11 +39,22 @@ def safetensors_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.exists():
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [name for name in names if not (path / name).exists()]
+        if missing:
+            raise ValueError(f"model folder {str(path)!r} lacks {', '.join(missing)}, named by model.safetensors.index.json")
         return [path / name for name in names]
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"model folder {str(path)!r} has no .safetensors weights")
     return files
+
+
+def open_safetensors(file: Path):
+    """safe_open, naming the file when it is truncated or garbled (the library's message does not)."""
+    try:
+        return safe_open(file, framework="pt", device="cpu")
+    except SafetensorError as error:
+        raise ValueError(f"checkpoint file {str(file)!r} is unreadable: {error}") from error
 
 
 def load_weights(model: nn.Module, path: str | Path) -> None:
@@ -55,7 +63,7 @@ def load_weights(model: nn.Module, path: str | Path) -> None:
     tied = getattr(model.config, "tie_word_embeddings", False)
     loaded = set()
     for file in safetensors_files(Path(path)):
-        with safe_open(file, framework="pt", device="cpu") as f:
+        with open_safetensors(file) as f:
             for name in f.keys():
                 if tied and name == "lm_head.weight":
                     continue

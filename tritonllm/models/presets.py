@@ -1,4 +1,6 @@
 """Qwen3 dense model shapes by name (the published configs), for dummy-weight runs without a checkpoint."""
+from pathlib import Path
+
 from transformers.models.qwen3 import Qwen3Config
 
 _COMMON = dict(vocab_size=151936, head_dim=128, num_key_value_heads=8, max_position_embeddings=40960,
@@ -14,8 +16,20 @@ PRESETS = {
 }
 
 
+def is_preset(model: str) -> bool:
+    """Whether `model` names a preset (exactly, in lower case) rather than a checkpoint folder, which
+    comes first; a model that is neither is an error."""
+    if Path(model).is_dir():
+        return False
+    if model in PRESETS:
+        return True
+    problem = "is not a folder" if Path(model).exists() else "does not exist"
+    hint = f" (preset names are lower-case: {model.lower()!r})" if model.lower() in PRESETS else ""
+    raise ValueError(f"model folder {model!r} {problem}, and it is not a preset name{hint}; "
+                     f"the presets (random weights) are {', '.join(PRESETS)}")
+
+
 def preset_config(name: str) -> Qwen3Config:
-    key = name.lower()
-    if key not in PRESETS:
+    if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}: choose one of {', '.join(PRESETS)}")
-    return Qwen3Config(**_COMMON, **PRESETS[key])
+    return Qwen3Config(**_COMMON, **PRESETS[name])
