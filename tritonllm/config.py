@@ -1,14 +1,26 @@
 """Engine configuration, validated before anything is allocated."""
+import os
+import sys
 from dataclasses import dataclass, fields
+from functools import partial
+from pathlib import Path
 
 import torch
 
+from tritonllm.layers.ops import BACKENDS
+from tritonllm.loader import safetensors_files
+from tritonllm.models.presets import is_preset
+from tritonllm.validation import check_field
+
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+KERNEL_BACKENDS = tuple(BACKENDS)  # "triton", and "reference": the PyTorch references, for side-by-side runs
+DEVICES = ("cuda", "cpu")
+LOAD_FORMATS = ("auto", "dummy")  # safetensors of the checkpoint folder; random weights
 
 
 @dataclass
 class EngineConfig:
-    model: str
+    model: str  # a checkpoint folder, or a preset name: that shape with random weights
     tensor_parallel_size: int = 1
     dtype: str | torch.dtype | None = None  # None: the checkpoint's dtype (bfloat16 for presets; float32 on CPU)
     device: str | None = None  # None: "cuda" when available, else "cpu" (Triton's interpreter)
@@ -19,12 +31,12 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # None: sized from gpu_memory_utilization (GPU) or 1 GiB (CPU)
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
-    load_format: str = "auto"  # "auto": safetensors of the checkpoint; "dummy": random weights
+    load_format: str | None = None  # None: "dummy" for a preset, "auto" for a folder
     seed: int = 0
-    kernels: str = "triton"  # or "reference": the PyTorch references, for side-by-side runs
+    kernels: str = "triton"  # one of KERNEL_BACKENDS
 
     @classmethod
-    def from_options(cls, model: str, **options) -> "EngineConfig":
+    def from_options(cls, model: str | os.PathLike, **options) -> "EngineConfig":
         known = {f.name for f in fields(cls)} - {"model"}
         unknown = sorted(set(options) - known)
         if unknown:
@@ -32,33 +44,43 @@ class EngineConfig:
         return cls(model=model, **options)
 
     def __post_init__(self):
-        def check(ok: bool, field: str, allowed: str):
-            if not ok:
-                raise ValueError(f"{field}={getattr(self, field)!r} is invalid: {allowed}")
+        field = partial(check_field, self)
 
-        for field in ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "kv_block_size", "seed"):
-            if isinstance(getattr(self, field), bool) or not isinstance(getattr(self, field), int):
-                raise TypeError(f"{field} must be an int, got {type(getattr(self, field)).__name__}")
+        def one_of(choices):
+            return lambda value: value in choices, f"one of {', '.join(choices)}"
+
+        self.model = os.fspath(self.model) if isinstance(self.model, os.PathLike) else self.model
+        field("model", str)
+        preset = is_preset(self.model)
+        field("load_format", str, *one_of(LOAD_FORMATS), optional=True)
+        if self.load_format is None:
+            self.load_format = "dummy" if preset else "auto"
+        if preset and self.load_format == "auto":
+            raise ValueError(f"load_format='auto' is invalid with preset {self.model!r}: a preset has no checkpoint, "
+                             "only random weights (leave load_format unset, or give a checkpoint folder)")
+        if self.load_format == "auto":
+            safetensors_files(Path(self.model))  # no weights: an error before anything is allocated
+        field("device", str, *one_of(DEVICES), optional=True)
         if self.device is None:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        check(self.device in ("cuda", "cpu"), "device", "must be 'cuda' or 'cpu'")
-        check(self.device == "cpu" or torch.cuda.is_available(), "device", "'cuda' needs a CUDA GPU")
-        check(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
+        field("device", str, lambda d: d == "cpu" or torch.cuda.is_available(), "'cpu' without a CUDA GPU")
+        field("tensor_parallel_size", int, lambda n: n >= 1, ">= 1")
         if self.device == "cuda":
-            check(self.tensor_parallel_size <= torch.cuda.device_count(), "tensor_parallel_size",
-                  f"must be <= the {torch.cuda.device_count()} visible GPU(s)")
-        if isinstance(self.dtype, str):
-            check(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}")
-            self.dtype = DTYPES[self.dtype]
-        check(self.dtype is None or self.dtype in DTYPES.values(), "dtype", f"must be one of {', '.join(DTYPES)}")
-        check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be >= 1")
-        check(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
-        check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
-        check(self.kv_block_size in (16, 32, 64, 128, 256), "kv_block_size", "must be a power of two from 16 to 256")
-        check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", "must be >= 1")
-        check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "must be in (0, 1]")
-        check(self.load_format in ("auto", "dummy"), "load_format", "must be 'auto' or 'dummy'")
-        check(self.kernels in ("triton", "reference"), "kernels", "must be 'triton' or 'reference'")
+            gpus = torch.cuda.device_count()
+            field("tensor_parallel_size", int, lambda n: n <= gpus, f"<= the {gpus} visible GPU(s)")
+        if isinstance(self.dtype, torch.dtype):  # checked by its name
+            self.dtype = {v: k for k, v in DTYPES.items()}.get(self.dtype, str(self.dtype))
+        field("dtype", str, *one_of(DTYPES), optional=True)
+        self.dtype = DTYPES.get(self.dtype)
+        field("max_model_len", int, lambda n: n >= 1, ">= 1", optional=True)
+        field("max_num_seqs", int, lambda n: n >= 1, ">= 1")
+        field("max_num_batched_tokens", int, lambda n: n >= 1, ">= 1")
+        field("kv_block_size", int, lambda n: n in (16, 32, 64, 128, 256), "a power of two from 16 to 256")
+        field("num_kv_blocks", int, lambda n: n >= 1, ">= 1", optional=True)
+        field("gpu_memory_utilization", float, lambda u: 0 < u <= 1, "in (0, 1]")
+        field("enforce_eager", bool)
+        field("seed", int)
+        field("kernels", str, *one_of(KERNEL_BACKENDS))
 
     def resolve(self, hf_config) -> None:
         """Fill the defaults that depend on the model and check the model-dependent limits."""
@@ -77,3 +99,6 @@ class EngineConfig:
             heads = getattr(hf_config, name)
             if heads % self.tensor_parallel_size:
                 raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} is invalid: it must divide {name}={heads}")
+        if self.load_format == "dummy":
+            print(f"tritonllm: {self.model} runs with random weights (load_format='dummy'): its outputs mean nothing",
+                  file=sys.stderr)
