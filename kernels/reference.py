@@ -165,21 +165,33 @@ def sampling_probs(logits, temperature, top_k, top_p, min_p):
     return out
 
 
+def _uniforms(seeds, batch, device):
+    """One U[0, 1) a row: torch.rand, or from a generator seeded with the row's own seed."""
+    if seeds is None:
+        return torch.rand(batch, dtype=torch.float64, device=device)
+    generator = torch.Generator()  # on the CPU: one host read of the seeds, one copy of the draws
+    draws = [torch.rand(1, dtype=torch.float64, generator=generator.manual_seed(seed)).item() for seed in seeds.tolist()]
+    return torch.tensor(draws, dtype=torch.float64, device=device)
+
+
 def sample(logits, temperature, top_k, top_p, min_p, seeds=None):
     """Sort-based sampler with sampling_probs' semantics, vectorized over rows (the benchmark baseline).
 
-    One sort of each row's probabilities, thresholds from a cumsum, torch.multinomial in sorted
-    order. seeds: when given, one torch.Generator seeded from all of them (one host read), so the
-    same seeds give the same draws for the same batch (rows are not reproducible one by one).
+    One stable sort of each row's probabilities, thresholds from a cumsum, then inverse-CDF sampling
+    on the kept mass with one uniform a row. seeds: when given, each row's uniform comes from its
+    own seed (one host read), so a row's token depends only on its logits, parameters and seed,
+    never on the rest of the batch, as with the kernel (whose draws differ: it races Gumbel noise).
     """
     batch, vocab = logits.shape
     x = logits.to(_compute_dtype(logits.dtype))
     x = x.masked_fill(x.isnan(), float("-inf"))
     has_inf = (x == float("inf")).any(-1)
-    greedy = (temperature <= 0) | has_inf  # a +inf row returns its first +inf logit
+    no_mass = has_inf | (x == float("-inf")).all(-1)
+    # A row holding +inf returns its first +inf logit, an all -inf row token 0: both argmax.
+    greedy = (temperature <= 0) | no_mass
     t = torch.where(greedy, torch.ones_like(temperature), temperature).to(x.dtype)
-    finite = x.masked_fill(has_inf[:, None], 0.0)  # keeps softmax a number on the +inf rows (unused there)
-    probs, order = torch.softmax(finite / t[:, None], dim=-1).sort(dim=-1, descending=True)
+    finite = x.masked_fill(no_mass[:, None], 0.0)  # keeps softmax a number on those rows (unused there)
+    probs, order = torch.softmax(finite / t[:, None], dim=-1).sort(dim=-1, descending=True, stable=True)
     k = torch.where((top_k > 0) & (top_k < vocab), top_k, torch.full_like(top_k, vocab)).long()
     keep = probs >= probs.gather(1, k[:, None] - 1)  # a prefix of the sorted row (ties included)
     kept = probs * keep
@@ -189,11 +201,10 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds=None):
     p_threshold = torch.where(top_p < 1, probs.gather(1, last[:, None])[:, 0], torch.zeros_like(probs[:, 0]))
     threshold = torch.maximum(p_threshold, min_p.to(probs.dtype).clamp(max=1) * probs[:, 0])
     keep &= probs >= threshold[:, None]
-    generator = None
-    if seeds is not None:
-        generator = torch.Generator(device=logits.device)
-        generator.manual_seed(hash(tuple(seeds.tolist())) % 2**63)
-    picked = torch.multinomial(probs * keep, 1, generator=generator)
+    mass = (probs * keep).cumsum(-1)
+    target = _uniforms(seeds, batch, x.device).to(mass.dtype) * mass[:, -1]
+    picked = torch.searchsorted(mass, target[:, None], right=True)
+    picked = torch.minimum(picked, keep.sum(-1, keepdim=True) - 1)  # a target rounded up to the total
     ids = order.gather(1, picked)[:, 0]
     return torch.where(greedy, torch.argmax(x, dim=-1), ids)
 
