@@ -22,19 +22,20 @@ from collections import defaultdict
 import torch
 
 from kernel_cases import paged_cache, randn
-from kernels import COPY_BYTES_PER_S, graph_time_ms
 from throughput import workload
+from timing import COPY_BYTES_PER_S, graph_time_ms
 from tritonllm import kernels
 from tritonllm.engine.model_runner import graph_batch_sizes
-from tritonllm.kernels.decode_attention import DECODE_TUNABLE
 from tritonllm.kernels import tuning
+from tritonllm.kernels.decode_attention import DECODE_TUNABLE, decode_attention_bucket
 
 LAYERS, BLOCK_SIZE, MAX_MODEL_LEN = 28, 16, 4096
 
 
-def engine_bucket(batch_bucket):
-    """The decode tuning bucket the engine's graphs use: bf16, D 128, group 2, 8 kv heads, block 16, bound 4096."""
-    return ("bfloat16", 128, 2, 8, BLOCK_SIZE, batch_bucket, MAX_MODEL_LEN)
+def engine_bucket(batch):
+    """The decode tuning bucket of the engine's graph of `batch` rows: bf16, D 128, group 2, 8 kv heads,
+    block 16, context bound max_model_len; the kernel's own builder, so saved configs are the ones it reads."""
+    return decode_attention_bucket(torch.bfloat16, 128, 2, 8, BLOCK_SIZE, batch, MAX_MODEL_LEN)
 
 
 def candidates():
@@ -69,7 +70,7 @@ def main():
         q = randn(batch, 16, 128)
         moved = sum(lens) * 8 * 128 * 2 * 2
         bucket = tuning.pow2(batch)
-        engine_cfg = DECODE_TUNABLE.config(engine_bucket(bucket), None)
+        engine_cfg = DECODE_TUNABLE.config(engine_bucket(batch), None)
         engine_keys[bucket] = json.dumps(engine_cfg, sort_keys=True)
         times = {}
         for cfg in [engine_cfg] + configs:
@@ -98,7 +99,7 @@ def main():
         print(f"| {bucket} | {engine_s:.3f} | {totals[key]:.3f} | {key} |")
     floor_total = sum(r["floor_us"] for r in rows) * 1e-6 * args.stride * LAYERS
     print(f"\nworkload decode attention, estimated: engine configs {engine_total:.3f} s, best config per bucket "
-          f"{best_total:.3f} s, floor at 4.24 TB/s {floor_total:.3f} s")
+          f"{best_total:.3f} s, floor at {COPY_BYTES_PER_S / 1e12:.2f} TB/s {floor_total:.3f} s")
     if args.save:
         print(f"saved to {tuning.save()}")
     if args.out:

@@ -3,8 +3,8 @@
     python bench/kernels.py [--quick] [--only NAME ...] [--no-tune] [--configs PATH] [--report PATH]
 
 For each case: every config tried with its median time, the best, the achieved GB/s or TFLOP/s
-and its percent of the H200 ceiling, and the speed ratio to each anchor (the PyTorch reference,
-torch.compile of it, vendor kernels) timed in the same run. Writes the tuned configs to the
+and its percent of the ceiling (bench/timing.py), and the speed ratio to each anchor (the PyTorch
+reference, torch.compile of it, vendor kernels) timed in the same run. Writes the tuned configs to the
 tuned-config JSON of this GPU and Triton version (merged with what it holds). Needs a GPU.
 """
 import argparse
@@ -15,13 +15,10 @@ from pathlib import Path
 
 import torch
 import triton
-from triton.testing import do_bench
 
 from kernel_cases import all_cases
+from timing import BF16_FLOPS_PER_S, COPY_BYTES_PER_S, L2_BYTES, graph_time_ms, time_ms
 from tritonllm.kernels import tuning
-
-COPY_BYTES_PER_S = 4.24e12  # measured H200 device-to-device copy (PERFORMANCE.md)
-BF16_FLOPS_PER_S = 690e12  # measured H200 bf16 GEMM
 
 
 @dataclass
@@ -32,39 +29,6 @@ class Result:
     rate: str
     percent: float
     ratios: dict = field(default_factory=dict)
-
-
-L2_BYTES = 50 * 2**20  # H200
-
-
-def time_ms(fn) -> float:
-    """Median time of fn in ms; do_bench warms up and flushes L2 between repetitions."""
-    return do_bench(fn, warmup=25, rep=200, return_mode="median")
-
-
-def graph_time_ms(fn, arg_sets: list[tuple], replays: int = 30) -> float:
-    """Median time of one fn call in ms, from a CUDA graph that calls fn once on each input set.
-
-    For kernels of a few microseconds: the graph removes launch overhead (as the engine replays
-    decode steps), and cycling through input sets larger than L2 together keeps them cold.
-    """
-    for args in arg_sets:  # tunes and compiles outside the capture
-        fn(*args)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for args in arg_sets:
-            fn(*args)
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / len(arg_sets))
-    return sorted(times)[len(times) // 2]
 
 
 def run_case(case) -> Result:

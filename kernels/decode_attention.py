@@ -153,6 +153,13 @@ def _decode_default(dtype_name, head_dim, group, num_kv_heads, block_size, batch
 DECODE_TUNABLE = tuning.Tunable("decode_attention", _decode_space, _decode_default)
 
 
+def decode_attention_bucket(dtype: torch.dtype, head_dim: int, group: int, num_kv_heads: int, block_size: int,
+                            batch: int, context: int) -> tuple:
+    """The tuning bucket of decode_attention: q dtype, D, Hq / Hkv, Hkv, cache block size, B and the
+    context bound (max_seq_len, or the block table's capacity)."""
+    return tuning.dtype_name(dtype), head_dim, group, num_kv_heads, block_size, tuning.pow2(batch), tuning.pow2(context)
+
+
 def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale=None, *,
                      max_seq_len: int | None = None, out: torch.Tensor | None = None, config: dict | None = None):
     """Attention of one new token per sequence over the paged KV cache; CUDA-graph capturable.
@@ -218,8 +225,7 @@ def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale=None, *,
         graphs[key].replay()
 
     if config is None:
-        bucket = (tuning.dtype_name(q.dtype), head_dim, group, num_kv_heads, block_size,
-                  tuning.pow2(batch), tuning.pow2(context))
+        bucket = decode_attention_bucket(q.dtype, head_dim, group, num_kv_heads, block_size, batch, context)
         config = DECODE_TUNABLE.config(bucket, replay if q.is_cuda else launch)
     launch(config)
     return out

@@ -46,6 +46,11 @@ def _default(dtype, block_row, tokens_bucket):
 _TUNING = Tunable("store_kv_cache", _space, _default)
 
 
+def store_kv_cache_bucket(dtype: torch.dtype, num_heads: int, head_dim: int, n_tokens: int) -> tuple:
+    """The tuning bucket of store_kv_cache on k, v [n_tokens, num_heads, head_dim] of `dtype`."""
+    return dtype_name(dtype), pow2(num_heads * head_dim), pow2(n_tokens)
+
+
 def store_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
     """Write k[t], v[t] into slot slot_mapping[t] of k_cache, v_cache; a slot < 0 skips row t.
 
@@ -71,4 +76,4 @@ def store_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_ROW=block_row, **config,
         )
 
-    launch(_TUNING.config((dtype_name(k.dtype), block_row, pow2(n_tokens)), launch))
+    launch(_TUNING.config(store_kv_cache_bucket(k.dtype, num_heads, head_dim, n_tokens), launch))

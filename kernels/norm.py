@@ -49,6 +49,11 @@ _RMS_NORM = Tunable("rms_norm", _space, _default)
 _FUSED_ADD_RMS_NORM = Tunable("fused_add_rms_norm", _space, _default)
 
 
+def rms_norm_bucket(dtype: torch.dtype, n_cols: int, n_rows: int) -> tuple:
+    """The tuning bucket of rms_norm and of fused_add_rms_norm on n_rows rows of n_cols elements."""
+    return dtype_name(dtype), pow2(n_cols), pow2(n_rows)
+
+
 def _norm(tunable, x, residual, weight, y, h, eps):
     n_rows, n_cols = x.shape
     if n_rows == 0:
@@ -67,7 +72,7 @@ def _norm(tunable, x, residual, weight, y, h, eps):
         )
 
     restore = (x, residual) if has_residual else ()
-    launch(tunable.config((dtype_name(x.dtype), block_n, pow2(n_rows)), launch, restore))
+    launch(tunable.config(rms_norm_bucket(x.dtype, n_cols, n_rows), launch, restore))
 
 
 def _check(x, weight):

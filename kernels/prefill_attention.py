@@ -106,6 +106,12 @@ def _prefill_default(dtype_name, head_dim, group, block_size, q_len):
 PREFILL_TUNABLE = tuning.Tunable("prefill_attention", _prefill_space, _prefill_default)
 
 
+def prefill_attention_bucket(dtype: torch.dtype, head_dim: int, group: int, block_size: int, max_q_len: int) -> tuple:
+    """The tuning bucket of prefill_attention: q dtype, D, Hq / Hkv, cache block size, longest query."""
+    # Past 1k query rows the grid is long whatever the length: one bucket serves them all.
+    return tuning.dtype_name(dtype), head_dim, group, block_size, min(tuning.pow2(max_q_len), 1024)
+
+
 @functools.cache
 def _has_tma(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
@@ -177,9 +183,7 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
             DOT_PRECISION=dot_precision(q.dtype), INTERPRET=tuning.INTERPRET, TMA=descriptors is not None, **cfg)
 
     if config is None:
-        # Past 1k query rows the grid is long whatever the length: one bucket serves them all.
-        bucket = (tuning.dtype_name(q.dtype), head_dim, group, block_size, min(tuning.pow2(max_q_len), 1024))
-        config = PREFILL_TUNABLE.config(bucket, launch)
+        config = PREFILL_TUNABLE.config(prefill_attention_bucket(q.dtype, head_dim, group, block_size, max_q_len), launch)
     if config["BLOCK_M"] < group:
         raise ValueError(f"config BLOCK_M ({config['BLOCK_M']}) must be at least the GQA group ({group})")
     launch(config)

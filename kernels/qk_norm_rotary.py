@@ -102,6 +102,14 @@ def _default(dtype, row_bucket, tokens_bucket):
 _TUNING = Tunable("qk_norm_rotary_store", _space, _default)
 
 
+def qk_norm_rotary_store_bucket(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
+                                n_tokens: int) -> tuple:
+    """The tuning bucket of qk_norm_rotary_store on a qkv of `dtype` holding n_tokens tokens: the
+    padded elements of one token's q, k and v heads, and the tokens."""
+    padded = (pow2(num_heads) + 2 * pow2(num_kv_heads)) * 2 * pow2(head_dim // 2)
+    return dtype_name(dtype), pow2(padded), pow2(n_tokens)
+
+
 def qk_norm_rotary_store(positions, qkv, q_weight, k_weight, eps, cos_sin_cache, k_cache, v_cache, slot_mapping,
                          num_heads, num_kv_heads, out=None):
     """Qwen3's attention prologue on the packed QKV GEMM output, in one launch; returns q [T, Hq, D].
@@ -159,6 +167,5 @@ def qk_norm_rotary_store(positions, qkv, q_weight, k_weight, eps, cos_sin_cache,
         )
 
     # The launch only writes q_out and cache slots it fully determines: repeating it is harmless.
-    bucket = (dtype_name(qkv.dtype), pow2((block_qh + 2 * block_kh) * 2 * block_half), pow2(n_tokens))
-    launch(_TUNING.config(bucket, launch))
+    launch(_TUNING.config(qk_norm_rotary_store_bucket(qkv.dtype, num_heads, num_kv_heads, head_dim, n_tokens), launch))
     return out

@@ -46,6 +46,14 @@ def _default(dtype, row_bucket, tokens_bucket):
 _TUNING = Tunable("rotary_embedding", _space, _default)
 
 
+def rotary_embedding_bucket(dtype: torch.dtype, num_q_heads: int, num_k_heads: int, head_dim: int,
+                            n_tokens: int) -> tuple:
+    """The tuning bucket of rotary_embedding on q [n_tokens, num_q_heads, head_dim] and k [n_tokens,
+    num_k_heads, head_dim] of `dtype`: the padded elements a token's program rotates, and the tokens."""
+    padded = (pow2(num_q_heads) + pow2(num_k_heads)) * 2 * pow2(head_dim // 2)
+    return dtype_name(dtype), pow2(padded), pow2(n_tokens)
+
+
 def rotary_embedding(positions, q, k, cos_sin_cache):
     """Rotate q [T, Hq, D] and k [T, Hkv, D] in place by their token's position; returns (q, k).
 
@@ -72,6 +80,6 @@ def rotary_embedding(positions, q, k, cos_sin_cache):
             BLOCK_QH=block_qh, BLOCK_KH=block_kh, BLOCK_HALF=block_half, **config,
         )
 
-    bucket = (dtype_name(q.dtype), pow2((block_qh + block_kh) * 2 * block_half), pow2(n_tokens))
+    bucket = rotary_embedding_bucket(q.dtype, num_q_heads, k.shape[1], head_dim, n_tokens)
     launch(_TUNING.config(bucket, launch, restore=(q, k)))
     return q, k

@@ -35,6 +35,11 @@ def _default(dtype, inter_bucket, rows_bucket):
 _TUNING = Tunable("silu_and_mul", _space, _default)
 
 
+def silu_and_mul_bucket(dtype: torch.dtype, inter: int, n_rows: int) -> tuple:
+    """The tuning bucket of silu_and_mul on x [n_rows, 2 * inter] of `dtype`."""
+    return dtype_name(dtype), pow2(inter), pow2(n_rows)
+
+
 def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """y = silu(x[:, :I]) * x[:, I:] for x [T, 2I] float32/float16/bfloat16 (rows may be strided).
 
@@ -51,5 +56,5 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
         grid = (n_rows, triton.cdiv(inter, config["BLOCK"]))
         _silu_and_mul_kernel[grid](x, y, inter, x.stride(0), y.stride(0), **config)
 
-    launch(_TUNING.config((dtype_name(x.dtype), pow2(inter), pow2(n_rows)), launch))
+    launch(_TUNING.config(silu_and_mul_bucket(x.dtype, inter, n_rows), launch))
     return y

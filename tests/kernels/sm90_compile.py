@@ -112,7 +112,7 @@ def cases():
                 lambda d=dtype, r=rows: compute_logprobs(torch.zeros(len(r[0]), 151936, dtype=d), r[1]),
             ]
     from tritonllm.kernels import decode_attention, prefill_attention
-    from tritonllm.kernels.tuning import REGISTRY
+    from tritonllm.kernels.decode_attention import DECODE_TUNABLE, decode_attention_bucket
 
     def i32(*shape):
         return torch.zeros(*shape, dtype=torch.int32)
@@ -126,7 +126,7 @@ def cases():
                 return torch.zeros(tokens, 16, 128, dtype=d)
 
             # Decode as an H200 (132 SMs) would launch batch 1 x 32k: split, then the merge kernel.
-            split = REGISTRY["decode_attention"].default(str(dtype)[6:], 128, 2, 8, bs, 1, 32768) | {"NUM_SPLITS": 50}
+            split = DECODE_TUNABLE.default(*decode_attention_bucket(dtype, 128, 2, 8, bs, 1, 32768)) | {"NUM_SPLITS": 50}
             cu = torch.arange(0, 8193, 1024, dtype=torch.int32)  # 8 sequences: 1024 cached + 1024 new tokens
             calls += [
                 lambda q=q, c=cache, cu=cu, bs=bs: prefill_attention(

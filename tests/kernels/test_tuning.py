@@ -1,9 +1,21 @@
+"""The tuning scheme (kernels/tuning.py): buckets, the tuned-config file, and each kernel's bucket builder."""
 import json
 
 import pytest
+import torch
+from kernel_utils import DEVICE
 
-import tritonllm.kernels  # noqa: F401  (registers every Tunable)
+from tritonllm import kernels
 from tritonllm.kernels import tuning
+from tritonllm.kernels.decode_attention import decode_attention_bucket
+from tritonllm.kernels.kv_cache import store_kv_cache_bucket
+from tritonllm.kernels.logprobs import compute_logprobs_bucket
+from tritonllm.kernels.norm import rms_norm_bucket
+from tritonllm.kernels.prefill_attention import prefill_attention_bucket
+from tritonllm.kernels.qk_norm_rotary import qk_norm_rotary_store_bucket
+from tritonllm.kernels.rotary import rotary_embedding_bucket
+from tritonllm.kernels.sampler import sample_bucket
+from tritonllm.kernels.silu_and_mul import silu_and_mul_bucket
 
 SHIPPED = sorted(tuning.CONFIG_DIR.glob("*.json"))
 
@@ -67,3 +79,56 @@ def test_tuning_run_forgets_only_the_kernels_it_tunes(tuned_file, monkeypatch):
     tuning.start_tuning(["a"])
     assert tuning.tuned_table() == {"b": {"2": {"Y": 2}}}
     assert tuning.autotune_enabled("a") and not tuning.autotune_enabled("b")
+
+
+def zeros(*shape, dtype=torch.float16):
+    return torch.zeros(*shape, dtype=dtype, device=DEVICE)
+
+
+def cache():
+    return zeros(4, 16, 2, 64)
+
+
+def index(*values):
+    return torch.tensor(values, dtype=torch.int32, device=DEVICE)
+
+
+# Per tunable kernel: a call of its wrapper, and the bucket its exported builder gives for that call.
+WRAPPERS = {
+    "rms_norm": (lambda: kernels.rms_norm(zeros(5, 3, 48), zeros(48), 1e-6), rms_norm_bucket(torch.float16, 48, 15)),
+    "fused_add_rms_norm": (lambda: kernels.fused_add_rms_norm(zeros(5, 48), zeros(5, 48), zeros(48), 1e-6),
+                           rms_norm_bucket(torch.float16, 48, 5)),
+    "silu_and_mul": (lambda: kernels.silu_and_mul(zeros(3, 200)), silu_and_mul_bucket(torch.float16, 100, 3)),
+    "store_kv_cache": (lambda: kernels.store_kv_cache(zeros(3, 2, 64), zeros(3, 2, 64), cache(), cache(), index(0, 1, 2)),
+                       store_kv_cache_bucket(torch.float16, 2, 64, 3)),
+    "rotary_embedding": (lambda: kernels.rotary_embedding(index(0, 1, 2), zeros(3, 6, 64), zeros(3, 2, 64),
+                                                          zeros(10, 64, dtype=torch.float32)),
+                         rotary_embedding_bucket(torch.float16, 6, 2, 64, 3)),
+    "qk_norm_rotary_store": (lambda: kernels.qk_norm_rotary_store(
+        index(0, 1, 2), zeros(3, 10 * 64), zeros(64), zeros(64), 1e-6, zeros(10, 64, dtype=torch.float32), cache(),
+        cache(), index(0, 1, 2), 6, 2), qk_norm_rotary_store_bucket(torch.float16, 6, 2, 64, 3)),
+    "prefill_attention": (lambda: kernels.prefill_attention(zeros(5, 4, 64), cache(), cache(), index(0, 2, 5),
+                                                            index(2, 3), index(0, 1)[:, None], max_q_len=3),
+                          prefill_attention_bucket(torch.float16, 64, 2, 16, 3)),
+    "decode_attention": (lambda: kernels.decode_attention(zeros(3, 4, 64), cache(), cache(), index(1, 2, 3),
+                                                          index(0, 1, 2)[:, None], max_seq_len=100),
+                         decode_attention_bucket(torch.float16, 64, 2, 2, 16, 3, 100)),
+    "sample": (lambda: kernels.sample(zeros(3, 100), zeros(3, dtype=torch.float32), zeros(3, dtype=torch.int64),
+                                      zeros(3, dtype=torch.float32) + 1, zeros(3, dtype=torch.float32)),
+               sample_bucket(torch.float16, 3, 100)),
+    "compute_logprobs": (lambda: kernels.compute_logprobs(zeros(3, 100), index(0, 1, 2)),
+                         compute_logprobs_bucket(torch.float16, 100)),
+}
+
+
+def test_every_tunable_has_a_bucket_check():
+    assert set(WRAPPERS) == set(tuning.REGISTRY)
+
+
+@pytest.mark.parametrize("name", WRAPPERS)
+def test_wrappers_look_up_their_exported_bucket(name):
+    # Scripts that write configs for a bucket (bench/decode_workload.py) build it with the kernel's
+    # own builder: a wrapper that looked up anything else would leave those configs dead.
+    call, bucket = WRAPPERS[name]
+    call()
+    assert tuning.REGISTRY[name].last_key == tuning.bucket_key(bucket)

@@ -1,0 +1,41 @@
+"""Timing helpers and GPU ceilings shared by the kernel benchmarks (bench/kernels.py, bench/decode_workload.py).
+
+The ceilings are those of the H200 the notes were measured on (bench/NOTES-elementwise.md,
+"Ceilings"): percentages of them are only meaningful on that GPU.
+"""
+import torch
+from triton.testing import do_bench
+
+COPY_BYTES_PER_S = 4.24e12  # device-to-device copy: the ceiling of memory-bound kernels
+BF16_FLOPS_PER_S = 690e12  # bf16 GEMM: the ceiling of compute-bound kernels
+L2_BYTES = 50 * 2**20
+
+
+def time_ms(fn) -> float:
+    """Median time of fn in ms; do_bench warms up and flushes L2 between repetitions."""
+    return do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+def graph_time_ms(fn, arg_sets: list[tuple], replays: int = 30) -> float:
+    """Median time of one fn call in ms, from a CUDA graph that calls fn once on each input set.
+
+    For kernels of a few microseconds: the graph removes launch overhead (as the engine replays
+    decode steps), and cycling through input sets larger than L2 together keeps them cold.
+    """
+    for args in arg_sets:  # tunes and compiles outside the capture
+        fn(*args)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for args in arg_sets:
+            fn(*args)
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / len(arg_sets))
+    return sorted(times)[len(times) // 2]
