@@ -208,8 +208,8 @@ def prefill_attention_cases(quick):
 def decode_attention_cases(quick):
     """Decode over a paged bf16 cache (block 16, 16 q / 8 kv heads, D 128), CUDA-graph replay.
 
-    Bytes: the K and V of every context token (4 KiB a token); % is of the 4.24 TB/s copy. The
-    SDPA flash anchor reads contiguous KV with GQA, timed the same way.
+    Bytes: the K and V of every context token (4 KiB a token); % is of the copy ceiling
+    (bench/timing.py). The SDPA flash anchor reads contiguous KV with GQA, timed the same way.
     """
     from torch.nn.attention import SDPBackend
 
@@ -251,7 +251,7 @@ def sampler_cases(quick):
     """sample (CUDA-graph replay; seeds None: drawn on the device) and compute_logprobs, V = 151936.
 
     Bytes: one read of the logits (the kernel reads filtered rows twice). Anchors: the sort-based
-    torch reference (4.3 ms at B 256 in PERFORMANCE.md) and, for greedy rows, torch.argmax.
+    torch reference and, for greedy rows, torch.argmax.
     """
     vocab = 151936
     modes = {  # temperature, top_k, top_p, min_p; the first mode tunes each batch bucket: the hardest common one

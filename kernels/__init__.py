@@ -1,4 +1,4 @@
-"""Triton kernels of tritonllm; kernels/reference.py holds the PyTorch reference of each."""
+"""Triton kernels of tritonllm; kernels/reference.py holds the PyTorch reference of each, README.md the contract."""
 from tritonllm.kernels.decode_attention import decode_attention
 from tritonllm.kernels.kv_cache import store_kv_cache
 from tritonllm.kernels.logprobs import compute_logprobs

@@ -136,8 +136,8 @@ def _decode_space(dtype_name, head_dim, group, num_kv_heads, block_size, batch, 
     base = _decode_default(dtype_name, head_dim, group, num_kv_heads, block_size, batch, context)["NUM_SPLITS"]
     splits = sorted({max(1, base // 2), base, base * 2})
     num_warps = 8 if dtype_name == "float32" else 4
-    # Bandwidth-bound: what matters is bytes in flight per SM (tile size) and the split count;
-    # 2 or 3 stages came within 2% of each other on the H200 (bench/NOTES-attention.md).
+    # Bandwidth-bound: what matters is bytes in flight per SM (tile size) and the split count; the
+    # stage count barely moves the time (bench/NOTES-attention.md).
     return [{"BLOCK_N": block_n, "NUM_SPLITS": num_splits, "SPLIT_MIN": 256, "num_warps": num_warps, "num_stages": 3}
             for block_n in (32, 64, 128) for num_splits in splits]
 

@@ -84,7 +84,7 @@ def _prefill_space(dtype_name, head_dim, group, block_size, q_len):
     configs = []
     for block_m, num_warps in ((64, 4), (128, 4), (128, 8)):
         for block_n in (32, 64, 128):
-            for num_stages in (2, 3):  # 4 never beat 3 on the H200 (bench/NOTES-attention.md)
+            for num_stages in (2, 3):  # 4 never won a tuning run (bench/NOTES-attention.md)
                 if block_m >= group:
                     configs.append({"BLOCK_M": block_m, "BLOCK_N": block_n,
                                     "num_warps": num_warps, "num_stages": num_stages})
@@ -96,8 +96,8 @@ def _prefill_default(dtype_name, head_dim, group, block_size, q_len):
         # Exact float32 products run on FMA, whose operands live in registers: small tiles, 8 warps.
         return {"BLOCK_M": max(32, triton.next_power_of_2(group)), "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
     # One warpgroup (4 warps) per tile of 128 rows for wgmma; at about 98 KB of shared memory two
-    # programs share an SM and overlap each other's softmax and dots (8 warps lost on the H200 with
-    # and without TMA, bench/NOTES-attention.md). Short queries and big heads take BLOCK_M 64.
+    # programs share an SM and overlap each other's softmax and dots (8 warps lost in tuning, with
+    # and without TMA: bench/NOTES-attention.md). Short queries and big heads take BLOCK_M 64.
     block_m = max(64 if head_dim > 128 or q_len * group <= 64 else 128, triton.next_power_of_2(group))
     return {"BLOCK_M": block_m, "BLOCK_N": 128 if head_dim <= 64 else 64,
             "num_warps": 4 if block_m <= 128 else 8, "num_stages": 2 if head_dim > 128 else 3}
