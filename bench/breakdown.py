@@ -76,7 +76,7 @@ def main():
         raise SystemExit("bench/profile.py needs a CUDA GPU")
     config = load_config(args.model)
     prompts, params = workload(args.num_seqs, 1024, 1024, min(10000, config.vocab_size - 1))
-    llm = LLM(args.model, max_model_len=args.max_model_len, load_format="auto" if Path(args.model).is_dir() else "dummy")
+    llm = LLM(args.model, max_model_len=args.max_model_len)
     warm_up(llm, prompts)
 
     steps = Counter()

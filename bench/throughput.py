@@ -1,4 +1,4 @@
-"""End-to-end throughput on the nano-vllm benchmark workload (PERFORMANCE.md).
+"""End-to-end throughput on the nano-vllm benchmark workload (bench/NOTES-engine.md).
 
     python bench/throughput.py [--model qwen3-0.6b] [--tp 1] [--kernels triton reference] [--num-seqs 256]
 
@@ -11,18 +11,21 @@ import argparse
 import gc
 import random
 import time
-from pathlib import Path
 
 import torch
 
 from tritonllm import LLM, SamplingParams
+from tritonllm.cli import int_at_least
+from tritonllm.config import KERNEL_BACKENDS
 from tritonllm.loader import load_config
+
+MIN_LEN = 100  # the shortest prompt and output the workload draws
 
 
 def workload(num_seqs: int, max_input_len: int, max_output_len: int, max_token_id: int = 10000, seed: int = 0):
     rng = random.Random(seed)
-    prompts = [[rng.randint(0, max_token_id) for _ in range(rng.randint(100, max_input_len))] for _ in range(num_seqs)]
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=rng.randint(100, max_output_len))
+    prompts = [[rng.randint(0, max_token_id) for _ in range(rng.randint(MIN_LEN, max_input_len))] for _ in range(num_seqs)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=rng.randint(MIN_LEN, max_output_len))
               for _ in range(num_seqs)]
     return prompts, params
 
@@ -42,8 +45,7 @@ def run(args, kernels: str, prompts, params) -> dict:
     # The references (run eagerly) gather whole block tables in float32: gigabytes of scratch at
     # batch 256 that need room beside the KV cache.
     llm = LLM(args.model, tensor_parallel_size=args.tp, max_model_len=args.max_model_len, kernels=kernels,
-              enforce_eager=args.enforce_eager, gpu_memory_utilization=0.5 if kernels == "reference" else 0.9,
-              load_format="auto" if Path(args.model).is_dir() else "dummy")
+              enforce_eager=args.enforce_eager, gpu_memory_utilization=0.5 if kernels == "reference" else 0.9)
     warm_up(llm, prompts)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -64,16 +66,24 @@ def run(args, kernels: str, prompts, params) -> dict:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen3-0.6b", help="preset name (dummy weights) or checkpoint folder")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    parser.add_argument("--kernels", nargs="+", default=["triton"], choices=["triton", "reference"])
-    parser.add_argument("--num-seqs", type=int, default=256)
-    parser.add_argument("--max-input-len", type=int, default=1024)
-    parser.add_argument("--max-output-len", type=int, default=1024)
-    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--tp", type=int_at_least(1), default=1, help="tensor-parallel size")
+    parser.add_argument("--kernels", nargs="+", default=["triton"], choices=KERNEL_BACKENDS)
+    parser.add_argument("--num-seqs", type=int_at_least(1), default=256)
+    parser.add_argument("--max-input-len", type=int_at_least(MIN_LEN), default=1024,
+                        help=f"prompts of {MIN_LEN} to this many tokens")
+    parser.add_argument("--max-output-len", type=int_at_least(MIN_LEN), default=1024,
+                        help=f"outputs of {MIN_LEN} to this many tokens")
+    parser.add_argument("--max-model-len", type=int_at_least(1), default=4096)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--no-tqdm", action="store_true")
     args = parser.parse_args()
-    vocab = load_config(args.model).vocab_size  # token ids stay below 10000 and inside the vocabulary
+    if args.max_input_len + args.max_output_len > args.max_model_len:
+        parser.error(f"--max-model-len {args.max_model_len} must be >= --max-input-len + --max-output-len "
+                     f"({args.max_input_len} + {args.max_output_len}), the longest request")
+    try:
+        vocab = load_config(args.model).vocab_size  # token ids stay below 10000 and inside the vocabulary
+    except ValueError as error:  # no such folder or preset
+        parser.error(str(error))
     prompts, params = workload(args.num_seqs, args.max_input_len, args.max_output_len, min(10000, vocab - 1))
     print(f"{args.model}, TP {args.tp}: {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, "
           f"{sum(p.max_tokens for p in params)} output tokens")

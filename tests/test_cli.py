@@ -1,14 +1,17 @@
 """The command line and the bundled tiny model, end to end through subprocesses and the engine."""
+import io
 import subprocess
 import sys
+from pathlib import Path
+from types import SimpleNamespace
 
+import pytest
 import torch
 from transformers import AutoTokenizer
 from transformers.models.qwen3 import Qwen3ForCausalLM
 
-from tritonllm import LLM, SamplingParams
-from tritonllm.cli import BUNDLED
-from tritonllm.tiny_tasks import EVAL_SEED, problems
+from tritonllm import LLM, SamplingParams, cli
+from tritonllm.tiny_tasks import BUNDLED_MODEL, EVAL_SEED, problems
 
 
 def tritonllm(*args):
@@ -22,21 +25,35 @@ def test_help_and_bad_arguments():
     assert result.returncode == 2 and "invalid float value" in result.stderr
     result = tritonllm("generate", "--prompt", "1+1=", "--top-p", "1.5")
     assert result.returncode == 2 and "top_p" in result.stderr
+    # Not a folder here, and presets go by their exact lower-case names: an error, not random weights.
+    result = tritonllm("generate", "--model", "Qwen3-0.6B", "--prompt", "hi")
+    assert result.returncode == 2 and "does not exist" in result.stderr and "qwen3-0.6b" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_counts_are_checked_as_arguments(capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["generate", "--num-problems", "0"])
+    assert exited.value.code == 2 and "argument --num-problems: must be >= 1, got 0" in capsys.readouterr().err
+    script = Path(__file__).parents[1] / "bench" / "throughput.py"
+    result = subprocess.run([sys.executable, script, "--max-input-len", "8"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and "argument --max-input-len: must be >= 100, got 8" in result.stderr
 
 
 def test_generate_runs_the_task_set():
     result = tritonllm("generate", "--num-problems", "6")
     assert result.returncode == 0, result.stderr[-2000:]
     assert "accuracy" in result.stdout and "tok/s" in result.stdout
+    assert "6/6" in result.stderr  # the progress bar
 
 
 def test_bundled_model_scores_as_in_transformers():
     tasks = problems(40, EVAL_SEED)
-    llm = LLM(str(BUNDLED))
+    llm = LLM(str(BUNDLED_MODEL))
     outputs = llm.generate([p for p, _ in tasks], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     ours = [o.text for o in outputs]
-    tokenizer = AutoTokenizer.from_pretrained(BUNDLED)
-    model = Qwen3ForCausalLM.from_pretrained(BUNDLED, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(BUNDLED_MODEL)
+    model = Qwen3ForCausalLM.from_pretrained(BUNDLED_MODEL, dtype=torch.float32)
     theirs = []
     for prompt, _ in tasks:
         ids = tokenizer(prompt, return_tensors="pt").input_ids
@@ -44,3 +61,41 @@ def test_bundled_model_scores_as_in_transformers():
         theirs.append(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
     assert ours == theirs
     assert sum(o == answer for o, (_, answer) in zip(ours, tasks)) >= 0.9 * len(tasks)
+
+
+def test_bundled_chat_template_gives_the_model_its_problem():
+    tokenizer = AutoTokenizer.from_pretrained(BUNDLED_MODEL)
+    history = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "12+34="},
+               {"role": "assistant", "content": "46"}, {"role": "user", "content": " sort dcab\n"}]
+    text = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+    assert text == "sort dcab="  # the last user message only, trimmed, with its "="
+    assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text  # every character known
+
+
+class StubLLM:
+    """LLM for the chat loop: replies with the message reversed, and rejects "?" as the engine rejects
+    characters the tokenizer lacks."""
+    calls = []
+
+    def __init__(self, model, **options):
+        self.tokenizer = object()
+        self.config = SimpleNamespace(max_model_len=64)
+
+    def chat(self, messages, params, stream=False):
+        StubLLM.calls.append(([dict(m) for m in messages], params.max_tokens, stream))
+        if "?" in messages[-1]["content"]:
+            raise ValueError("'?' is not in the vocabulary")
+        for char in messages[-1]["content"][::-1]:
+            yield SimpleNamespace(text_delta=char)
+
+
+def test_chat_streams_replies_and_goes_on_after_a_bad_message(monkeypatch, capsys):
+    monkeypatch.setattr("tritonllm.LLM", StubLLM)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("abc\nwhy?\nxy\n\nnot read\n"))
+    cli.main(["chat"])
+    out, err = capsys.readouterr()
+    assert out.splitlines()[1:] == ["cba", "yx"] and "error: '?' is not in the vocabulary" in err
+    history, max_tokens, stream = StubLLM.calls[-1]
+    assert history == [{"role": "user", "content": "abc"}, {"role": "assistant", "content": "cba"},
+                       {"role": "user", "content": "xy"}]
+    assert max_tokens == 8 and stream  # an eighth of the 64 positions

@@ -5,8 +5,22 @@ import sys
 import time
 from pathlib import Path
 
-BUNDLED = Path(__file__).parent / "bundled"
+from tritonllm.config import DEVICES, DTYPES, KERNEL_BACKENDS
+from tritonllm.tiny_tasks import BUNDLED_MODEL, EVAL_SEED, problems
+
 REPO = Path(__file__).parents[1]
+
+
+def int_at_least(low: int):
+    """An argparse type: an int >= low, else argparse's usage error naming the option."""
+    def parse(text: str) -> int:
+        value = int(text)  # not an int: argparse says "invalid int value"
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    parse.__name__ = "int"
+    return parse
 
 
 def engine_options(args) -> dict:
@@ -14,25 +28,22 @@ def engine_options(args) -> dict:
     for name in ("device", "dtype", "max_model_len"):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
-    if not Path(args.model).is_dir():
-        options["load_format"] = "dummy"  # a preset name: random weights of that shape
     return options
 
 
-def sampling(args, **overrides):
+def sampling(args, default_max_tokens: int):
     from tritonllm import SamplingParams
 
+    max_tokens = default_max_tokens if args.max_tokens is None else args.max_tokens
     return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                          max_tokens=args.max_tokens, **overrides)
+                          max_tokens=max_tokens)
 
 
 def run_task_set(llm, params, num_problems: int) -> None:
     """The bundled model's checked problems: prompts, answers, accuracy and tokens/s."""
-    from tritonllm.tiny_tasks import EVAL_SEED, problems
-
     tasks = problems(num_problems, EVAL_SEED)
     start = time.perf_counter()
-    outputs = llm.generate([prompt for prompt, _ in tasks], params, use_tqdm=False)
+    outputs = llm.generate([prompt for prompt, _ in tasks], params)  # the bar shows progress: on CPU this takes minutes
     elapsed = time.perf_counter() - start
     correct = 0
     for (prompt, answer), out in zip(tasks, outputs):
@@ -47,8 +58,8 @@ def run_task_set(llm, params, num_problems: int) -> None:
 def generate(args) -> None:
     from tritonllm import LLM
 
-    params = sampling(args)  # bad sampling options fail before the model is loaded
-    if not args.prompt and Path(args.model).resolve() != BUNDLED.resolve():
+    params = sampling(args, default_max_tokens=8)  # bad sampling options fail before the model is loaded
+    if not args.prompt and Path(args.model).resolve() != BUNDLED_MODEL.resolve():
         raise ValueError("--prompt is required with a model other than the bundled one")
     llm = LLM(args.model, **engine_options(args))
     if not args.prompt:
@@ -62,25 +73,27 @@ def generate(args) -> None:
 def chat(args) -> None:
     from tritonllm import LLM
 
-    params = sampling(args)
+    params = sampling(args, default_max_tokens=64)
     llm = LLM(args.model, **engine_options(args))
     if llm.tokenizer is None:
         raise ValueError(f"model {args.model!r} has no tokenizer to chat with")
+    if args.max_tokens is None:  # leave room for the prompt: 8 tokens on the bundled model's 64 positions
+        params.max_tokens = min(params.max_tokens, max(1, llm.config.max_model_len // 8))
     history = []
     print("type a message; an empty line or Ctrl-D ends the chat")
     for line in sys.stdin:
         if not line.strip():
             break
         history.append({"role": "user", "content": line.rstrip("\n")})
-        if getattr(llm.tokenizer, "chat_template", None):
-            text = llm.tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
-            prompt = llm.tokenizer.encode(text, add_special_tokens=False)
-        else:
-            prompt = history[-1]["content"]
         reply = ""
-        for event in llm.stream([prompt], params):
-            print(event.text_delta, end="", flush=True)
-            reply += event.text_delta
+        try:
+            for event in llm.chat(history, params, stream=True):
+                print(event.text_delta, end="", flush=True)
+                reply += event.text_delta
+        except ValueError as error:  # e.g. a character the tokenizer lacks: drop this message, keep chatting
+            history.pop()
+            print(f"error: {error}", file=sys.stderr, flush=True)
+            continue
         print()
         history.append({"role": "assistant", "content": reply})
 
@@ -96,19 +109,19 @@ def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="tritonllm", description="Qwen3 inference where every hot path is a Triton kernel.")
     commands = top.add_subparsers(dest="command", required=True)
 
-    def add_model_options(p, max_tokens):
-        p.add_argument("--model", default=str(BUNDLED),
+    def add_model_options(p, max_tokens_help):
+        p.add_argument("--model", default=str(BUNDLED_MODEL),
                        help="checkpoint folder or preset (qwen3-0.6b ... qwen3-32b, random weights); default: the bundled tiny model")
-        p.add_argument("--max-tokens", type=int, default=max_tokens, help="tokens to generate per prompt")
+        p.add_argument("--max-tokens", type=int, help=f"tokens to generate per {max_tokens_help}")
         p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
         p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
         p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off)")
         p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p * p_max (0 = off)")
         p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (GPUs)")
-        p.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda when available, else cpu (interpreter)")
-        p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="default: the checkpoint's")
+        p.add_argument("--device", choices=DEVICES, help="default: cuda when available, else cpu (interpreter)")
+        p.add_argument("--dtype", choices=list(DTYPES), help="default: the checkpoint's")
         p.add_argument("--max-model-len", type=int, help="longest prompt + completion (default: the model's)")
-        p.add_argument("--kernels", choices=["triton", "reference"], default="triton",
+        p.add_argument("--kernels", choices=KERNEL_BACKENDS, default="triton",
                        help="Triton kernels, or their PyTorch references")
         p.add_argument("--seed", type=int, default=0)
 
@@ -117,12 +130,12 @@ def parser() -> argparse.ArgumentParser:
                                           "checked problems and prints accuracy and tokens/s.")
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable); token ids separated by spaces for "
                                                        "models without a tokenizer")
-    gen.add_argument("--num-problems", type=int, default=30, help="problems of the task set (default 30)")
-    add_model_options(gen, max_tokens=8)
+    gen.add_argument("--num-problems", type=int_at_least(1), default=30, help="problems of the task set (default 30)")
+    add_model_options(gen, "prompt (default 8)")
     gen.set_defaults(run=generate)
 
     talk = commands.add_parser("chat", help="an interactive, streamed chat")
-    add_model_options(talk, max_tokens=64)
+    add_model_options(talk, "reply (default 64, at most an eighth of max_model_len: 8 on the bundled model)")
     talk.set_defaults(run=chat)
 
     perf = commands.add_parser("bench", help="run bench/kernels.py or bench/throughput.py (source checkout)")

@@ -6,7 +6,9 @@ A problem is a prompt ("12+34=", "rev abc=", "sort dcab=") and its exact answer 
 """
 import random
 import string
+from pathlib import Path
 
+BUNDLED_MODEL = Path(__file__).parent / "bundled"  # the tiny model's checkpoint and tokenizer
 LETTERS = "abcdefghij"
 # Every character a prompt or answer may hold, in a fixed order: the tokenizer's vocabulary.
 ALPHABET = string.digits + LETTERS + "+= rvsot"
