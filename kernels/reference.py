@@ -104,8 +104,9 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
     return out
 
 
-def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale=None):
-    """One new token per sequence, q [B, Hq, D], attending to keys [0, seq_lens[b]).
+def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale=None, *, max_seq_len=None):
+    """One new token per sequence, q [B, Hq, D], attending to keys [0, seq_lens[b]). max_seq_len only
+    steers the Triton kernel's split count: the reference takes and ignores it.
 
     Batched over the sequences (no host sync, so the engine can run it every step): every
     sequence's blocks are gathered up to the table width, keys past its length are masked. A row

@@ -56,3 +56,13 @@ def build_tiny_qwen3(path: Path, *, tie_word_embeddings: bool = True, dtype=torc
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path
+
+
+def hf_greedy(path, prompt_ids: list[int], n: int) -> list[int]:
+    """n greedy tokens after prompt_ids from HF transformers' float32 Qwen3 at `path`."""
+    model = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        for _ in range(n):
+            ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids[0, len(prompt_ids):].tolist()

@@ -8,8 +8,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tritonllm.llm import LLM, GenerationOutput, StreamOutput  # noqa: E402
+from tritonllm.engine.engine import LLMEngine  # noqa: E402
+from tritonllm.engine.output import GenerationOutput, RequestOutput  # noqa: E402
+from tritonllm.llm import LLM, StreamOutput  # noqa: E402
 from tritonllm.sampling_params import SamplingParams  # noqa: E402
+from tritonllm.tiny_tasks import BUNDLED_MODEL  # noqa: E402
 
-__all__ = ["LLM", "SamplingParams", "GenerationOutput", "StreamOutput"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "GenerationOutput", "RequestOutput", "StreamOutput", "BUNDLED_MODEL"]
 __version__ = "0.1.0"

@@ -11,6 +11,7 @@ from torch import nn
 from transformers import AutoConfig
 
 from tritonllm.layers.linear import copy_weight
+from tritonllm.layers.ops import backend
 from tritonllm.models import model_class
 from tritonllm.models.presets import is_preset, preset_config
 
@@ -24,13 +25,15 @@ def load_config(model: str):
     return AutoConfig.from_pretrained(model, trust_remote_code=False)
 
 
-def build_model(config, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """The model for `config` with uninitialized weights of `dtype` on `device` (this rank's shards)."""
+def build_model(config, dtype: torch.dtype, device: torch.device, kernels: str = "triton") -> nn.Module:
+    """The model for `config` with uninitialized weights of `dtype` on `device` (this rank's shards),
+    its layers calling the `kernels` backend ("triton" or "reference")."""
+    ops = backend(kernels)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            return model_class(config)(config)
+            return model_class(config)(config, ops)
     finally:
         torch.set_default_dtype(default_dtype)
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_qwen3 import hf_greedy
 from transformers.models.qwen3 import Qwen3ForCausalLM as HFQwen3
 
 import tritonllm.llm
@@ -19,19 +20,10 @@ two_ranks = pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_c
                                reason="TP=2 on GPUs needs two of them; on CPU it runs under gloo")
 
 
-def hf_greedy(path, prompt_ids, n):
-    model = HFQwen3.from_pretrained(path, dtype=torch.float32)
-    ids = torch.tensor([prompt_ids])
-    with torch.no_grad():
-        for _ in range(n):
-            ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-    return ids[0, len(prompt_ids):].tolist()
-
-
 @pytest.fixture(scope="module")
 def expected(tiny_qwen3):
     llm = LLM(str(tiny_qwen3), **SMALL, num_kv_blocks=64, enforce_eager=True)
-    prompt_ids = [llm._encode(p) for p in PROMPTS]
+    prompt_ids = [llm.encode(p) for p in PROMPTS]
     llm.close()
     return prompt_ids, [hf_greedy(tiny_qwen3, ids, GREEDY.max_tokens) for ids in prompt_ids]
 
@@ -217,8 +209,8 @@ def test_checkpoint_without_weights_fails_before_loading(tiny_qwen3, tmp_path):
     (tmp_path / "config.json").write_text((tiny_qwen3 / "config.json").read_text())
     with pytest.raises(ValueError, match="no .safetensors"):
         LLM(str(tmp_path))
-    with pytest.raises(ValueError, match="load_format='dummy'"):
-        LLM("qwen3-0.6b")
+    with pytest.raises(ValueError, match="load_format='auto'"):
+        LLM("qwen3-0.6b", load_format="auto")
 
 
 def test_unknown_option_and_bad_requests(tiny_qwen3):

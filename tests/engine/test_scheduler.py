@@ -1,6 +1,6 @@
 from tritonllm.engine.block_manager import BlockManager
 from tritonllm.engine.scheduler import Scheduler
-from tritonllm.engine.sequence import PENDING, Sequence, SequenceStatus
+from tritonllm.engine.sequence import Sequence, SequenceStatus
 from tritonllm.sampling_params import SamplingParams
 
 BS = 4
@@ -8,7 +8,7 @@ EOS = 0
 
 
 def make(num_blocks=64, max_num_seqs=8, budget=64):
-    return Scheduler(BlockManager(num_blocks, BS), max_num_seqs, budget, {EOS})
+    return Scheduler(BlockManager(num_blocks, BS), max_num_seqs, budget)
 
 
 def add(scheduler, n, **params):
@@ -18,11 +18,18 @@ def add(scheduler, n, **params):
 
 
 def step(scheduler, token=7):
-    """One step whose sampled tokens are resolved at once; returns the sequences it finished too."""
-    seqs, num_new, is_prefill = scheduler.schedule()
-    rows = scheduler.launched(seqs, num_new)
-    resolved = scheduler.resolve(rows, [token] * len(rows))
-    return seqs, num_new, is_prefill, [s for s in resolved if s.finish_reason]
+    """One step whose sampled tokens arrive at once; a sequence finishes at max_tokens or, past
+    min_tokens, at EOS (the engine's rule). Returns the step and the sequences it finished."""
+    batch = scheduler.schedule()
+    scheduler.launched(batch)
+    finished = []
+    for seq in batch.sampling_seqs:
+        seq.append_token(token)
+        n = len(seq.completion_token_ids)
+        if n >= seq.params.max_tokens or (n > seq.params.min_tokens and token == EOS and not seq.params.ignore_eos):
+            scheduler.finish(seq, "stop")
+            finished.append(seq)
+    return batch.seqs, batch.num_new, batch.is_prefill, finished
 
 
 def test_prefill_then_decode_until_max_tokens():
@@ -33,7 +40,7 @@ def test_prefill_then_decode_until_max_tokens():
     seqs, _, is_prefill, _ = step(s)
     assert not is_prefill and seqs == [a, b]
     _, _, _, finished = step(s)
-    assert finished == [a, b] and all(x.finish_reason == "length" and x.num_completion_tokens == 3 for x in (a, b))
+    assert finished == [a, b] and all(x.num_completion_tokens == 3 for x in (a, b))
     assert s.is_finished() and s.block_manager.num_free_blocks == 64
 
 
@@ -88,21 +95,38 @@ def test_max_num_seqs_limits_the_batch():
 
 
 def test_a_step_launched_before_the_previous_resolves():
-    """The engine schedules step N + 1 with step N's tokens pending: an EOS found then drops the
-    sequence's row of step N + 1; a sequence at max_tokens waits for its last token unscheduled."""
+    """The engine schedules step N + 1 with step N's tokens pending: the pending token counts in
+    the length, a sequence at max_tokens waits for its last token unscheduled, and finishing
+    frees the blocks at once whatever is still in flight."""
     s = make()
     a, b = add(s, 3, max_tokens=10), add(s, 5, max_tokens=2)
     step(s)  # prefill: both sample their first token
-    seqs, num_new, _ = s.schedule()
-    rows_n = s.launched(seqs, num_new)
-    assert [x for x, _ in rows_n] == [a, b] and a.token_ids[-1] == PENDING
-    seqs, num_new, _ = s.schedule()
-    assert seqs == [a]  # b reached max_tokens with its last token pending: held
-    rows_next = s.launched(seqs, num_new)
-    assert a.completion_token_ids == [7] and a.num_completion_tokens == 3
-    resolved = s.resolve(rows_n, [EOS, 9])
-    assert resolved == [a, b] and a.finish_reason == "stop" and b.finish_reason == "length"
-    assert a.completion_token_ids == [7, EOS] and a.token_ids[-1] == EOS and b.completion_token_ids == [7, 9]
-    assert s.resolve(rows_next, [5]) == []  # a's row of the next step came too late
-    assert a.completion_token_ids == [7, EOS]
+    batch_n = s.schedule()
+    s.launched(batch_n)
+    assert batch_n.sampling_seqs == [a, b] and a.num_pending == 1 and len(a) == 5 and a.completion_token_ids == [7]
+    batch_next = s.schedule()
+    assert batch_next.seqs == [a] and not batch_next.is_prefill  # b holds max_tokens with its last token pending
+    s.launched(batch_next)
+    assert a.num_pending == 2 and a.num_completion_tokens == 3 and a.num_computed_tokens == 5
+    a.append_token(EOS)
+    b.append_token(9)
+    s.finish(a, "stop")
+    s.finish(b, "length")
+    assert a.is_finished and a.completion_token_ids == [7, EOS] and b.completion_token_ids == [7, 9]
     assert s.is_finished() and s.block_manager.num_free_blocks == 64
+
+
+def test_recompute_all_requeues_everything_with_known_tokens_only():
+    s = make(budget=4)
+    a, b = add(s, 6, max_tokens=5), add(s, 2, max_tokens=5)
+    step(s)  # a's first chunk of 4
+    batch = s.schedule()  # the rest of a and all of b, launched but never resolved
+    s.launched(batch)
+    assert a.num_pending == 1
+    s.recompute_all()
+    assert list(s.waiting) == [a, b] and not s.running
+    assert all(x.num_pending == 0 and x.num_computed_tokens == 0 and not x.block_table for x in (a, b))
+    assert len(a) == 6 and s.block_manager.num_free_blocks == 64
+    while not s.is_finished():
+        step(s)
+    assert a.num_completion_tokens == 5 and b.num_completion_tokens == 5

@@ -1,11 +1,10 @@
-"""One rank's model: weights, KV cache, input preparation, forward, CUDA graphs, sampling.
+"""One rank's model: weights, KV cache, forward, CUDA graphs, sampling.
 
-Rank 0 builds each step's inputs on the host and broadcasts them; every rank runs the same
+Rank 0 gets each step's inputs from the engine and broadcasts them; every rank runs the same
 forward on its shards; rank 0 samples. Ranks > 0 sit in `worker_loop` until told to exit.
 """
 import time
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -13,9 +12,10 @@ import torch.nn.functional as F
 from tritonllm.config import EngineConfig
 from tritonllm.context import Context, set_context
 from tritonllm.distributed import broadcast_object, close_distributed, init_distributed
-from tritonllm.engine.sequence import PENDING, Sequence
+from tritonllm.engine.sequence import Sequence
+from tritonllm.engine.step_inputs import StepInputs
 from tritonllm.layers.attention import Attention, allocate_kv_caches
-from tritonllm.layers.ops import ops, use_kernels
+from tritonllm.layers.ops import backend
 from tritonllm.loader import build_model, init_dummy_weights, load_weights
 
 CPU_KV_CACHE_BYTES = 1 << 30
@@ -24,18 +24,6 @@ CPU_KV_CACHE_BYTES = 1 << 30
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     sizes = [1, 2, 4, 8] + list(range(16, max_num_seqs + 1, 16))
     return sorted({min(s, max_num_seqs) for s in sizes} | {max_num_seqs})
-
-
-def block_table_array(seq: Sequence) -> np.ndarray:
-    """seq's block table as int32, converted once and extended as blocks are appended (block
-    tables only grow until the block manager replaces the list)."""
-    table, cached = seq.block_table, seq.block_table_array
-    if cached is None or cached[0] is not table:
-        cached = (table, np.array(table, dtype=np.int32))
-    elif len(cached[1]) < len(table):
-        cached = (table, np.concatenate([cached[1], np.array(table[len(cached[1]):], dtype=np.int32)]))
-    seq.block_table_array = cached
-    return cached[1]
 
 
 class SampledTokens:
@@ -69,9 +57,9 @@ class ModelRunner:
         self.config, self.hf_config, self.rank = config, hf_config, rank
         self.world_size = config.tensor_parallel_size
         self.device = init_distributed(rank, self.world_size, config.device, init_method)
-        use_kernels(config.kernels)
+        self.ops = backend(config.kernels)
         torch.manual_seed(config.seed)
-        self.model = build_model(hf_config, config.dtype, self.device)
+        self.model = build_model(hf_config, config.dtype, self.device, config.kernels)
         if config.load_format == "dummy":
             init_dummy_weights(self.model, config.seed)
         else:
@@ -82,8 +70,6 @@ class ModelRunner:
             self._compile_sampler()  # before the KV cache is sized: its scratch is gone by then
         self.num_kv_blocks = self._allocate_kv_cache()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.last_sample_rows: dict[int, int] = {}  # seq_id -> row of the last launched step's samples
-        self.last_samples = torch.empty(0, dtype=torch.long)  # those samples, on the device
         # The references index with boolean masks, which syncs the host: they cannot be captured.
         if self.device.type == "cuda" and not config.enforce_eager and config.kernels == "triton":
             self._capture_decode_graphs()
@@ -136,46 +122,6 @@ class ModelRunner:
 
     # ---- inputs (rank 0) -> broadcast -> forward (every rank)
 
-    def prepare(self, seqs: list[Sequence], num_new: list[int], is_prefill: bool) -> dict:
-        """Host tensors of one step, built with numpy and little Python per sequence."""
-        tables = [block_table_array(seq) for seq in seqs]
-        block_tables = np.zeros((len(seqs), max(map(len, tables))), dtype=np.int32)
-        for row, table in zip(block_tables, tables):
-            row[:len(table)] = table
-        if is_prefill:
-            counts = np.array(num_new, dtype=np.int64)
-            starts = np.fromiter((seq.num_computed_tokens for seq in seqs), dtype=np.int64, count=len(seqs))
-            ends = starts + counts
-            token_ids = [t for seq, s, e in zip(seqs, starts.tolist(), ends.tolist()) for t in seq.token_ids[s:e]]
-            seq_index = np.repeat(np.arange(len(seqs)), counts)
-            positions = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts - starts, counts)
-            cu_seqlens_q = torch.from_numpy(np.concatenate([[0], np.cumsum(counts)]).astype(np.int32))
-            seq_lens = ends
-            need_logits = [seq.reaches_end(n) for seq, n in zip(seqs, num_new)]
-            last_rows = np.cumsum(counts) - 1
-        else:
-            token_ids = [seq.token_ids[-1] for seq in seqs]  # PENDING where the last step's sample is still on the GPU
-            seq_index = np.arange(len(seqs))
-            lengths = np.fromiter(map(len, seqs), dtype=np.int64, count=len(seqs))
-            positions = lengths - 1
-            cu_seqlens_q = None
-            seq_lens = lengths
-            need_logits = [True] * len(seqs)
-            last_rows = seq_index
-        slots = block_tables[seq_index, positions // self.block_size].astype(np.int64) * self.block_size + positions % self.block_size
-        pending_rows = None  # prefill tokens are all known: only a decode step runs on pending ones
-        if not is_prefill and PENDING in token_ids:
-            pending_rows = torch.tensor([self.last_sample_rows[seq.seq_id] if t == PENDING else -1 for seq, t in zip(seqs, token_ids)])
-        return {
-            "is_prefill": is_prefill, "token_ids": torch.tensor(token_ids), "positions": torch.from_numpy(positions),
-            "pending_rows": pending_rows,
-            "num_last_samples": len(self.last_sample_rows),
-            "slot_mapping": torch.from_numpy(slots), "seq_lens": torch.from_numpy(seq_lens.astype(np.int32)),
-            "block_tables": torch.from_numpy(block_tables), "cu_seqlens_q": cu_seqlens_q,
-            "max_q_len": max(num_new) if is_prefill else 1, "max_seq_len": int(seq_lens.max()),
-            "need_logits": need_logits, "logit_rows": torch.from_numpy(last_rows[np.array(need_logits)]),
-        }
-
     def _to_device(self, t: torch.Tensor | None) -> torch.Tensor | None:
         """Host tensor to this rank's device; from pinned memory on a GPU, so the copy never waits for
         the step still running there."""
@@ -183,31 +129,31 @@ class ModelRunner:
             return t
         return t.pin_memory().to(self.device, non_blocking=True)
 
-    def _input_ids(self, inputs: dict) -> torch.Tensor:
-        """The step's token ids on the device; pending ones are taken from the last step's samples."""
-        token_ids = self._to_device(inputs["token_ids"])
-        if inputs["pending_rows"] is None:
+    def _input_ids(self, inputs: StepInputs, previous_ids: torch.Tensor | None) -> torch.Tensor:
+        """The step's token ids on the device; pending ones are taken from the previous step's samples."""
+        token_ids = self._to_device(inputs.token_ids)
+        if inputs.pending_rows is None:
             return token_ids
         if self.world_size > 1:  # rank 0 sampled them; the other ranks receive them here
             if self.rank > 0:
-                self.last_samples = torch.empty(inputs["num_last_samples"], dtype=torch.long, device=self.device)
-            dist.broadcast(self.last_samples, src=0)
-        rows = self._to_device(inputs["pending_rows"])
-        return torch.where(rows >= 0, self.last_samples[rows.clamp(min=0)], token_ids)
+                previous_ids = torch.empty(inputs.num_previous_samples, dtype=torch.long, device=self.device)
+            dist.broadcast(previous_ids, src=0)
+        rows = self._to_device(inputs.pending_rows)
+        return torch.where(rows >= 0, previous_ids[rows.clamp(min=0)], token_ids)
 
     @torch.inference_mode()
-    def execute(self, inputs: dict) -> torch.Tensor | None:
-        """Forward one step on this rank (no host sync); logits [N, V] of the rows that sample."""
+    def execute(self, inputs: StepInputs, previous_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Forward one step on this rank (no host sync); logits [N, V] of the rows that sample.
+        previous_ids: the previous step's sampled ids on the device (rank 0), read by pending rows."""
         to = self._to_device
-        batch = len(inputs["seq_lens"])
-        token_ids = self._input_ids(inputs)
-        if not inputs["is_prefill"] and self.graphs and batch <= max(self.graphs):
+        token_ids = self._input_ids(inputs, previous_ids)
+        if not inputs.is_prefill and self.graphs and len(inputs.seq_lens) <= max(self.graphs):
             hidden = self._replay(inputs, token_ids)
         else:
-            context = Context(inputs["is_prefill"], to(inputs["slot_mapping"]), to(inputs["seq_lens"]),
-                              to(inputs["block_tables"]), to(inputs["cu_seqlens_q"]), inputs["max_q_len"], inputs["max_seq_len"])
-            hidden = self._forward(token_ids, to(inputs["positions"]), context)
-        return self.model.compute_logits(hidden[to(inputs["logit_rows"])])
+            context = Context(inputs.is_prefill, to(inputs.slot_mapping), to(inputs.seq_lens), to(inputs.block_tables),
+                              to(inputs.cu_seqlens_q), inputs.max_q_len, inputs.max_seq_len)
+            hidden = self._forward(token_ids, to(inputs.positions), context)
+        return self.model.compute_logits(hidden[to(inputs.logit_rows)])
 
     @torch.inference_mode()
     def _forward(self, token_ids, positions, context: Context) -> torch.Tensor:
@@ -247,8 +193,8 @@ class ModelRunner:
             self.graphs[batch] = graph
             torch.cuda.synchronize(d)
 
-    def _replay(self, inputs: dict, token_ids: torch.Tensor) -> torch.Tensor:
-        batch = len(inputs["seq_lens"])
+    def _replay(self, inputs: StepInputs, token_ids: torch.Tensor) -> torch.Tensor:
+        batch = len(inputs.seq_lens)
         graph_batch = self._graph_batch(batch)
         g = self.graph_inputs
         g["token_ids"][:batch].copy_(token_ids)
@@ -258,9 +204,9 @@ class ModelRunner:
         # inputs: one copy from pinned memory straight into each graph buffer. The tables' slice of
         # their buffer is not contiguous, so they go through a device copy.
         for name, pad_value in (("positions", 0), ("slot_mapping", -1), ("seq_lens", 1)):
-            padded = F.pad(inputs[name], (0, graph_batch - batch), value=pad_value)
+            padded = F.pad(getattr(inputs, name), (0, graph_batch - batch), value=pad_value)
             g[name][:graph_batch].copy_(padded.pin_memory(), non_blocking=True)
-        g["block_tables"][:batch, : inputs["block_tables"].shape[1]].copy_(self._to_device(inputs["block_tables"]))
+        g["block_tables"][:batch, : inputs.block_tables.shape[1]].copy_(self._to_device(inputs.block_tables))
         self.graphs[graph_batch].replay()
         return self.graph_output[:batch]
 
@@ -276,36 +222,32 @@ class ModelRunner:
             logits = torch.zeros(batch, vocab, dtype=self.config.dtype, device=self.device)  # compute_logits' dtype
             ones = torch.ones(batch, device=self.device)
             top_k, seeds = (50 * ones).to(torch.int32), ones.to(torch.int64)
-            ids = ops().sample(logits, ones, top_k, 0.9 * ones, 0.05 * ones, seeds)
-            ops().compute_logprobs(logits, ids)
+            ids = self.ops.sample(logits, ones, top_k, 0.9 * ones, 0.05 * ones, seeds)
+            self.ops.compute_logprobs(logits, ids)
         torch.cuda.synchronize(self.device)
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence], seeds: list[int]) -> "SampledTokens":
         """Sample each row (no host sync); the ids and, when asked, logprobs head to the host."""
         params = [seq.params for seq in seqs]
+        vocab = self.hf_config.vocab_size
         floats = self._to_device(torch.tensor([[p.temperature for p in params], [p.top_p for p in params],
                                                [p.min_p for p in params]], dtype=torch.float32))
-        ints = self._to_device(torch.tensor([[p.top_k for p in params], seeds], dtype=torch.int64))
-        ids = ops().sample(logits, floats[0], ints[0].to(torch.int32), floats[1], floats[2], ints[1])
-        logprobs = ops().compute_logprobs(logits, ids) if any(p.logprobs for p in params) else None
+        # top_k past the vocabulary means off; clamped so that it fits the kernel's int32.
+        ints = self._to_device(torch.tensor([[min(p.top_k, vocab) for p in params], seeds], dtype=torch.int64))
+        ids = self.ops.sample(logits, floats[0], ints[0].to(torch.int32), floats[1], floats[2], ints[1])
+        logprobs = self.ops.compute_logprobs(logits, ids) if any(p.logprobs for p in params) else None
         return SampledTokens(ids, logprobs)
 
     # ---- tensor-parallel driving
 
-    def launch(self, seqs, num_new, is_prefill, seeds) -> "SampledTokens | None":
-        """Rank 0: start one step on every rank; returns its sampled tokens (None if no row samples)
-        without waiting for them. Their ids stay on the GPU as the next step's pending inputs."""
-        inputs = self.prepare(seqs, num_new, is_prefill)
+    def launch(self, inputs: StepInputs, seqs: list[Sequence], seeds: list[int],
+               previous_ids: torch.Tensor | None) -> "SampledTokens | None":
+        """Rank 0: start one step on every rank and sample the rows of `seqs` (one per logit row, in
+        order); returns the samples without waiting for them (None if no row samples)."""
         if self.world_size > 1:
             broadcast_object(("execute", inputs))
-        logits = self.execute(inputs)
-        sampling = [seq for seq, need in zip(seqs, inputs["need_logits"]) if need]
-        self.last_sample_rows = {seq.seq_id: row for row, seq in enumerate(sampling)}
-        if not sampling:
-            return None
-        sampled = self.sample(logits, sampling, [s for s, need in zip(seeds, inputs["need_logits"]) if need])
-        self.last_samples = sampled.ids
-        return sampled
+        logits = self.execute(inputs, previous_ids)
+        return self.sample(logits, seqs, seeds) if seqs else None
 
     def worker_loop(self) -> None:
         """Ranks > 0: run what rank 0 broadcasts until it says exit."""

@@ -1,21 +1,39 @@
 """Continuous batching: chunked prefill under a token budget, decode otherwise, preemption by recompute.
 
-The engine schedules step N + 1 before step N's sampled tokens reach the host: `launched` appends
-a PENDING placeholder for each token a step samples, `resolve` fills them in later. A sequence
-that a step-N token finishes (EOS, stop token) has already run in step N + 1: that row is dropped.
+The engine schedules step N + 1 before step N's sampled tokens reach the host: `launched` counts
+a pending token for each row that samples, and the engine appends it when it arrives. A sequence
+that a step-N token finishes has already run in step N + 1; the engine drops that row.
 """
 from collections import deque
+from dataclasses import dataclass
 
 from tritonllm.engine.block_manager import BlockManager
-from tritonllm.engine.sequence import PENDING, Sequence, SequenceStatus
+from tritonllm.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """One step: the sequences, how many new tokens each computes, and which of them sample (a
+    prefill chunk that stops short of the prompt's end does not). Decode computes one token each."""
+    seqs: list[Sequence]
+    num_new: list[int]
+    is_prefill: bool
+    samples: list[bool]
+
+    @property
+    def sampling_seqs(self) -> list[Sequence]:
+        return [seq for seq, sample in zip(self.seqs, self.samples) if sample]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new)
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, eos_ids: set[int]):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.eos_ids = eos_ids
         self.waiting: deque[Sequence] = deque()  # the head may be partly prefilled (holding blocks)
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
@@ -26,12 +44,14 @@ class Scheduler:
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
 
-    def schedule(self) -> tuple[list[Sequence], list[int], bool]:
-        """The next step: (sequences, new tokens of each, is_prefill)."""
+    def schedule(self) -> ScheduledBatch | None:
+        """The next step, or None when nothing can run."""
         seqs, num_new = self._schedule_prefill()
         if seqs:
-            return seqs, num_new, True
-        return self._schedule_decode(), [], False
+            samples = [seq.num_computed_tokens + n == len(seq) for seq, n in zip(seqs, num_new)]
+            return ScheduledBatch(seqs, num_new, True, samples)
+        seqs = self._schedule_decode()
+        return ScheduledBatch(seqs, [1] * len(seqs), False, [True] * len(seqs)) if seqs else None
 
     def _schedule_prefill(self):
         seqs, num_new, budget = [], [], self.max_num_batched_tokens
@@ -78,48 +98,28 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 
-    def launched(self, seqs: list[Sequence], num_new: list[int]) -> list[tuple[Sequence, int]]:
-        """Account a step just launched: its computed tokens, and a PENDING placeholder for each token
-        it samples. Returns (sequence, index of the placeholder) per sampled row, in row order."""
-        rows = []
-        for i, seq in enumerate(seqs):
-            seq.num_computed_tokens = len(seq) if not num_new else seq.num_computed_tokens + num_new[i]
-            if seq.num_computed_tokens == len(seq):  # reached the end: a token was sampled
-                rows.append((seq, len(seq)))
-                seq.token_ids.append(PENDING)
-        return rows
-
-    def resolve(self, rows: list[tuple[Sequence, int]], token_ids: list[int]) -> list[Sequence]:
-        """Fill in a step's sampled tokens (rows as `launched` returned them); finish the sequences
-        they end. Returns the sequences that got their token, skipping rows of sequences that
-        finished since the step was launched."""
-        resolved = []
-        for (seq, index), token in zip(rows, token_ids):
-            if index >= len(seq):  # the sequence stopped before this token
-                continue
-            seq.token_ids[index] = token
-            self.block_manager.register_computed_blocks(seq)
-            resolved.append(seq)
-            reason = self._finish_reason(seq, index)
-            if reason:
-                self.finish(seq, reason)
-        return resolved
-
-    def _finish_reason(self, seq: Sequence, index: int) -> str | None:
-        params, token = seq.params, seq.token_ids[index]
-        num_completion = index + 1 - seq.num_prompt_tokens
-        if num_completion >= params.max_tokens:
-            return "length"
-        if num_completion <= params.min_tokens:
-            return None
-        if (not params.ignore_eos and token in self.eos_ids) or token in params.stop_token_ids:
-            return "stop"
-        return None
+    def launched(self, batch: ScheduledBatch) -> None:
+        """Account a step just launched: its computed tokens, and a pending token per sampling row."""
+        for seq, n, sample in zip(batch.seqs, batch.num_new, batch.samples):
+            seq.num_computed_tokens += n
+            seq.num_pending += sample
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Stop seq (also from outside: a stop string found in its text); tokens still pending after
-        its last known one are dropped."""
-        del seq.token_ids[seq.num_prompt_tokens + len(seq.completion_token_ids):]
+        """Stop seq (its last token, a stop string, an abort) and free its blocks at once; rows of
+        it still in flight are dropped when they arrive."""
         seq.finish_reason, seq.status = reason, SequenceStatus.FINISHED
         self.block_manager.deallocate(seq)
         (self.running if seq in self.running else self.waiting).remove(seq)
+
+    def recompute_all(self) -> None:
+        """Forget every computed and pending token and queue each sequence to be computed again, in
+        order: the state to return to after a step failed midway (tokens already known are kept,
+        cached prefix blocks stay reusable)."""
+        seqs = list(self.running) + list(self.waiting)
+        self.running.clear()
+        self.waiting.clear()
+        for seq in seqs:
+            self.block_manager.deallocate(seq)
+            seq.num_pending = 0
+            seq.status = SequenceStatus.WAITING
+            self.waiting.append(seq)

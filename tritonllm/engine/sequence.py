@@ -3,8 +3,6 @@ from itertools import count
 
 from tritonllm.sampling_params import SamplingParams
 
-PENDING = -1  # a sampled token still on its way from the GPU (the engine runs one step ahead)
-
 
 class SequenceStatus(Enum):
     WAITING = auto()
@@ -13,7 +11,12 @@ class SequenceStatus(Enum):
 
 
 class Sequence:
-    """One request: its tokens, its cache blocks and how far its KV has been computed."""
+    """One request: its tokens, its cache blocks and how far its KV has been computed.
+
+    The engine runs one step ahead of the host, so up to two sampled tokens can be on their way
+    from the device: `token_ids` holds the known tokens only, `num_pending` counts the others.
+    `len(seq)` counts both: it is the length the cache and the scheduler work with.
+    """
 
     _ids = count()
 
@@ -21,6 +24,7 @@ class Sequence:
         self.seq_id = next(Sequence._ids)
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(token_ids)
+        self.num_pending = 0  # sampled tokens not yet on the host
         self.params = params
         self.block_size = block_size
         self.status = SequenceStatus.WAITING
@@ -33,28 +37,30 @@ class Sequence:
         self.finish_reason: str | None = None
 
     def __len__(self) -> int:
-        return len(self.token_ids)
+        return len(self.token_ids) + self.num_pending
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
 
     @property
     def completion_token_ids(self) -> list[int]:
-        """The sampled tokens known on the host (without trailing PENDING placeholders)."""
-        ids = self.token_ids[self.num_prompt_tokens:]
-        while ids and ids[-1] == PENDING:
-            ids.pop()
-        return ids
+        """The sampled tokens known on the host."""
+        return self.token_ids[self.num_prompt_tokens:]
 
     @property
     def num_completion_tokens(self) -> int:
         """Sampled tokens, those still pending included."""
-        return len(self.token_ids) - self.num_prompt_tokens
+        return len(self) - self.num_prompt_tokens
 
     @property
     def num_blocks(self) -> int:
-        return -(-len(self.token_ids) // self.block_size)
+        return -(-len(self) // self.block_size)
 
-    def reaches_end(self, num_new: int) -> bool:
-        """Whether computing num_new more tokens reaches the last one, so a token is sampled."""
-        return self.num_computed_tokens + num_new == len(self.token_ids)
+    def append_token(self, token_id: int) -> None:
+        """A pending token reached the host (tokens arrive in the order they were sampled)."""
+        self.token_ids.append(token_id)
+        self.num_pending -= 1
 
     def block_tokens(self, i: int) -> list[int]:
         return self.token_ids[i * self.block_size:(i + 1) * self.block_size]

@@ -1,25 +1,43 @@
+from types import ModuleType
+
 import torch
 from torch import nn
 
 from tritonllm.context import get_context
-from tritonllm.layers.ops import ops
+from tritonllm.layers.norm import RMSNorm
+from tritonllm.layers.rotary import RotaryEmbedding
 
 
 class Attention(nn.Module):
-    """Attention of one layer over its paged KV cache (the new K/V are stored by the q/k prologue)."""
+    """One layer's attention over its paged KV cache, prologue included.
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    forward(positions, qkv): per-head q/k RMSNorm, rotary and the new K/V stored in the cache (one
+    fused launch), then prefill or decode attention as the step's forward context says.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, eps: float, rotary: RotaryEmbedding,
+                 ops: ModuleType):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim**-0.5
+        self.q_norm = RMSNorm(head_dim, eps, ops)
+        self.k_norm = RMSNorm(head_dim, eps, ops)
+        self.rotary = rotary
+        self.ops = ops
         # [num_blocks, block_size, num_kv_heads, head_dim], given by the model runner.
         self.k_cache = self.v_cache = torch.tensor([])
 
-    def forward(self, q: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """qkv [T, (Hq + 2 Hkv) * D] -> o [T, Hq, D]."""
         context = get_context()
+        q = self.ops.qk_norm_rotary_store(positions, qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                                          self.rotary.cos_sin_cache, self.k_cache, self.v_cache, context.slot_mapping,
+                                          self.num_heads, self.num_kv_heads)
         if context.is_prefill:
-            return ops().prefill_attention(q, self.k_cache, self.v_cache, context.cu_seqlens_q, context.seq_lens,
-                                           context.block_tables, self.scale, max_q_len=context.max_q_len)
-        return ops().decode_attention(q, self.k_cache, self.v_cache, context.seq_lens, context.block_tables, self.scale)
+            return self.ops.prefill_attention(q, self.k_cache, self.v_cache, context.cu_seqlens_q, context.seq_lens,
+                                              context.block_tables, self.scale, max_q_len=context.max_q_len)
+        return self.ops.decode_attention(q, self.k_cache, self.v_cache, context.seq_lens, context.block_tables,
+                                         self.scale, max_seq_len=context.max_seq_len)
 
 
 def allocate_kv_caches(model: nn.Module, num_blocks: int, block_size: int, dtype, device, fill: float | None = None):

@@ -1,7 +1,7 @@
-"""The kernel backend the layers call: the Triton kernels, or their PyTorch references.
+"""The kernel backends a model can be built on: the Triton kernels, or their PyTorch references.
 
-The references have the same signatures, so one switch runs the same engine on either, for
-side-by-side checks and benchmarks (`bench/throughput.py --kernels reference`).
+The references have the same signatures, so the same engine runs on either, for side-by-side
+checks and benchmarks (`bench/throughput.py --kernels reference`). Each model holds its own.
 """
 from types import ModuleType
 
@@ -9,15 +9,9 @@ from tritonllm import kernels
 from tritonllm.kernels import reference
 
 BACKENDS = {"triton": kernels, "reference": reference}
-_backend: ModuleType = kernels
 
 
-def use_kernels(name: str) -> None:
-    global _backend
+def backend(name: str) -> ModuleType:
     if name not in BACKENDS:
-        raise ValueError(f"kernels must be one of {sorted(BACKENDS)}, got {name!r}")
-    _backend = BACKENDS[name]
-
-
-def ops() -> ModuleType:
-    return _backend
+        raise ValueError(f"kernels={name!r} is invalid: must be one of {', '.join(BACKENDS)}")
+    return BACKENDS[name]

@@ -1,0 +1,235 @@
+"""The engine API (add_request / step / abort) and the LLM loops over it, on failure paths: aborts at
+every point of a request's life, abandoned and nested streams, Ctrl-C, threads, two backends.
+
+One engine serves a whole module, so every test also checks that the previous ones left it
+serving: the next request is right and no block leaked.
+"""
+import subprocess
+import sys
+import threading
+
+import pytest
+from tiny_qwen3 import hf_greedy
+
+from tritonllm import LLM, SamplingParams
+
+NUM_BLOCKS = 32
+OPTIONS = {"max_num_seqs": 4, "num_kv_blocks": NUM_BLOCKS, "max_num_batched_tokens": 24}  # 24: prompts go in chunks
+PROMPTS = [[5, 6, 7], list(range(40, 75)), [9] * 20, list(range(100, 117))]  # 3, 35, 20, 17 tokens
+PARAMS = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_qwen3):
+    return [hf_greedy(tiny_qwen3, p, PARAMS.max_tokens) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_qwen3):
+    with LLM(str(tiny_qwen3), **OPTIONS) as engine:
+        yield engine
+
+
+def assert_clean(llm):
+    assert not llm.has_unfinished() and llm.scheduler.is_finished()
+    assert llm.block_manager.num_free_blocks == NUM_BLOCKS
+    assert all(block.ref_count == 0 for block in llm.block_manager.blocks)
+
+
+def assert_serving(llm, expected):
+    """The next generate returns what HF does, and nothing leaked."""
+    assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)] == expected
+    assert_clean(llm)
+
+
+def run_to_end(llm) -> dict[int, list[int]]:
+    tokens = {}
+    while llm.has_unfinished():
+        for out in llm.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            assert out.finished == (out.output is not None)
+    return tokens
+
+
+@pytest.mark.parametrize("steps", [0, 1, 2, 3, 4, 6, 9, 30])
+def test_abort_at_every_point(llm, expected, steps):
+    # 24-token steps: step 1 prefills request 0 and a chunk of 1, step 2 the rest of 1 and a chunk
+    # of 2, ...; decode from step 4; request 1 is finished by step 9 (the abort is then a no-op).
+    ids = [llm.add_request(p, PARAMS) for p in PROMPTS]
+    tokens = {}
+    for _ in range(steps):
+        for out in llm.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    llm.abort(ids[1])
+    llm.abort(ids[1])  # twice: a no-op
+    llm.abort(10**9)  # unknown: a no-op
+    for request_id, new in run_to_end(llm).items():
+        tokens.setdefault(request_id, []).extend(new)
+    for i in (0, 2, 3):
+        assert tokens[ids[i]] == expected[i]
+    assert tokens.get(ids[1], []) == expected[1][:len(tokens.get(ids[1], []))]
+    assert_serving(llm, expected)
+
+
+def test_abort_with_preemptions_pending(tiny_qwen3):
+    # Four 14-token prompts take a block of 16 each; at their 17th token each needs a second one,
+    # and 6 blocks cannot give four: preemptions on the way.
+    small = LLM(str(tiny_qwen3), max_num_seqs=4, num_kv_blocks=6)
+    prompts = [list(range(20 * i + 1, 20 * i + 15)) for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = [hf_greedy(tiny_qwen3, p, 12) for p in prompts]
+    for steps in (2, 4, 6, 9):
+        ids = [small.add_request(p, params) for p in prompts]
+        for _ in range(steps):
+            small.step()
+        preempted = small.scheduler.num_preemptions
+        small.abort(ids[3])
+        small.abort(ids[0])
+        run_to_end(small)
+        assert small.block_manager.num_free_blocks == 6 and not small.has_unfinished()
+    assert preempted > 0
+    assert [o.token_ids for o in small.generate(prompts, params, use_tqdm=False)] == want
+    small.close()
+
+
+@pytest.mark.parametrize("events", [0, 1, 3, 7])
+def test_abandoned_stream(llm, expected, events):
+    stream = llm.stream(PROMPTS, PARAMS)
+    for _ in range(events):
+        next(stream)
+    stream.close()
+    assert_serving(llm, expected)
+    for i, _ in enumerate(llm.stream(PROMPTS, PARAMS)):  # a break
+        if i == events:
+            break
+    assert_serving(llm, expected)
+
+
+def test_exception_in_the_consumer(llm, expected):
+    with pytest.raises(ZeroDivisionError):
+        for event in llm.stream(PROMPTS, PARAMS):
+            if event.new_token_ids:
+                1 / 0
+    assert_serving(llm, expected)
+
+
+@pytest.mark.parametrize("where, call", [("launch", 1), ("launch", 2), ("launch", 4), ("resolve", 1), ("resolve", 3)])
+def test_ctrl_c_during_generate(llm, expected, monkeypatch, where, call):
+    """KeyboardInterrupt inside a step: while the step is launched (the previous one in flight), or
+    while its tokens are brought in (some appended, some not)."""
+    target = (llm.runner, "launch") if where == "launch" else (llm.block_manager, "register_computed_blocks")
+    original, calls = getattr(*target), []
+
+    def interrupted(*args):
+        calls.append(1)
+        if len(calls) == call:
+            raise KeyboardInterrupt
+        return original(*args)
+
+    monkeypatch.setattr(*target, interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    monkeypatch.undo()
+    assert_serving(llm, expected)
+
+
+def test_a_request_interrupted_mid_step_is_recomputed(llm, expected, monkeypatch):
+    """A failed step loses what was in flight: live requests (here a stream's) resume from their
+    known tokens and still give HF's tokens."""
+    stream = llm.stream(PROMPTS[:2], PARAMS)
+    got = {0: [], 1: []}
+    event = next(stream)
+    got[event.index] += event.new_token_ids
+    original = llm.runner.launch
+    monkeypatch.setattr(llm.runner, "launch", lambda *a: (_ for _ in ()).throw(RuntimeError("injected")))
+    with pytest.raises(RuntimeError, match="injected"):
+        llm.step()
+    monkeypatch.setattr(llm.runner, "launch", original)
+    for event in stream:
+        got[event.index] += event.new_token_ids
+    assert [got[0], got[1]] == expected[:2]
+    assert_clean(llm)
+
+
+def test_nested_calls(llm, expected):
+    outer = {}
+    for event in llm.stream(PROMPTS[:2], PARAMS):
+        outer.setdefault(event.index, []).extend(event.new_token_ids)
+        if event.index == 0 and len(outer[0]) == 2:
+            inner = llm.generate(PROMPTS[2:], PARAMS, use_tqdm=False)
+            assert [o.token_ids for o in inner] == expected[2:]
+            nested_stream = llm.stream(PROMPTS[3:], PARAMS)
+            next(nested_stream)  # and one abandoned inside
+    assert [outer[0], outer[1]] == expected[:2]
+    assert_serving(llm, expected)
+
+
+def test_threads_share_one_llm(llm, expected):
+    results, errors = {}, []
+
+    def work(name, prompts, want):
+        try:
+            for _ in range(3):
+                results[name] = [o.token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
+                assert results[name] == want
+        except Exception as error:  # reported by the main thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=work, args=(i, PROMPTS[i::2], expected[i::2])) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and results == {0: expected[0::2], 1: expected[1::2]}
+    assert_clean(llm)
+
+
+def test_two_llms_with_different_backends_interleaved(tiny_qwen3, expected):
+    a = LLM(str(tiny_qwen3), max_num_seqs=4, num_kv_blocks=NUM_BLOCKS, kernels="triton")
+    b = LLM(str(tiny_qwen3), max_num_seqs=4, num_kv_blocks=NUM_BLOCKS, kernels="reference")
+    assert a.runner.ops is not b.runner.ops
+    streams, got = [a.stream(PROMPTS, PARAMS), b.stream(PROMPTS, PARAMS)], [{}, {}]
+    done = [False, False]
+    while not all(done):
+        for k in (0, 1):
+            event = next(streams[k], None)
+            if event is None:
+                done[k] = True
+            else:
+                got[k].setdefault(event.index, []).extend(event.new_token_ids)
+    for k in (0, 1):
+        assert [got[k][i] for i in range(len(PROMPTS))] == expected
+    a.close()
+    b.close()
+
+
+def test_engine_outputs(llm, expected):
+    streamed = llm.add_request(PROMPTS[0], PARAMS)
+    whole = llm.add_request(PROMPTS[1], PARAMS, stream=False)
+    seen = {streamed: [], whole: []}
+    while llm.has_unfinished():
+        for out in llm.step():
+            seen[out.request_id].append(out)
+    assert [len(o.new_token_ids) for o in seen[streamed]] == [1] * 5 and seen[streamed][-1].finished
+    assert len(seen[whole]) == 1 and seen[whole][0].new_token_ids == expected[1]
+    final = seen[whole][0].output
+    assert final.token_ids == expected[1] and final.finish_reason == "length" and final.prompt_token_ids == PROMPTS[1]
+    assert isinstance(final.text, str)
+    assert_clean(llm)
+
+
+NO_MAIN_GUARD = """
+import sys
+from tritonllm import LLM
+LLM(sys.argv[1], tensor_parallel_size=2, num_kv_blocks=16, max_num_seqs=2)
+print("made")
+"""
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU (gloo) path; GPU TP is tested in test_llm")
+def test_tensor_parallel_without_a_main_guard_is_a_clear_error(tiny_qwen3, tmp_path):
+    script = tmp_path / "no_guard.py"
+    script.write_text(NO_MAIN_GUARD)
+    done = subprocess.run([sys.executable, str(script), str(tiny_qwen3)], capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "made" not in done.stdout
+    assert 'if __name__ == "__main__":' in done.stderr, done.stderr[-3000:]

@@ -1,0 +1,127 @@
+"""How requests finish, on text: stop strings cut from the text (never shown by a stream first),
+min_tokens, EOS and stop tokens on the last allowed token."""
+import pytest
+
+from tritonllm import LLM, SamplingParams
+from tritonllm.engine.output import IncrementalText
+
+PROMPT = "the quick brown"
+N = 16
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_qwen3):
+    with LLM(str(tiny_qwen3), max_num_seqs=4, num_kv_blocks=32) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def full(llm):
+    """The greedy completion without stops: its tokens, its text and where each token's text ends."""
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=N, ignore_eos=True), use_tqdm=False)[0]
+    ends = [len(llm.tokenizer.decode(out.token_ids[:i + 1], skip_special_tokens=True)) for i in range(N)]
+    assert out.text == llm.tokenizer.decode(out.token_ids, skip_special_tokens=True) and len(out.text) > 12
+    return out.token_ids, out.text, ends
+
+
+def streamed(llm, params):
+    deltas, tokens, final = [], [], None
+    for event in llm.stream([PROMPT], params):
+        deltas.append(event.text_delta)
+        tokens += event.new_token_ids
+        final = event.output
+    return deltas, tokens, final
+
+
+def check_stop(llm, full, stop, min_tokens=0):
+    tokens, text, ends = full
+    params = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True, stop=stop, min_tokens=min_tokens)
+    # Stop strings count where they end past the text of the first min_tokens tokens.
+    start = ends[min_tokens - 1] if min_tokens else 0
+    hits = [i for s in stop for i in [text.find(s, max(0, start - len(s) + 1))] if i >= 0]
+    cut = min(hits) if hits else None
+    deltas, got_tokens, final = streamed(llm, params)
+    assert "".join(deltas) == final.text  # nothing shown that the stop later removed
+    for i in range(len(deltas)):
+        assert text.startswith("".join(deltas[:i + 1]))
+    if cut is None:
+        assert final.text == text and final.finish_reason == "length" and got_tokens == tokens
+    else:
+        assert final.text == text[:cut] and final.finish_reason == "stop"
+        last = next(i for i, end in enumerate(ends) if end >= cut + min(len(s) for s in stop if text.find(s, cut) == cut))
+        assert got_tokens == tokens[:max(last + 1, min_tokens)]  # through the token that completed the stop
+    generated = llm.generate([PROMPT], params, use_tqdm=False)[0]
+    assert (generated.text, generated.token_ids, generated.finish_reason) == (final.text, final.token_ids, final.finish_reason)
+    assert llm.block_manager.num_free_blocks == 32
+
+
+@pytest.mark.parametrize("length", [1, 2, 3, 4])
+def test_stop_strings_of_each_length(llm, full, length):
+    text = full[1]
+    check_stop(llm, full, [text[6:6 + length]])
+
+
+def test_stop_split_across_tokens(llm, full):
+    _, text, ends = full
+    boundary = ends[clean_boundaries(text, ends)[1]]
+    check_stop(llm, full, [text[boundary - 1:boundary + 1]])
+
+
+def test_stops_sharing_a_prefix_and_one_never_seen(llm, full):
+    text = full[1]
+    check_stop(llm, full, [text[8:12], text[8:10], "\x00never"])
+    check_stop(llm, full, ["\x00never"])
+
+
+def clean_boundaries(text, ends):
+    """Token indices i whose text ends on a whole character, with whole characters around the end
+    (the random model also samples bytes of partial UTF-8 characters)."""
+    return [i for i, end in enumerate(ends[:-1]) if 0 < end < len(text) and "\ufffd" not in text[max(0, end - 2):end + 2]]
+
+
+@pytest.mark.parametrize("which", [0, 2])
+def test_stop_strings_wait_for_min_tokens(llm, full, which):
+    _, text, ends = full
+    i = clean_boundaries(text, ends)[which]
+    check_stop(llm, full, [text[ends[i] - 1:ends[i] + 1]], min_tokens=i + 1)  # straddles the min_tokens text
+    check_stop(llm, full, [text[max(0, ends[i] - 2):ends[i]]], min_tokens=i + 1)  # ends inside it: ignored there
+
+
+def test_eos_or_stop_token_as_the_last_allowed_token_is_a_stop(llm, full):
+    tokens = full[0]
+    k = next(i for i in range(1, N) if tokens[i] not in tokens[:i])  # its first appearance is the last token
+    last = SamplingParams(temperature=0, max_tokens=k + 1, stop_token_ids=[tokens[k]])
+    out = llm.generate([PROMPT], last, use_tqdm=False)[0]
+    assert out.token_ids == tokens[:k + 1] and out.finish_reason == "stop"
+    saved, llm.eos_ids = llm.eos_ids, {tokens[k]}
+    try:
+        out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=k + 1), use_tqdm=False)[0]
+        within_min = SamplingParams(temperature=0, max_tokens=k + 1, min_tokens=k + 1)
+        eos_within_min = llm.generate([PROMPT], within_min, use_tqdm=False)[0]
+    finally:
+        llm.eos_ids = saved
+    assert out.token_ids == tokens[:k + 1] and out.finish_reason == "stop"
+    assert eos_within_min.finish_reason == "length"  # an EOS within min_tokens does not stop
+
+
+class CharTokenizer:
+    """One character per token; ids past 'z' decode to a lone UTF-8 continuation (a partial character)."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join("\ufffd" if i < 0 else chr(i) for i in ids)
+
+
+def test_incremental_text_holds_back_a_possible_stop_and_partial_characters():
+    text = IncrementalText(CharTokenizer(), ["gd", "xyz"], 0)
+    ids = []
+    shown = []
+    for c in "egxyg":
+        ids.append(ord(c))
+        assert not text.update(ids)
+        shown.append(text.delta(False))
+    assert shown == ["e", "", "g", "", "xy"]  # "g" could start "gd", "x" and "xy" could start "xyz"
+    ids.append(-1)  # a partial character waits for the next token
+    assert not text.update(ids) and text.text == "egxyg"
+    ids.append(ord("d"))
+    assert text.update(ids) and text.text == "egxy"
+    assert text.delta(True) == ""

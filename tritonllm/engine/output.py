@@ -1,0 +1,88 @@
+"""What a request gives back: per-step outputs, the final output, and its text with stop strings."""
+from dataclasses import dataclass
+
+
+@dataclass
+class GenerationOutput:
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # the completion (through the token that completed a stop string, if any)
+    text: str | None  # None without a tokenizer (preset models); cut before a stop string
+    finish_reason: str  # "stop" (EOS, a stop token or string), "length" (max_tokens) or "abort"
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+    logprobs: list[float] | None = None
+
+    def __getitem__(self, key: str):
+        """out["text"], out["token_ids"]: the dict access of nano-vllm's outputs."""
+        return getattr(self, key)
+
+
+@dataclass
+class RequestOutput:
+    """One request's progress in one engine step."""
+    request_id: int
+    new_token_ids: list[int]
+    text_delta: str  # "" without a tokenizer, or while the new text could still start a stop string
+    finished: bool
+    output: GenerationOutput | None = None  # set when finished
+
+
+class IncrementalText:
+    """A completion's text, decoded a few tokens at a time, and its stop strings.
+
+    Each update decodes only the tokens since the last clean cut (a full decode each step would
+    cost the whole length per token); a piece ending in a partial UTF-8 character waits for the
+    next token. A stop string counts where it ends in text of tokens past the first `min_tokens`
+    (earlier text is never checked, as in vLLM).
+    """
+
+    def __init__(self, tokenizer, stop: list[str], min_tokens: int):
+        self.tokenizer, self.stop = tokenizer, stop
+        self.text = ""
+        self.prefix = self.read = 0  # ids[prefix:read] decode to the tail of `text`
+        self.min_tokens = min_tokens
+        self.stop_from = 0 if min_tokens == 0 else None  # where stop strings may end past
+        self.searched = 0  # text before this has been searched for stop strings
+        self.emitted = 0  # characters handed out as deltas
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def update(self, ids: list[int], final: bool = False) -> bool:
+        """Decode the completion `ids` past what is decoded already (all of it when final). Returns
+        True when a stop string was found; the text is then cut before it."""
+        before = self._decode(ids[self.prefix:self.read])
+        after = self._decode(ids[self.prefix:])
+        if len(after) > len(before) and (final or not after.endswith("\ufffd")):
+            self.text += after[len(before):]
+            self.prefix, self.read = self.read, len(ids)
+        if self.stop_from is None and len(ids) >= self.min_tokens:
+            self.stop_from = len(self.text)
+        if self.stop_from is None or not self.stop:
+            return False
+        cut = -1
+        for stop in self.stop:
+            i = self.text.find(stop, max(0, max(self.stop_from, self.searched) - len(stop) + 1))
+            if i >= 0 and i + len(stop) > self.stop_from and (cut < 0 or i < cut):
+                cut = i
+        self.searched = len(self.text)
+        if cut >= 0:
+            self.text = self.text[:cut]
+        return cut >= 0
+
+    def delta(self, finished: bool) -> str:
+        """The text not handed out yet; until finished it stops short of any tail that could still be
+        the start of a stop string, so that the deltas always add up to the final text."""
+        end = len(self.text)
+        if not finished:
+            end -= self._held()
+        piece = self.text[self.emitted:end]
+        self.emitted = max(self.emitted, end)
+        return piece
+
+    def _held(self) -> int:
+        """The length of the longest tail of the text that begins some stop string."""
+        for k in range(min(len(self.text), max(map(len, self.stop), default=1) - 1), 0, -1):
+            tail = self.text[-k:]
+            if any(stop.startswith(tail) for stop in self.stop):
+                return k
+        return 0
