@@ -79,19 +79,16 @@ def main():
     llm = LLM(args.model, max_model_len=args.max_model_len)
     warm_up(llm, prompts)
 
-    steps = Counter()
-    step = llm._step
-
-    def counted_step():
-        result = step()
-        steps[result[2]] += 1  # is_prefill
-        return result
-
-    llm._step = counted_step
+    steps, outputs = Counter(), []
+    for prompt, p in zip(prompts, params):
+        llm.add_request(prompt, p, stream=False)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:  # kernels only: CPU op tracing would slow the host
         start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+        while llm.has_unfinished():
+            outputs += [out.output for out in llm.step()]
+            if llm.last_step is not None:
+                steps[llm.last_step[1]] += 1  # is_prefill
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
     gaps = idle_gaps(prof, args.trace)

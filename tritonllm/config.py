@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from tritonllm.layers.ops import BACKENDS
+from tritonllm.layers.rotary import max_positions
 from tritonllm.loader import safetensors_files
 from tritonllm.models.presets import is_preset
 from tritonllm.validation import check_field
@@ -24,7 +25,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     dtype: str | torch.dtype | None = None  # None: the checkpoint's dtype (bfloat16 for presets; float32 on CPU)
     device: str | None = None  # None: "cuda" when available, else "cpu" (Triton's interpreter)
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_model_len: int | None = None  # None: the positions the model's rotary table covers
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 16384
     kv_block_size: int = 16
@@ -84,7 +85,7 @@ class EngineConfig:
 
     def resolve(self, hf_config) -> None:
         """Fill the defaults that depend on the model and check the model-dependent limits."""
-        positions = hf_config.max_position_embeddings
+        positions = max_positions(hf_config)  # YaRN stretches the model's context by its factor
         if self.max_model_len is None:
             self.max_model_len = positions
         if self.max_model_len > positions:

@@ -87,8 +87,9 @@ class LLM(LLMEngine):
         with tqdm(total=len(ids), desc="Generating", dynamic_ncols=True, disable=not use_tqdm) as bar:
             for out in self._follow(ids):
                 outputs[out.request_id] = out.output
-                num_tokens, is_prefill, seconds = self.last_step
-                rates[is_prefill] = num_tokens / max(seconds, 1e-9)
+                if self.last_step is not None:
+                    num_tokens, is_prefill, seconds = self.last_step
+                    rates[is_prefill] = num_tokens / max(seconds, 1e-9)
                 bar.update(1)
                 bar.set_postfix(prefill=f"{rates[True]:.0f}tok/s", decode=f"{rates[False]:.0f}tok/s")
         return [outputs[request_id] for request_id in ids]

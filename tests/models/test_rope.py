@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from tiny_qwen3 import build_tiny_qwen3
+from tiny_qwen3 import build_tiny_qwen3, hf_greedy
 from transformers.models.qwen3 import Qwen3Config
 from transformers.models.qwen3 import Qwen3ForCausalLM as HFQwen3
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
@@ -88,18 +88,9 @@ def tiny_yarn(tmp_path_factory):
     return path
 
 
-def hf_greedy(path, prompt_ids, n):
-    model = HFQwen3.from_pretrained(path, dtype=torch.float32)
-    assert model.config.rope_parameters["rope_type"] == "yarn"
-    ids = torch.tensor([prompt_ids])
-    with torch.no_grad():
-        for _ in range(n):
-            ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-    return ids[0, len(prompt_ids):].tolist()
-
-
 def test_yarn_greedy_equals_hf_past_the_original_context(tiny_yarn):
     prompts = [list(range(3, 27)), list(range(100, 140))]  # 24 and 40 tokens, past the 16 original positions
+    assert HFQwen3.from_pretrained(tiny_yarn).config.rope_parameters["rope_type"] == "yarn"  # HF reads it as YaRN
     llm = LLM(str(tiny_yarn), num_kv_blocks=16, max_num_seqs=4)
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     llm.close()

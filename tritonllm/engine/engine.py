@@ -92,7 +92,7 @@ class LLMEngine:
         self._lock = threading.RLock()
         self._requests: dict[int, Request] = {}
         self._in_flight: InFlight | None = None
-        self.last_step = (0, False, 0.0)  # the last step's tokens computed, is_prefill, seconds
+        self.last_step = None  # the last step's (tokens computed, is_prefill, seconds); None if it launched nothing
         # Runs on close(), when the engine is garbage-collected, or at interpreter exit, whichever is
         # first; it holds the runner and workers, not the engine, so `del llm` frees it.
         self._finalizer = weakref.finalize(self, _shut_down, self.runner, self._workers)
@@ -227,8 +227,7 @@ class LLMEngine:
                 if isinstance(error, RuntimeError) and self._workers:  # a collective failed: name a dead worker
                     self._check_workers(wait=1.0)
                 raise
-            if batch is not None:
-                self.last_step = (batch.num_tokens, batch.is_prefill, time.perf_counter() - start)
+            self.last_step = (batch.num_tokens, batch.is_prefill, time.perf_counter() - start) if batch else None
             return outputs
 
     def _seed(self, seq: Sequence) -> int:
