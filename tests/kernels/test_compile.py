@@ -8,26 +8,27 @@ import torch
 
 HERE = Path(__file__).parent
 
-SMALL_DOT = '''
+LOOP_SUM = '''
 import triton
 import triton.language as tl
 
 
 @triton.jit
-def _small_dot_kernel(a_ptr, out_ptr, N: tl.constexpr):
-    offsets = tl.arange(0, N)[:, None] * N + tl.arange(0, N)[None, :]
-    a = tl.load(a_ptr + offsets)
-    tl.store(out_ptr + offsets, tl.dot(a, a))
+def _loop_sum_kernel(a_ptr, out_ptr, n):
+    total = 0
+    for i in range(n):
+        total += tl.load(a_ptr + i)
+    tl.store(out_ptr, total)
 '''
 
-CHECK_SMALL_DOT = '''
+CHECK_LOOP_SUM = '''
 import sys
 sys.path[:0] = [{tmp!r}, {here!r}]
 import sm90_compile
 import torch
-import small_dot
+import loop_sum
 
-launches = sm90_compile.record_launches([lambda: small_dot._small_dot_kernel[(1,)](torch.zeros(64), torch.zeros(64), N=8)])
+launches = sm90_compile.record_launches([lambda: loop_sum._loop_sum_kernel[(1,)](torch.ones(8), torch.zeros(1), 8)])
 assert len(launches) == 1
 sm90_compile.compile_sm90(*launches[0])
 '''
@@ -44,20 +45,22 @@ def test_every_kernel_compiles_for_sm90():
 
 
 def test_compile_check_fails_on_a_kernel_only_the_interpreter_accepts(tmp_path):
-    # A 8x8 tl.dot is fine for the interpreter (NumPy) but below the GPU's 16x16 minimum.
-    (tmp_path / "small_dot.py").write_text(SMALL_DOT)
+    # The interpreter runs the loop as Python, so `total` may turn from the int 0 into a float32
+    # tensor; the compiler gives a loop-carried value one type and rejects this on every Triton.
+    # (A shape rule is no such kernel: the 8x8 float32 tl.dot that 3.6 rejected, 3.8 compiles.)
+    (tmp_path / "loop_sum.py").write_text(LOOP_SUM)
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.path.insert(0, str(tmp_path))
         try:
-            import small_dot
+            import loop_sum
         finally:
             sys.path.remove(str(tmp_path))
-        a, out = torch.randn(64), torch.full((64,), float("nan"))
-        small_dot._small_dot_kernel[(1,)](a, out, N=8)
-        torch.testing.assert_close(out.view(8, 8), a.view(8, 8) @ a.view(8, 8))
-    result = run(["-c", CHECK_SMALL_DOT.format(tmp=str(tmp_path), here=str(HERE))])
+        a, out = torch.randn(8), torch.full((1,), float("nan"))
+        loop_sum._loop_sum_kernel[(1,)](a, out, 8)
+        torch.testing.assert_close(out[0], a.sum())
+    result = run(["-c", CHECK_LOOP_SUM.format(tmp=str(tmp_path), here=str(HERE))])
     assert result.returncode != 0
-    assert "K >= 16" in result.stderr, result.stderr[-2000:]
+    assert "Loop-carried variable total has initial type int32" in result.stderr, result.stderr[-2000:]
 
 
 PREFILL_PTX = '''
