@@ -105,23 +105,25 @@ def test_eos_or_stop_token_as_the_last_allowed_token_is_a_stop(llm, full):
 
 
 class CharTokenizer:
-    """One character per token; ids past 'z' decode to a lone UTF-8 continuation (a partial character)."""
+    """One character per token; ids -1, -2 are the two bytes of "\u00e9" (a lone -1 decodes to U+FFFD)."""
 
     def decode(self, ids, skip_special_tokens=True):
-        return "".join("\ufffd" if i < 0 else chr(i) for i in ids)
+        chars = []
+        for i in ids:
+            if i == -2 and chars and chars[-1] == "\ufffd":
+                chars[-1] = "\u00e9"
+            else:
+                chars.append("\ufffd" if i < 0 else chr(i))
+        return "".join(chars)
 
 
 def test_incremental_text_holds_back_a_possible_stop_and_partial_characters():
-    text = IncrementalText(CharTokenizer(), ["gd", "xyz"], 0)
-    ids = []
-    shown = []
-    for c in "egxyg":
-        ids.append(ord(c))
-        assert not text.update(ids)
-        shown.append(text.delta(False))
-    assert shown == ["e", "", "g", "", "xy"]  # "g" could start "gd", "x" and "xy" could start "xyz"
-    ids.append(-1)  # a partial character waits for the next token
-    assert not text.update(ids) and text.text == "egxyg"
-    ids.append(ord("d"))
-    assert text.update(ids) and text.text == "egxy"
-    assert text.delta(True) == ""
+    text = IncrementalText(CharTokenizer(), ["gd", "xyz", "\u00e9!"], 0)
+    ids, shown = [], []
+    for token in [ord(c) for c in "egxyg"] + [-1, -2, ord("!")]:
+        ids.append(token)
+        found = text.update(ids)
+        shown.append(text.delta(found))
+    # "g" could start "gd", "x" and "xy" "xyz"; the lone first byte waits; "\u00e9" could start "\u00e9!", which then stops.
+    assert shown == ["e", "", "g", "", "xy", "", "g", ""]
+    assert found and text.text == "egxyg" == "".join(shown)
