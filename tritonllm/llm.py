@@ -1,8 +1,11 @@
 """The offline API: LLM(model).generate / stream / chat, thin loops over the engine's steps."""
+import operator
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterator
 
+import numpy as np
+import torch
 from tqdm.auto import tqdm
 
 from tritonllm.engine.engine import LLMEngine
@@ -119,8 +122,18 @@ def _prompt_list(prompts) -> list:
     """prompts as a list of prompts: one string or one token-id list counts as a single prompt."""
     if isinstance(prompts, str):
         return [prompts]
-    if prompts is None or not hasattr(prompts, "__len__") or not hasattr(prompts, "__getitem__"):
+    if not isinstance(prompts, (list, tuple, np.ndarray, torch.Tensor)):
         raise TypeError(f"prompts must be a string, a list of token ids, or a list of those; got {type(prompts).__name__}")
-    if len(prompts) and not isinstance(prompts[0], (str, bool)) and hasattr(prompts[0], "__index__"):
+    if len(prompts) and _is_token_id(prompts[0]):
         return [prompts]
     return list(prompts)
+
+
+def _is_token_id(value) -> bool:
+    if isinstance(value, (str, bool)):
+        return False
+    try:
+        operator.index(value)  # an int, or an integer numpy / torch scalar
+    except TypeError:
+        return False
+    return True

@@ -1,0 +1,72 @@
+"""What a request may be: prompt types, parameters checked when added, vocab-sized options."""
+import numpy as np
+import pytest
+import torch
+
+from tritonllm import BUNDLED_MODEL, LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_qwen3):
+    with LLM(str(tiny_qwen3), max_num_seqs=4, num_kv_blocks=16) as engine:
+        yield engine
+
+
+@pytest.mark.parametrize("prompts", [None, 123, [None], [1.5], [[1, None]], [[1, True]], {"a": 1}])
+def test_prompts_of_the_wrong_type_are_type_errors(llm, prompts):
+    with pytest.raises(TypeError, match="prompt"):
+        llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert not llm.has_unfinished()
+
+
+def test_numpy_and_torch_token_ids_are_prompts(llm):
+    want = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].token_ids
+    for prompt in ([np.int64(5), np.int32(6), 7], np.array([5, 6, 7]), torch.tensor([5, 6, 7])):
+        assert llm.generate(prompt, GREEDY, use_tqdm=False)[0].token_ids == want
+        assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].token_ids == want
+    assert llm.generate([], GREEDY, use_tqdm=False) == []
+
+
+def test_params_changed_after_construction_are_checked_when_added(llm):
+    params = SamplingParams(temperature=0, max_tokens=4)
+    params.temperature = float("inf")
+    with pytest.raises(ValueError, match="temperature"):
+        llm.generate([[5, 6]], params, use_tqdm=False)
+    params.temperature, params.max_tokens = 0.0, 0
+    with pytest.raises(ValueError, match="max_tokens"):
+        llm.add_request([5, 6], params)
+    with pytest.raises(TypeError, match="SamplingParams"):
+        llm.add_request([5, 6], {"max_tokens": 4})
+    assert not llm.has_unfinished()
+
+
+def test_a_bad_request_in_a_batch_queues_none_of_it(llm):
+    with pytest.raises(ValueError, match="token ids"):
+        llm.generate([[5, 6], [10**9]], GREEDY, use_tqdm=False)
+    assert not llm.has_unfinished() and llm.scheduler.is_finished()
+
+
+def test_a_top_k_past_the_vocabulary_is_off(llm):
+    """A top_k beyond int32 must not wrap (2**32 + 1 would reach the kernel as 1, i.e. greedy)."""
+    def draw(top_k):
+        params = SamplingParams(temperature=1.5, top_k=top_k, max_tokens=12, seed=3, ignore_eos=True)
+        return llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].token_ids
+
+    off = draw(0)
+    assert draw(2**32 + 1) == off == draw(llm.hf_config.vocab_size)
+    assert draw(1) != off  # the seeded draw is not the greedy one, so the check above can fail
+
+
+def test_unknown_characters_of_a_small_tokenizer_are_an_error():
+    bundled = LLM(BUNDLED_MODEL)
+    with pytest.raises(ValueError, match=r"does not know: '!HZ'.*abcdefghij"):
+        bundled.generate(["Hi 12+34=Z!"], use_tqdm=False)
+    with pytest.raises(ValueError, match="does not know"):
+        bundled.chat([{"role": "user", "content": "What?"}])
+    out = bundled.chat([{"role": "user", "content": "12+34"}], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert out[0].text == "46"
+    assert "".join(e.text_delta for e in bundled.chat([{"role": "user", "content": "rev abc"}],
+                                                       SamplingParams(temperature=0, max_tokens=8), stream=True)) == "cba"
+    bundled.close()
