@@ -113,7 +113,7 @@ def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale=None, *,
     with seq_lens 0 gives zeros.
     """
     batch, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_kv_heads = k_cache.shape[2]
     scale = head_dim**-0.5 if scale is None else scale
     dtype = _compute_dtype(q.dtype)
     blocks = block_tables.long()

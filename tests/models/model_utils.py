@@ -1,16 +1,8 @@
 """Run a tritonllm model on whole sequences without the engine: paged caches, context, forward."""
-import sys
-from pathlib import Path
-
 import torch
 
 from tritonllm.context import Context, set_context
 from tritonllm.layers.attention import allocate_kv_caches
-
-# The tests' one relative error lives with the kernel tests; pytest puts that folder on the path
-# only once it collects a test there, so a run of tests/models alone adds it here.
-sys.path.append(str(Path(__file__).resolve().parents[1] / "kernels"))
-from kernel_utils import rel_err  # noqa: E402, F401  (re-exported for the model tests)
 
 
 def allocate_kv_cache(model, num_blocks: int, block_size: int, dtype, device):

@@ -3,6 +3,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from model_utils import allocate_kv_cache, run_step
+from numerics import rel_err
 from transformers.models.qwen3 import Qwen3ForCausalLM as HFQwen3
 
 from tritonllm.distributed import close_distributed, free_port, init_distributed
@@ -41,10 +42,6 @@ def hf_logits(path, sequences, dtype=torch.float32):
     model = HFQwen3.from_pretrained(path, dtype=dtype).to(DEVICE)
     with torch.no_grad():
         return [model(torch.tensor([seq], device=DEVICE)).logits[0].float() for seq in sequences]
-
-
-def rel_err(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 def prefill_then_decode(model, sequences, dtype, extra_token_seed=1):
