@@ -6,17 +6,35 @@ the points HF transformers' Qwen3 does and computes in at least float32 in betwe
 """
 import torch
 
+from tritonllm.kernels.fp8 import check_kv_scales
+
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def store_kv_cache(k, v, k_cache, v_cache, slot_mapping):
-    """Write k[t], v[t] ([T, Hkv, D]) to slot slot_mapping[t] of the caches; slot < 0 skips. In place."""
+def quantize_e4m3(x):
+    """Per-row e4m3 over the last dim of x: (q float8_e4m3fn of x's shape, scale float32 x.shape[:-1]),
+    scale = max|x| / 448 (1.0 for an all-zero row), q = x / scale in float32, saturated to +-448."""
+    xf = x.float()
+    e4m3_max = torch.finfo(torch.float8_e4m3fn).max
+    amax = xf.abs().amax(-1)
+    scale = torch.where(amax == 0, 1.0, amax / e4m3_max)
+    return (xf / scale[..., None]).clamp(-e4m3_max, e4m3_max).to(torch.float8_e4m3fn), scale
+
+
+def store_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scale=None):
+    """Write k[t], v[t] ([T, Hkv, D]) to slot slot_mapping[t] of the caches; slot < 0 skips. In place.
+    An e4m3 cache stores quantize_e4m3 of each row and its scale at [slot, head] of k_scale / v_scale."""
+    fp8 = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
+    for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        rows = x[keep]
+        if fp8:
+            rows, row_scales = quantize_e4m3(rows)
+            scale.view(-1, scale.shape[2])[slots] = row_scales
+        cache.view(-1, *cache.shape[2:])[slots] = rows.to(cache.dtype)
 
 
 def rms_norm(x, weight, eps):
@@ -47,16 +65,20 @@ def rotary_embedding(positions, q, k, cos_sin_cache):
 
 
 def qk_norm_rotary_store(positions, qkv, q_weight, k_weight, eps, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                         num_heads, num_kv_heads, out=None):
+                         num_heads, num_kv_heads, out=None, *, k_scale=None, v_scale=None):
     """rms_norm on the q and k heads of qkv [T, (Hq + 2*Hkv) * D], rotary_embedding, store_kv_cache
-    of k and v (in place, slot < 0 skips); returns q [T, Hq, D] (written into `out` when given)."""
+    of k and v (in place, slot < 0 skips); returns q [T, Hq, D] (written into `out` when given).
+    An e4m3 cache quantizes k as rotated in float32, before any rounding to qkv's dtype."""
     n_tokens = qkv.shape[0]
     head_dim = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
     q = rms_norm(q.reshape(n_tokens, num_heads, head_dim), q_weight, eps)
     k = rms_norm(k.reshape(n_tokens, num_kv_heads, head_dim), k_weight, eps)
+    if k_cache.dtype == torch.float8_e4m3fn:
+        k = k.to(_compute_dtype(k.dtype))  # rotary_embedding then rounds to the compute dtype only
     q, k = rotary_embedding(positions, q, k, cos_sin_cache)
-    store_kv_cache(k, v.reshape(n_tokens, num_kv_heads, head_dim), k_cache, v_cache, slot_mapping)
+    store_kv_cache(k, v.reshape(n_tokens, num_kv_heads, head_dim), k_cache, v_cache, slot_mapping,
+                   k_scale=k_scale, v_scale=v_scale)
     if out is None:
         return q.contiguous()
     out.copy_(q)

@@ -1,0 +1,79 @@
+"""E4M3 (torch.float8_e4m3fn) KV-cache rows: the quantization helpers the store and attention kernels share.
+
+A row x of D values (float32) is stored as q = e4m3(x / scale), scale = max|x| / 448 (1.0 for an
+all-zero row), rounded to nearest even and saturated to +-448; its value is float(q) * scale.
+
+Triton's interpreter converts exact e4m3 values correctly both ways, but rounds float32 -> e4m3
+wrongly (half up on the first dropped bit, no carry into the exponent, no saturation, values below
+the normal range flushed) and decodes the NaN patterns 0x7F / 0xFF as +-480. Under INTERPRET the
+helpers round in float32 arithmetic before the conversion and mark the NaN patterns themselves,
+so CPU runs check the math the GPU's plain conversions do.
+"""
+import torch
+import triton
+import triton.language as tl
+
+E4M3_MAX = tl.constexpr(448.0)
+
+
+@triton.jit
+def e4m3_scale(amax):
+    """The float32 scale of rows whose largest magnitude is amax: amax / 448, 1.0 where amax == 0."""
+    return tl.where(amax == 0.0, 1.0, tl.div_rn(amax, E4M3_MAX))
+
+
+@triton.jit
+def _round_e4m3(x):
+    # x float32 within +-448, rounded to the e4m3 grid: 3 mantissa bits, exponents down to -6 (below
+    # that a fixed step of 2^-9). |x| / step is exact and below 16, so adding and subtracting
+    # 1.5 * 2^23 rounds it to an integer, ties to even. The sign is put back from the bits, -0 included.
+    bits = x.to(tl.int32, bitcast=True)
+    exponent = ((bits >> 23) & 0xFF) - 127
+    step = ((tl.maximum(exponent, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    rounded = ((tl.abs(x) / step + 12582912.0) - 12582912.0) * step
+    return tl.where(bits < 0, -rounded, rounded)
+
+
+@triton.jit
+def to_e4m3(x, scale, INTERPRET: tl.constexpr):
+    """x / scale (float32, correctly rounded division) as tl.float8e4nv: nearest even, saturated to +-448."""
+    y = tl.minimum(tl.maximum(tl.div_rn(x, scale), -E4M3_MAX), E4M3_MAX)
+    if INTERPRET:
+        y = _round_e4m3(y)
+    return y.to(tl.float8e4nv)
+
+
+@triton.jit
+def from_e4m3(q, dtype: tl.constexpr, INTERPRET: tl.constexpr):
+    """The values of a tl.float8e4nv tile in `dtype` (float32, float16 or bfloat16: exact), NaN patterns NaN.
+
+    The row scale is not applied."""
+    if INTERPRET:
+        # Through float32 (exact for every e4m3 value): the interpreter has no bfloat16 constants.
+        x = tl.where((q.to(tl.uint8, bitcast=True) & 0x7F) == 0x7F, float("nan"), q.to(tl.float32)).to(dtype)
+    else:
+        x = q.to(dtype)
+    return x
+
+
+def check_kv_scales(k_cache, v_cache, k_scale, v_scale) -> bool:
+    """Check the scales passed with caches [num_blocks, block_size, Hkv, D]; True for an e4m3 cache.
+
+    A torch.float8_e4m3fn cache needs k_scale and v_scale, float32 contiguous [num_blocks,
+    block_size, Hkv] like their cache; any other cache takes neither. Raises ValueError naming the
+    offending argument.
+    """
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if (v_cache.dtype == torch.float8_e4m3fn) != fp8:
+        raise ValueError(f"k_cache and v_cache must both be float8_e4m3fn or neither, got {k_cache.dtype} and {v_cache.dtype}")
+    for name, scale, cache in (("k_scale", k_scale, k_cache), ("v_scale", v_scale, v_cache)):
+        if not fp8:
+            if scale is not None:
+                raise ValueError(f"{name} is only for a float8_e4m3fn cache, got a {cache.dtype} cache")
+            continue
+        if scale is None:
+            raise ValueError(f"{name} is required with a float8_e4m3fn cache")
+        if scale.shape != cache.shape[:3] or scale.dtype != torch.float32 or not scale.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous float32 {list(cache.shape[:3])}, "
+                             f"got {list(scale.shape)} {scale.dtype}")
+    return fp8
