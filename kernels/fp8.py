@@ -65,7 +65,8 @@ def check_kv_scales(k_cache, v_cache, k_scale, v_scale) -> bool:
     """
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     if (v_cache.dtype == torch.float8_e4m3fn) != fp8:
-        raise ValueError(f"k_cache and v_cache must both be float8_e4m3fn or neither, got {k_cache.dtype} and {v_cache.dtype}")
+        raise ValueError(f"k_cache and v_cache must both be float8_e4m3fn or neither, "
+                         f"got {k_cache.dtype} and {v_cache.dtype}")
     for name, scale, cache in (("k_scale", k_scale, k_cache), ("v_scale", v_scale, v_cache)):
         if not fp8:
             if scale is not None:

@@ -3,18 +3,45 @@ import torch
 import triton
 import triton.language as tl
 
-from tritonllm.kernels.tuning import Tunable, dtype_name, pow2
+from tritonllm.kernels.fp8 import check_kv_scales, e4m3_scale, to_e4m3
+from tritonllm.kernels.tuning import INTERPRET, Tunable, dtype_name, pow2
+
+
+@triton.jit
+def _store_e4m3_rows(x_ptrs, load_mask, cache_ptrs, store_mask, scale_ptrs, scale_mask, INTERPRET: tl.constexpr):
+    """Rows at x_ptrs [TOKENS, BLOCK_H, BLOCK_D] quantized per (token, head) into the cache, scales beside."""
+    x = tl.load(x_ptrs, mask=load_mask, other=0.0).to(tl.float32)
+    scale = e4m3_scale(tl.max(tl.abs(x), axis=2))
+    tl.store(cache_ptrs, to_e4m3(x, scale[:, :, None], INTERPRET), mask=store_mask)
+    tl.store(scale_ptrs, scale, mask=scale_mask)
 
 
 @triton.jit(do_not_specialize=["n_tokens"])
 def _store_kv_cache_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, n_tokens,
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr, n_tokens,
     k_token_stride, k_head_stride, v_token_stride, v_head_stride,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_ROW: tl.constexpr, TOKENS: tl.constexpr,
+    FP8: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     # Each program copies TOKENS rows of Hkv * D elements; a cache row is contiguous.
     tokens = (tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)).to(tl.int64)
     slots = tl.load(slot_ptr + tokens, mask=tokens < n_tokens, other=-1).to(tl.int64)
+    if FP8:
+        # [TOKENS, BLOCK_H, BLOCK_D] tiles: each (token, head) row gets its own scale. slot < 0
+        # skips the row's values and scale.
+        heads = tl.arange(0, BLOCK_H)
+        heads3, dims3 = heads[None, :, None], tl.arange(0, BLOCK_D)[None, None, :]
+        in_row = (heads3 < NUM_HEADS) & (dims3 < HEAD_DIM)
+        load_mask = (tokens < n_tokens)[:, None, None] & in_row
+        store_mask = (slots >= 0)[:, None, None] & in_row
+        cache_offsets = slots[:, None, None] * (NUM_HEADS * HEAD_DIM) + heads3 * HEAD_DIM + dims3
+        scale_offsets = slots[:, None] * NUM_HEADS + heads[None, :]
+        scale_mask = (slots >= 0)[:, None] & (heads < NUM_HEADS)[None, :]
+        _store_e4m3_rows(k_ptr + tokens[:, None, None] * k_token_stride + heads3 * k_head_stride + dims3, load_mask,
+                         k_cache_ptr + cache_offsets, store_mask, k_scale_ptr + scale_offsets, scale_mask, INTERPRET)
+        _store_e4m3_rows(v_ptr + tokens[:, None, None] * v_token_stride + heads3 * v_head_stride + dims3, load_mask,
+                         v_cache_ptr + cache_offsets, store_mask, v_scale_ptr + scale_offsets, scale_mask, INTERPRET)
+        return
     cols = tl.arange(0, BLOCK_ROW)
     heads, dims = cols // HEAD_DIM, cols % HEAD_DIM
     in_row = (cols < NUM_HEADS * HEAD_DIM)[None, :]
@@ -51,12 +78,15 @@ def store_kv_cache_bucket(dtype: torch.dtype, num_heads: int, head_dim: int, n_t
     return dtype_name(dtype), pow2(num_heads * head_dim), pow2(n_tokens)
 
 
-def store_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
+def store_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scale=None) -> None:
     """Write k[t], v[t] into slot slot_mapping[t] of k_cache, v_cache; a slot < 0 skips row t.
 
-    k, v [T, Hkv, D] (last dim contiguous, token and head strides free); k_cache, v_cache
-    [num_blocks, block_size, Hkv, D] contiguous, slot = block * block_size + offset; slot_mapping
-    [T] int32 or int64. Modifies the caches in place; values are cast to the cache dtype.
+    k, v [T, Hkv, D] float32/float16/bfloat16 (last dim contiguous, token and head strides free);
+    k_cache, v_cache [num_blocks, block_size, Hkv, D] contiguous, slot = block * block_size +
+    offset; slot_mapping [T] int32 or int64. Modifies the caches in place; values are cast to the
+    cache dtype. A torch.float8_e4m3fn cache needs k_scale, v_scale [num_blocks, block_size, Hkv]
+    float32 contiguous: each (token, head) row is stored as e4m3(row / scale), scale = max|row| / 448
+    (1.0 for a zero row), and its scale is written at [slot, head] (kernels/fp8.py).
     """
     n_tokens, num_heads, head_dim = k.shape
     if v.shape != k.shape or k.stride(2) != 1 or v.stride(2) != 1:
@@ -65,15 +95,18 @@ def store_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
         raise ValueError(f"caches must be contiguous [num_blocks, block_size, {num_heads}, {head_dim}], got {tuple(k_cache.shape)}")
     if slot_mapping.shape != (n_tokens,):
         raise ValueError(f"slot_mapping must have shape ({n_tokens},), got {tuple(slot_mapping.shape)}")
+    fp8 = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
     if n_tokens == 0:
         return
     block_row = triton.next_power_of_2(num_heads * head_dim)
+    block_h, block_d = triton.next_power_of_2(num_heads), triton.next_power_of_2(head_dim)
 
     def launch(config):
         _store_kv_cache_kernel[(triton.cdiv(n_tokens, config["TOKENS"]),)](
-            k, v, k_cache, v_cache, slot_mapping, n_tokens,
+            k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale, n_tokens,
             k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_ROW=block_row, **config,
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_ROW=block_row, FP8=fp8, BLOCK_H=block_h, BLOCK_D=block_d,
+            INTERPRET=INTERPRET, **config,
         )
 
     launch(_TUNING.config(store_kv_cache_bucket(k.dtype, num_heads, head_dim, n_tokens), launch))
