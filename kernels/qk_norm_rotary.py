@@ -1,21 +1,23 @@
 """Fused Qwen3 attention prologue: per-head q/k RMSNorm + neox rotary + KV-cache store in one launch.
 
 One pass over the packed QKV GEMM output replaces rms_norm (q), rms_norm (k), rotary_embedding and
-store_kv_cache, with exactly their rounding points (kernels/reference.py composes those four).
+store_kv_cache, with exactly their rounding points (kernels/reference.py composes those four). An e4m3
+cache stores K quantized from its rotated float32 value, V from its loaded value (kernels/fp8.py).
 """
 import torch
 import triton
 import triton.language as tl
 
-from tritonllm.kernels.tuning import Tunable, dtype_name, pow2
+from tritonllm.kernels.fp8 import check_kv_scales, e4m3_scale, to_e4m3
+from tritonllm.kernels.tuning import INTERPRET, Tunable, dtype_name, pow2
 
 
 @triton.jit
 def _norm_rotate(x_ptrs, mask, weight_ptr, cos, sin, eps,
-                 HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                 HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, ROUND: tl.constexpr):
     """Heads at x_ptrs [TOKENS, H, BLOCK_HALF] (first halves; second halves at +HALF): HF Qwen3
     RMSNorm over the head dim, then neox rotary. Returns the two rotated halves rounded once to
-    the input dtype."""
+    the input dtype, or in float32 (0 where masked) unless ROUND."""
     raw1 = tl.load(x_ptrs, mask=mask, other=0.0)
     dtype = raw1.dtype
     x1 = raw1.to(tl.float32)
@@ -28,15 +30,30 @@ def _norm_rotate(x_ptrs, mask, weight_ptr, cos, sin, eps,
     # product is rounded to the model dtype (rms_norm's output, rotary_embedding's input).
     y1 = (w1 * (x1 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     y2 = (w2 * (x2 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    return (y1 * cos - y2 * sin).to(dtype), (y2 * cos + y1 * sin).to(dtype)
+    r1, r2 = y1 * cos - y2 * sin, y2 * cos + y1 * sin
+    if ROUND:
+        r1, r2 = r1.to(dtype), r2.to(dtype)
+    return r1, r2
+
+
+@triton.jit
+def _store_e4m3_heads(x1, x2, cache_ptrs, mask, scale_ptrs, scale_mask, HALF: tl.constexpr, INTERPRET: tl.constexpr):
+    """Heads given as float32 halves [TOKENS, H, BLOCK_HALF] (0 where masked) quantized per (token,
+    head) into the cache at cache_ptrs (first halves), their scales [TOKENS, H] at scale_ptrs."""
+    scale = e4m3_scale(tl.maximum(tl.max(tl.abs(x1), axis=2), tl.max(tl.abs(x2), axis=2)))
+    tl.store(cache_ptrs, to_e4m3(x1, scale[:, :, None], INTERPRET), mask=mask)
+    tl.store(cache_ptrs + HALF, to_e4m3(x2, scale[:, :, None], INTERPRET), mask=mask)
+    tl.store(scale_ptrs, scale, mask=scale_mask)
 
 
 @triton.jit(do_not_specialize=["n_tokens", "eps"])
 def _qk_norm_rotary_store_kernel(
     positions_ptr, qkv_ptr, q_weight_ptr, k_weight_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, q_out_ptr,
+    k_scale_ptr, v_scale_ptr,
     n_tokens, qkv_token_stride, cos_sin_stride, q_out_token_stride, q_out_head_stride, eps,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr, TOKENS: tl.constexpr,
+    FP8: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     # Each program handles TOKENS tokens: all their q, k and v heads. Tensors are
     # [TOKENS, heads, BLOCK_HALF]; a head is processed as its two rotary halves.
@@ -62,7 +79,7 @@ def _qk_norm_rotary_store_kernel(
     q_heads = tl.arange(0, BLOCK_QH)[None, :, None]
     q_mask = token_mask3 & (q_heads < NUM_Q_HEADS) & dim_mask3
     q1, q2 = _norm_rotate(rows + q_heads * HEAD_DIM + dims3, q_mask, q_weight_ptr, cos, sin, eps,
-                          HEAD_DIM, HALF, BLOCK_HALF)
+                          HEAD_DIM, HALF, BLOCK_HALF, True)
     q_out = q_out_ptr + tokens[:, None, None] * q_out_token_stride + q_heads * q_out_head_stride + dims3
     tl.store(q_out, q1.to(q_out_ptr.dtype.element_ty), mask=q_mask)
     tl.store(q_out + HALF, q2.to(q_out_ptr.dtype.element_ty), mask=q_mask)
@@ -72,14 +89,26 @@ def _qk_norm_rotary_store_kernel(
     kv_mask = token_mask3 & (slots >= 0)[:, None, None] & (kv_heads < NUM_KV_HEADS) & dim_mask3
     cache_offsets = slots[:, None, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_heads * HEAD_DIM + dims3
     k1, k2 = _norm_rotate(rows + (NUM_Q_HEADS + kv_heads) * HEAD_DIM + dims3, kv_mask, k_weight_ptr, cos, sin, eps,
-                          HEAD_DIM, HALF, BLOCK_HALF)
-    tl.store(k_cache_ptr + cache_offsets, k1.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
-    tl.store(k_cache_ptr + cache_offsets + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
+                          HEAD_DIM, HALF, BLOCK_HALF, not FP8)
+    if FP8:
+        # K from its rotated float32 value, unrounded; a scale per (token, head) at [slot, head].
+        heads = tl.arange(0, BLOCK_KH)[None, :]
+        scale_offsets = slots[:, None] * NUM_KV_HEADS + heads
+        scale_mask = (token_mask & (slots >= 0))[:, None] & (heads < NUM_KV_HEADS)
+        _store_e4m3_heads(k1, k2, k_cache_ptr + cache_offsets, kv_mask, k_scale_ptr + scale_offsets, scale_mask,
+                          HALF, INTERPRET)
+    else:
+        tl.store(k_cache_ptr + cache_offsets, k1.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
+        tl.store(k_cache_ptr + cache_offsets + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
     v_ptrs = rows + (NUM_Q_HEADS + NUM_KV_HEADS + kv_heads) * HEAD_DIM + dims3
     v1 = tl.load(v_ptrs, mask=kv_mask, other=0.0)
     v2 = tl.load(v_ptrs + HALF, mask=kv_mask, other=0.0)
-    tl.store(v_cache_ptr + cache_offsets, v1.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
-    tl.store(v_cache_ptr + cache_offsets + HALF, v2.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
+    if FP8:
+        _store_e4m3_heads(v1.to(tl.float32), v2.to(tl.float32), v_cache_ptr + cache_offsets, kv_mask,
+                          v_scale_ptr + scale_offsets, scale_mask, HALF, INTERPRET)
+    else:
+        tl.store(v_cache_ptr + cache_offsets, v1.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
+        tl.store(v_cache_ptr + cache_offsets + HALF, v2.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
 
 
 def _space(dtype, row_bucket, tokens_bucket):
@@ -111,7 +140,7 @@ def qk_norm_rotary_store_bucket(dtype: torch.dtype, num_heads: int, num_kv_heads
 
 
 def qk_norm_rotary_store(positions, qkv, q_weight, k_weight, eps, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                         num_heads, num_kv_heads, out=None):
+                         num_heads, num_kv_heads, out=None, *, k_scale=None, v_scale=None):
     """Qwen3's attention prologue on the packed QKV GEMM output, in one launch; returns q [T, Hq, D].
 
     qkv [T, (Hq + 2*Hkv) * D] float32/float16/bfloat16: per token the Hq q heads, then the Hkv k
@@ -129,6 +158,11 @@ def qk_norm_rotary_store(positions, qkv, q_weight, k_weight, eps, cos_sin_cache,
     write (q is still produced). Nothing else is modified: qkv is only read. Returns q [T, Hq, D]
     of qkv's dtype, a new contiguous tensor, or `out` ([T, Hq, D], qkv's dtype, last dim
     contiguous) when given.
+
+    A torch.float8_e4m3fn cache needs k_scale, v_scale [num_blocks, block_size, Hkv] float32
+    contiguous: each (token, head) row of k (rotated, in float32, before rounding to qkv's dtype)
+    and of v is stored as e4m3(row / scale), scale = max|row| / 448 (1.0 for a zero row), and its
+    scale is written at [slot, head] (kernels/fp8.py); slot < 0 skips the scales too.
     """
     if qkv.dim() != 2 or qkv.stride(1) != 1:
         raise ValueError(f"qkv must be [T, (Hq + 2*Hkv) * D] with a contiguous last dim, got {tuple(qkv.shape)} strides {qkv.stride()}")
@@ -147,6 +181,7 @@ def qk_norm_rotary_store(positions, qkv, q_weight, k_weight, eps, cos_sin_cache,
                          f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     if positions.shape != (n_tokens,) or slot_mapping.shape != (n_tokens,):
         raise ValueError(f"positions and slot_mapping must have shape ({n_tokens},), got {tuple(positions.shape)}, {tuple(slot_mapping.shape)}")
+    fp8 = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
     if out is None:
         out = torch.empty(n_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     elif out.shape != (n_tokens, num_heads, head_dim) or out.dtype != qkv.dtype or out.stride(2) != 1:
@@ -160,10 +195,10 @@ def qk_norm_rotary_store(positions, qkv, q_weight, k_weight, eps, cos_sin_cache,
 
     def launch(config):
         _qk_norm_rotary_store_kernel[(triton.cdiv(n_tokens, config["TOKENS"]),)](
-            positions, qkv, q_weight, k_weight, cos_sin_cache, k_cache, v_cache, slot_mapping, out,
+            positions, qkv, q_weight, k_weight, cos_sin_cache, k_cache, v_cache, slot_mapping, out, k_scale, v_scale,
             n_tokens, qkv.stride(0), cos_sin_cache.stride(0), out.stride(0), out.stride(1), eps,
             NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
-            BLOCK_QH=block_qh, BLOCK_KH=block_kh, BLOCK_HALF=block_half, **config,
+            BLOCK_QH=block_qh, BLOCK_KH=block_kh, BLOCK_HALF=block_half, FP8=fp8, INTERPRET=INTERPRET, **config,
         )
 
     # The launch only writes q_out and cache slots it fully determines: repeating it is harmless.

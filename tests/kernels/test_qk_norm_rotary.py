@@ -2,6 +2,7 @@ import pytest
 import torch
 import kernel_utils
 from kernel_utils import DEVICE, DTYPES, poisoned, randn
+from test_fp8 import assert_e4m3_rows_match, e4m3_poisoned
 
 from tritonllm.kernels import qk_norm_rotary_store, reference
 from tritonllm.kernels import qk_norm_rotary as module
@@ -43,18 +44,23 @@ def make_inputs(tokens, q_heads, kv_heads, head_dim, block_size, dtype, pad=0, i
 
 
 def check(tokens, q_heads, kv_heads, head_dim, block_size, dtype, pad=0, index_dtype=torch.int64, with_out=False,
-          yarn=None):
+          yarn=None, fp8=False):
     buffer, qkv, q_weight, k_weight, positions, slots, k_cache, v_cache = make_inputs(
         tokens, q_heads, kv_heads, head_dim, block_size, dtype, pad, index_dtype)
+    scales = {}
+    if fp8:  # e4m3 caches of NaN patterns, NaN scales
+        k_cache, v_cache = e4m3_poisoned(*k_cache.shape), e4m3_poisoned(*k_cache.shape)
+        scales = {name: poisoned(*k_cache.shape[:3], dtype=torch.float32) for name in ("k_scale", "v_scale")}
     cache = cos_sin_cache(MAX_POS, head_dim, yarn)
     buffer_before = buffer.clone()
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    ref_scales = {name: scale.clone() for name, scale in scales.items()}
     eps = 1e-6
     ref_q = reference.qk_norm_rotary_store(positions, qkv, q_weight, k_weight, eps, cache, ref_k, ref_v, slots,
-                                           q_heads, kv_heads)
+                                           q_heads, kv_heads, **ref_scales)
     out = poisoned(tokens, q_heads, head_dim, dtype=dtype) if with_out else None
     q = qk_norm_rotary_store(positions, qkv, q_weight, k_weight, eps, cache, k_cache, v_cache, slots,
-                             q_heads, kv_heads, out=out)
+                             q_heads, kv_heads, out=out, **scales)
 
     assert q.shape == (tokens, q_heads, head_dim) and q.dtype == dtype and q.is_contiguous()
     if with_out:
@@ -62,8 +68,16 @@ def check(tokens, q_heads, kv_heads, head_dim, block_size, dtype, pad=0, index_d
     assert_close(q, ref_q, dtype)
     # Nothing but q and the cache slots is written: qkv (padding included) is untouched.
     assert torch.equal(buffer.nan_to_num(7.0), buffer_before.nan_to_num(7.0))
-    # Cache: exactly the slots >= 0 written (the rest still NaN), k matching, v bit-exact.
     written = slots[slots >= 0].long()
+    if fp8:
+        # V's codes and scales as the reference's; K's too, but where the interpreter truncates
+        # K's bfloat16 roundings (normed, times weight): there its values within the q tolerance.
+        k_tolerance = TOLERANCE[dtype] if INTERPRET and dtype == torch.bfloat16 else None
+        assert_e4m3_rows_match(k_cache, scales["k_scale"], ref_k, ref_scales["k_scale"], k_tolerance)
+        assert_e4m3_rows_match(v_cache, scales["v_scale"], ref_v, ref_scales["v_scale"])
+        assert int((~scales["k_scale"].isnan()).sum()) == len(written) * kv_heads
+        return
+    # Cache: exactly the slots >= 0 written (the rest still NaN), k matching, v bit-exact.
     assert torch.equal(k_cache.isnan(), ref_k.isnan()) and torch.equal(v_cache.isnan(), ref_v.isnan())
     assert int(torch.isfinite(k_cache).all(-1).all(-1).sum()) == len(written)
     assert int(torch.isnan(k_cache).all(-1).all(-1).sum()) == k_cache.shape[0] * k_cache.shape[1] - len(written)
@@ -90,13 +104,20 @@ def test_qk_norm_rotary_store(tokens, q_heads, kv_heads, head_dim, block_size, p
     check(tokens, q_heads, kv_heads, head_dim, block_size, dtype, pad)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens, q_heads, kv_heads, head_dim, block_size, pad", CASES)
+def test_qk_norm_rotary_store_fp8(tokens, q_heads, kv_heads, head_dim, block_size, pad, dtype):
+    check(tokens, q_heads, kv_heads, head_dim, block_size, dtype, pad, fp8=True)
+
+
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
 def test_strided_qkv_int32_indices_and_out_buffer(index_dtype):
     check(7, 4, 1, 64, 16, torch.bfloat16, pad=40, index_dtype=index_dtype, with_out=True)
 
 
-def test_head_dim_not_a_power_of_two():
-    check(5, 6, 2, 80, 16, torch.float16, pad=8)
+@pytest.mark.parametrize("fp8", [False, True])
+def test_head_dim_not_a_power_of_two(fp8):
+    check(5, 6, 2, 80, 16, torch.float16, pad=8, fp8=fp8)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -105,12 +126,13 @@ def test_yarn_table(dtype):
     check(9, 4, 2, 128, 16, dtype, yarn={"factor": 4.0, "original_max_position_embeddings": 1024})
 
 
+@pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("tokens_per_program", [1, 2, 4])
-def test_every_tokens_per_program(monkeypatch, tokens_per_program):
+def test_every_tokens_per_program(monkeypatch, tokens_per_program, fp8):
     # 7 tokens: the last program of 2 or 4 tokens is partly masked.
     monkeypatch.setattr(module._TUNING, "default",
                         lambda *bucket: {"TOKENS": tokens_per_program, "num_warps": 1, "num_stages": 1})
-    check(7, 4, 2, 64, 16, torch.bfloat16, pad=16)
+    check(7, 4, 2, 64, 16, torch.float16, pad=16, fp8=fp8)
 
 
 def test_config_space_and_default():
@@ -140,3 +162,23 @@ def test_rejects_bad_shapes():
         qk_norm_rotary_store(index, qkv, randn(64), randn(64), 1e-6, cache, k_cache, k_cache.clone(), index[:2], 4, 2)
     with pytest.raises(ValueError, match="caches"):
         qk_norm_rotary_store(index, qkv, randn(64), randn(64), 1e-6, cache, k_cache[:, :, :1], k_cache.clone(), index, 4, 2)
+
+
+def test_rejects_bad_scales():
+    qkv, cache = randn(3, 8 * 64), cos_sin_cache(16, 64)
+    index = torch.zeros(3, dtype=torch.long, device=DEVICE)
+    k_cache, scale = e4m3_poisoned(2, 16, 2, 64), poisoned(2, 16, 2, dtype=torch.float32)
+
+    def call(k_cache, **scales):
+        qk_norm_rotary_store(index, qkv, randn(64), randn(64), 1e-6, cache, k_cache, k_cache.clone(), index, 4, 2,
+                             **scales)
+
+    with pytest.raises(ValueError, match="k_scale is required"):
+        call(k_cache)
+    with pytest.raises(ValueError, match="v_scale is required"):
+        call(k_cache, k_scale=scale)
+    with pytest.raises(ValueError, match="k_scale is only for"):
+        call(poisoned(2, 16, 2, 64, dtype=torch.bfloat16), k_scale=scale, v_scale=scale)
+    with pytest.raises(ValueError, match="v_scale must be"):
+        call(k_cache, k_scale=scale, v_scale=scale.view(2, 32, 1))
+    assert scale.isnan().all() and (k_cache.view(torch.uint8) == 0x7F).all()
