@@ -76,6 +76,22 @@ def rotary_cases(quick):
     return cases
 
 
+def fp8_caches(make, first):
+    """make() with its two caches (at positions first, first + 1) swapped for e4m3 caches of the same
+    shape, and k_scale, v_scale for them appended (the bench passes arguments by position)."""
+    def make_fp8():
+        args = list(make())
+        shape = args[first].shape
+        args[first:first + 2] = [torch.empty(shape, dtype=torch.float8_e4m3fn, device="cuda") for _ in range(2)]
+        return (*args, torch.empty(shape[:3], device="cuda"), torch.empty(shape[:3], device="cuda"))
+    return make_fp8
+
+
+def with_scales(fn):
+    """fn taking its last two positional arguments as k_scale, v_scale (fp8_caches's inputs)."""
+    return lambda *args: fn(*args[:-2], k_scale=args[-2], v_scale=args[-1])
+
+
 def contiguous_copy(k, v, k_cache, v_cache, slots):
     k_cache.view(-1, *k.shape[1:])[:len(k)].copy_(k)
     v_cache.view(-1, *v.shape[1:])[:len(v)].copy_(v)
@@ -99,6 +115,11 @@ def kv_cache_cases(quick):
         cases.append(Case("store_kv_cache", f"{tokens} tok 8x128 block {block_size} {pattern} slots bf16", make,
                           kernels.store_kv_cache, {"torch": reference.store_kv_cache, "copy": contiguous_copy},
                           bytes=4 * tokens * 8 * 128 * 2 + tokens * 8))
+        # The same rows into e4m3 caches: bf16 read, e4m3 and a float32 scale a row written.
+        cases.append(Case("store_kv_cache", f"{tokens} tok 8x128 block {block_size} {pattern} slots bf16 to fp8",
+                          fp8_caches(make, 2), with_scales(kernels.store_kv_cache),
+                          {"torch": with_scales(reference.store_kv_cache)},
+                          bytes=tokens * 8 * 128 * (2 * 2 + 2) + tokens * 8 * 2 * 4 + tokens * 8))
     return cases
 
 
@@ -133,6 +154,12 @@ def qk_norm_rotary_cases(quick):
         cases.append(Case("qk_norm_rotary_store", f"{tokens} tok {q_heads}/{kv_heads} heads D128 block 16 bf16", make,
                           kernels.qk_norm_rotary_store,
                           {"3 triton kernels": separate, "torch": reference.qk_norm_rotary_store}, bytes=moved,
+                          graph=tokens <= 1024, eager_anchors=("torch",)))
+        fp8_moved = (tokens * (2 * q_heads + 2 * kv_heads) * 128 * 2 + tokens * kv_heads * 2 * (128 + 4)
+                     + tokens * 128 * 4 + tokens * 8 * 2)
+        cases.append(Case("qk_norm_rotary_store", f"{tokens} tok {q_heads}/{kv_heads} heads D128 block 16 bf16 to fp8",
+                          fp8_caches(make, 6), with_scales(kernels.qk_norm_rotary_store),
+                          {"torch": with_scales(reference.qk_norm_rotary_store)}, bytes=fp8_moved,
                           graph=tokens <= 1024, eager_anchors=("torch",)))
     return cases
 

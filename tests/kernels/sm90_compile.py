@@ -19,7 +19,7 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32",
-         torch.int64: "i64", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}
+         torch.int64: "i64", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1", torch.float8_e4m3fn: "fp8e4nv"}
 SM90 = GPUTarget("cuda", 90, 32)
 
 
@@ -97,11 +97,21 @@ def cases():
                                          t(40960, 128, dtype=torch.float32)),
             lambda t=t: store_kv_cache(t(8192, 8, 128), t(8192, 8, 128), t(600, 16, 8, 128), t(600, 16, 8, 128),
                                        t(8192, dtype=torch.int32)),
+            # An fp8 (e4m3) cache with its per-(slot, head) scales.
+            lambda t=t: store_kv_cache(t(8192, 8, 128), t(8192, 8, 128), t(600, 16, 8, 128, dtype=torch.float8_e4m3fn),
+                                       t(600, 16, 8, 128, dtype=torch.float8_e4m3fn), t(8192, dtype=torch.int32),
+                                       k_scale=t(600, 16, 8, dtype=torch.float32),
+                                       v_scale=t(600, 16, 8, dtype=torch.float32)),
         ]
         for tokens, q_heads, kv_heads in [(8192, 16, 8), (8192, 4, 2)]:  # the second: a TP shard, 2 tokens a program
             calls.append(lambda t=t, n=tokens, hq=q_heads, hk=kv_heads: qk_norm_rotary_store(
                 t(n, dtype=torch.int64), t(n, (hq + 2 * hk) * 128), t(128), t(128), 1e-6, t(40960, 128, dtype=torch.float32),
                 t(600, 16, hk, 128), t(600, 16, hk, 128), t(n, dtype=torch.int32), hq, hk))
+            calls.append(lambda t=t, n=tokens, hq=q_heads, hk=kv_heads: qk_norm_rotary_store(
+                t(n, dtype=torch.int64), t(n, (hq + 2 * hk) * 128), t(128), t(128), 1e-6, t(40960, 128, dtype=torch.float32),
+                t(600, 16, hk, 128, dtype=torch.float8_e4m3fn), t(600, 16, hk, 128, dtype=torch.float8_e4m3fn),
+                t(n, dtype=torch.int32), hq, hk, k_scale=t(600, 16, hk, dtype=torch.float32),
+                v_scale=t(600, 16, hk, dtype=torch.float32)))
     from tritonllm.kernels import compute_logprobs, sample
 
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
