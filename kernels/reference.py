@@ -19,7 +19,9 @@ def quantize_e4m3(x):
     xf = x.float()
     e4m3_max = torch.finfo(torch.float8_e4m3fn).max
     amax = xf.abs().amax(-1)
-    scale = torch.where(amax == 0, 1.0, amax / e4m3_max)
+    # Divided by a tensor: on CUDA torch divides by a Python scalar through its reciprocal, which is
+    # not the correctly rounded amax / 448 the kernels compute.
+    scale = torch.where(amax == 0, 1.0, amax / torch.full_like(amax, e4m3_max))
     return (xf / scale[..., None]).clamp(-e4m3_max, e4m3_max).to(torch.float8_e4m3fn), scale
 
 
