@@ -9,7 +9,7 @@ import torch
 from tiny_qwen3 import hf_greedy
 from transformers.models.qwen3 import Qwen3ForCausalLM as HFQwen3
 
-import tritonllm.llm
+import tritonllm.engine.engine
 from tritonllm import LLM, SamplingParams
 from tritonllm.distributed import free_port
 
@@ -160,7 +160,7 @@ def running(pid: int) -> bool:
 @two_ranks
 def test_close_and_del_leave_no_worker_or_port_and_a_second_llm_works(tiny_qwen3, expected, monkeypatch):
     ports = []
-    monkeypatch.setattr(tritonllm.llm, "free_port", lambda: ports.append(free_port()) or ports[-1])
+    monkeypatch.setattr(tritonllm.engine.engine, "free_port", lambda: ports.append(free_port()) or ports[-1])
     for release in ("close", "del"):
         llm = LLM(str(tiny_qwen3), **SMALL, tensor_parallel_size=2, num_kv_blocks=64)
         assert completions(llm) == expected[1]
