@@ -7,7 +7,8 @@ launches NUM_SPLITS splits per (sequence, KV head), a count chosen on the host f
 context bound and the SM count; each sequence then uses only min(NUM_SPLITS, cdiv(len, SPLIT_MIN))
 of them, computed on the GPU, and the others exit at once. Splits write an unnormalized
 accumulator, row max and row sum to float32 scratch; a second launch merges them. With
-NUM_SPLITS == 1 the first launch writes o itself.
+NUM_SPLITS == 1 the first launch writes o itself. An e4m3 cache (k_scale / v_scale given) halves
+the K/V bytes; each tile also reads its keys' scales (kernels/paged.py).
 """
 import functools
 
@@ -16,7 +17,7 @@ import triton
 import triton.language as tl
 
 from tritonllm.kernels import tuning
-from tritonllm.kernels.paged import LOG2E, _attend_tile, check_paged_inputs, dot_precision
+from tritonllm.kernels.paged import LOG2E, _attend_tile, cache_bucket, check_paged_inputs, dot_precision
 
 PROGRAMS_PER_SM = 3  # resident programs per SM that hide memory latency without extra splits
 
@@ -30,13 +31,13 @@ def _split_len(seq_len, NUM_SPLITS: tl.constexpr, SPLIT_MIN: tl.constexpr, BLOCK
 
 @triton.jit
 def _decode_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, acc_ptr, m_ptr, l_ptr, seq_lens_ptr, block_tables_ptr,
-    qk_scale, num_q_heads,
+    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, o_ptr, acc_ptr, m_ptr, l_ptr, seq_lens_ptr,
+    block_tables_ptr, qk_scale, num_q_heads,
     stride_q_batch, stride_q_head, stride_o_batch, stride_o_head,
-    stride_cache_block, stride_cache_token, stride_cache_head, stride_block_table,
+    stride_cache_block, stride_cache_token, stride_cache_head, stride_block_table, stride_scale_token,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_MIN: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr, FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -59,6 +60,10 @@ def _decode_attention_kernel(
         q = q.to(tl.float32)
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_block_table
     head_offset = kv_head * stride_cache_head
+    if FP8:
+        # The KV head's scales: one per cache slot, stride_scale_token (Hkv) apart.
+        k_scale_ptr += kv_head
+        v_scale_ptr += kv_head
     pos = tl.zeros([BLOCK_H], tl.int32) + (end - 1)  # every row sees keys up to end - 1
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -67,13 +72,15 @@ def _decode_attention_kernel(
     # start and split_len are multiples of BLOCK_N, so only the sequence's last tile is partial.
     full_end = start + (end - start) // BLOCK_N * BLOCK_N
     for n0 in range(start, full_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_row, head_offset,
-                                     n0, seq_len, pos, qk_scale, stride_cache_block, stride_cache_token,
-                                     HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, INTERPRET, False)
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                                     block_table_row, head_offset, n0, seq_len, pos, qk_scale, stride_cache_block,
+                                     stride_cache_token, stride_scale_token, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False,
+                                     DOT_PRECISION, INTERPRET, False, FP8)
     for n0 in range(full_end, end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_row, head_offset,
-                                     n0, seq_len, pos, qk_scale, stride_cache_block, stride_cache_token,
-                                     HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, INTERPRET, False)
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                                     block_table_row, head_offset, n0, seq_len, pos, qk_scale, stride_cache_block,
+                                     stride_cache_token, stride_scale_token, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True,
+                                     DOT_PRECISION, INTERPRET, False, FP8)
 
     if NUM_SPLITS == 1:
         # seq_len 0 (a padding row of a captured batch) leaves l = 0 and acc = 0: write zeros.
@@ -132,7 +139,7 @@ def default_num_splits(batch, num_kv_heads, context, split_min, sms):
     return max(1, min(wanted, triton.cdiv(context, split_min)))
 
 
-def _decode_space(dtype_name, head_dim, group, num_kv_heads, block_size, batch, context):
+def _decode_space(dtype_name, head_dim, group, num_kv_heads, block_size, batch, context, cache_dtype_name=None):
     base = _decode_default(dtype_name, head_dim, group, num_kv_heads, block_size, batch, context)["NUM_SPLITS"]
     splits = sorted({max(1, base // 2), base, base * 2})
     num_warps = 8 if dtype_name == "float32" else 4
@@ -142,7 +149,7 @@ def _decode_space(dtype_name, head_dim, group, num_kv_heads, block_size, batch, 
             for block_n in (32, 64, 128) for num_splits in splits]
 
 
-def _decode_default(dtype_name, head_dim, group, num_kv_heads, block_size, batch, context):
+def _decode_default(dtype_name, head_dim, group, num_kv_heads, block_size, batch, context, cache_dtype_name=None):
     split_min = 256
     fp32 = dtype_name == "float32"  # FMA dot (exact products): operands in registers, more warps
     return {"BLOCK_N": 32 if fp32 else 64,
@@ -154,24 +161,29 @@ DECODE_TUNABLE = tuning.Tunable("decode_attention", _decode_space, _decode_defau
 
 
 def decode_attention_bucket(dtype: torch.dtype, head_dim: int, group: int, num_kv_heads: int, block_size: int,
-                            batch: int, context: int) -> tuple:
+                            batch: int, context: int, cache_dtype: torch.dtype | None = None) -> tuple:
     """The tuning bucket of decode_attention: q dtype, D, Hq / Hkv, Hkv, cache block size, B and the
-    context bound (max_seq_len, or the block table's capacity)."""
-    return tuning.dtype_name(dtype), head_dim, group, num_kv_heads, block_size, tuning.pow2(batch), tuning.pow2(context)
+    context bound (max_seq_len, or the block table's capacity), then the cache dtype where it is
+    not q's (float8_e4m3fn; None means q's)."""
+    bucket = (tuning.dtype_name(dtype), head_dim, group, num_kv_heads, block_size, tuning.pow2(batch),
+              tuning.pow2(context))
+    return bucket + cache_bucket(dtype, cache_dtype)
 
 
 def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale=None, *,
-                     max_seq_len: int | None = None, out: torch.Tensor | None = None, config: dict | None = None):
+                     max_seq_len: int | None = None, out: torch.Tensor | None = None, config: dict | None = None,
+                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None):
     """Attention of one new token per sequence over the paged KV cache; CUDA-graph capturable.
 
     q: [B, Hq, D] float32/float16/bfloat16 (contiguous in D). k_cache, v_cache: [num_blocks,
-    block_size, Hkv, D] of q's dtype, the new token's K/V already stored; block_size a power of
-    two; D a power of two >= 16; Hq a multiple of Hkv. seq_lens: [B] int32, sequence b attends to
-    keys [0, seq_lens[b]); a length of 0 (a padding row) gives zeros. block_tables: [B, max_blocks]
-    int32; entries past a sequence's length are never read. scale defaults to D ** -0.5; math in
-    float32.
+    block_size, Hkv, D] of q's dtype, or float8_e4m3fn with k_scale, v_scale: float32 [num_blocks,
+    block_size, Hkv] contiguous, the scale of each stored row (its value is cache_row.float() *
+    scale); the new token's K/V already stored; block_size a power of two; D a power of two >= 16;
+    Hq a multiple of Hkv. seq_lens: [B] int32, sequence b attends to keys [0, seq_lens[b]); a
+    length of 0 (a padding row) gives zeros. block_tables: [B, max_blocks] int32; entries past a
+    sequence's length are never read. scale defaults to D ** -0.5; math in float32.
 
-    No host sync and a grid fixed by (B, Hq, Hkv, D, block_size, dtype, context bound): the split
+    No host sync and a grid fixed by (B, Hq, Hkv, D, block_size, dtypes, context bound): the split
     count is chosen from the context bound, `max_seq_len` if given (the engine's max_model_len),
     else block_tables.shape[1] * block_size. Any seq_lens up to the table's capacity are correct
     whatever the bound; the bound only steers the split count. Float32 scratch for the splits is
@@ -179,7 +191,7 @@ def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale=None, *,
     out: optional [B, Hq, D] output buffer written in place. config: launch config overriding the
     tuned/default one (tests, benchmarks). Returns o [B, Hq, D] in q's dtype (`out` if given).
     """
-    group, block_size = check_paged_inputs(q, k_cache, v_cache, seq_lens, block_tables, out)
+    group, block_size, fp8 = check_paged_inputs(q, k_cache, v_cache, seq_lens, block_tables, out, k_scale, v_scale)
     batch, num_q_heads, head_dim = q.shape
     if seq_lens.shape[0] != batch:
         raise ValueError(f"seq_lens must be [B = {batch}], got shape {tuple(seq_lens.shape)}")
@@ -200,11 +212,12 @@ def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale=None, *,
         else:
             scratch = m = l = out  # not touched with one split
         _decode_attention_kernel[(batch, num_kv_heads, num_splits)](
-            q, k_cache, v_cache, out, scratch, m, l, seq_lens, block_tables, qk_scale, num_q_heads,
+            q, k_cache, v_cache, k_scale, v_scale, out, scratch, m, l, seq_lens, block_tables, qk_scale, num_q_heads,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+            k_scale.stride(1) if fp8 else None,
             GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_H=max(16, triton.next_power_of_2(group)),
-            DOT_PRECISION=dot_precision(q.dtype), INTERPRET=tuning.INTERPRET, **cfg)
+            DOT_PRECISION=dot_precision(q.dtype), INTERPRET=tuning.INTERPRET, FP8=fp8, **cfg)
         if num_splits > 1:
             _merge_splits_kernel[(batch, num_q_heads)](
                 scratch, m, l, seq_lens, out, num_q_heads, out.stride(0), out.stride(1),
@@ -225,7 +238,8 @@ def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale=None, *,
         graphs[key].replay()
 
     if config is None:
-        bucket = decode_attention_bucket(q.dtype, head_dim, group, num_kv_heads, block_size, batch, context)
+        bucket = decode_attention_bucket(q.dtype, head_dim, group, num_kv_heads, block_size, batch, context,
+                                         k_cache.dtype)
         config = DECODE_TUNABLE.config(bucket, replay if q.is_cuda else launch)
     launch(config)
     return out

@@ -4,10 +4,18 @@ A paged KV cache is [num_blocks, block_size, Hkv, D]; a sequence's block table m
 blocks to physical ones. `_attend_tile` is one online-softmax step of a tile of query rows over
 BLOCK_N keys read through the table (or through TMA descriptors); `_cache_offsets` the addresses
 of those keys; `check_paged_inputs` the shape checks of both wrappers.
+
+An e4m3 cache (torch.float8_e4m3fn, kernels/fp8.py) holds K/V rows with a float32 scale per
+(slot, KV head) in k_scale / v_scale [num_blocks, block_size, Hkv]: the fp8 tile is converted to
+q's dtype (exact) for the dots, each key's K scale multiplies its column of scores and its V scale
+its column of probabilities before the PV dot.
 """
 import torch
 import triton
 import triton.language as tl
+
+from tritonllm.kernels import tuning
+from tritonllm.kernels.fp8 import check_kv_scales, from_e4m3
 
 LOG2E = 1.4426950408889634
 
@@ -31,11 +39,21 @@ def _cache_offsets(block_table_row, n0, seq_len, stride_cache_block, stride_cach
 
 
 @triton.jit
-def _attend_tile(acc, m_i, l_i, q, k_cache, v_cache, block_table_row, head_offset, n0, seq_len,
-                 pos, qk_scale, stride_cache_block, stride_cache_token,
+def _load_scales(scale_ptr, offsets, in_seq, MASKED: tl.constexpr):
+    """The [BLOCK_N] float32 scales of one KV head's keys (0 past the sequence when MASKED)."""
+    if MASKED:
+        scales = tl.load(scale_ptr + offsets, mask=in_seq, other=0.0)
+    else:
+        scales = tl.load(scale_ptr + offsets)
+    return scales
+
+
+@triton.jit
+def _attend_tile(acc, m_i, l_i, q, k_cache, v_cache, k_scale_ptr, v_scale_ptr, block_table_row, head_offset,
+                 n0, seq_len, pos, qk_scale, stride_cache_block, stride_cache_token, stride_scale_token,
                  HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                  MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
-                 TMA: tl.constexpr):
+                 TMA: tl.constexpr, FP8: tl.constexpr):
     """One online-softmax step of the rows of q over keys n0 .. n0 + BLOCK_N - 1.
 
     m_i is the running row max in log2 units (scores times qk_scale = scale * log2(e)), l_i the
@@ -43,7 +61,9 @@ def _attend_tile(acc, m_i, l_i, q, k_cache, v_cache, block_table_row, head_offse
     only if j <= pos[row] (pos < seq_len), and keys at or past seq_len are not loaded; unmasked
     tiles must lie entirely inside every row's visible range. TMA: k_cache/v_cache are tensor
     descriptors over the cache as [cache rows, Hkv * D] with BLOCK_N <= BLOCK_SIZE, head_offset
-    the head's first column; otherwise pointers, head_offset an element offset.
+    the head's first column; otherwise pointers, head_offset an element offset. FP8: the cache is
+    e4m3 and k_scale_ptr / v_scale_ptr point at the KV head's scales, stride_scale_token apart
+    per cache slot (unused otherwise).
     """
     keys = n0 + tl.arange(0, BLOCK_N)
     in_seq = (keys < seq_len)[:, None]
@@ -52,6 +72,8 @@ def _attend_tile(acc, m_i, l_i, q, k_cache, v_cache, block_table_row, head_offse
         block = tl.load(block_table_row + n0 // BLOCK_SIZE)
         row = block * BLOCK_SIZE + n0 % BLOCK_SIZE
         k = k_cache.load([row, head_offset])
+        if FP8:
+            scale_offsets = (row + tl.arange(0, BLOCK_N)).to(tl.int64) * stride_scale_token
     else:
         rows = _cache_offsets(block_table_row, n0, seq_len, stride_cache_block, stride_cache_token,
                               BLOCK_SIZE, BLOCK_N)
@@ -60,10 +82,19 @@ def _attend_tile(acc, m_i, l_i, q, k_cache, v_cache, block_table_row, head_offse
             k = tl.load(k_cache + offsets, mask=in_seq, other=0.0)
         else:
             k = tl.load(k_cache + offsets)
-    if INTERPRET:
+        if FP8:
+            # The scales are a contiguous [blocks, BLOCK_SIZE, Hkv]: the same lookup with their strides.
+            scale_offsets = _cache_offsets(block_table_row, n0, seq_len, BLOCK_SIZE * stride_scale_token,
+                                           stride_scale_token, BLOCK_SIZE, BLOCK_N)
+    col_scale = qk_scale
+    if FP8:
+        # e4m3 converts exactly to q's dtype; each key's scale goes on its column of scores.
+        k = from_e4m3(k, q.dtype, INTERPRET)
+        col_scale = (_load_scales(k_scale_ptr, scale_offsets, keys < seq_len, MASKED) * qk_scale)[None, :]
+    elif INTERPRET:
         # The interpreter's tl.dot multiplies raw bfloat16 bits: compute in float32 there.
         k = k.to(tl.float32)
-    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * col_scale
     if MASKED:
         # pos < seq_len, so this also drops any key a TMA tile read past the sequence.
         scores = tl.where(keys[None, :] <= pos[:, None], scores, float("-inf"))
@@ -73,19 +104,30 @@ def _attend_tile(acc, m_i, l_i, q, k_cache, v_cache, block_table_row, head_offse
     alpha = tl.math.exp2(m_i - m_new)
     if TMA:
         v = v_cache.load([row, head_offset])
-        if MASKED:
-            # Rows past the sequence hold whatever the block held before: p is 0 there, 0 * NaN is not.
-            v = tl.where(in_seq, v, 0.0)
     elif MASKED:
         v = tl.load(v_cache + offsets, mask=in_seq, other=0.0)
     else:
         v = tl.load(v_cache + offsets)
-    if INTERPRET:
+    p_v = p
+    if FP8:
+        v = from_e4m3(v, q.dtype, INTERPRET)
+        # sum_j p_j * v_scale_j * v_j: the V scale goes on p's columns.
+        p_v = p * _load_scales(v_scale_ptr, scale_offsets, keys < seq_len, MASKED)[None, :]
+    elif INTERPRET:
         v = v.to(tl.float32)
-    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    if TMA and MASKED:
+        # Rows past the sequence hold whatever the block held before: p is 0 there, 0 * NaN is not.
+        v = tl.where(in_seq, v, 0.0)
+    acc = tl.dot(p_v.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     # l after the PV dot keeps fewer values live across it (Triton tutorial 06).
     l_i = l_i * alpha + tl.sum(p, 1)
     return acc, m_new, l_i
+
+
+def cache_bucket(dtype: torch.dtype, cache_dtype: torch.dtype | None) -> tuple:
+    """The tail of an attention tuning bucket for the cache dtype: nothing where the cache holds q's
+    dtype (so the keys tuned before e4m3 caches keep their meaning), else the cache dtype's name."""
+    return () if cache_dtype in (None, dtype) else (tuning.dtype_name(cache_dtype),)
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -93,15 +135,21 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def check_paged_inputs(q, k_cache, v_cache, seq_lens, block_tables, out):
-    """Cheap shape checks shared by the attention wrappers; returns (group, block_size)."""
+def check_paged_inputs(q, k_cache, v_cache, seq_lens, block_tables, out, k_scale=None, v_scale=None):
+    """Cheap shape checks shared by the attention wrappers; returns (group, block_size, fp8).
+
+    fp8: the caches are float8_e4m3fn with their k_scale / v_scale (kernels/fp8.check_kv_scales).
+    """
     if q.dim() != 3:
         raise ValueError(f"q must be [tokens, Hq, D], got shape {tuple(q.shape)}")
     if k_cache.dim() != 4:
         raise ValueError(f"k_cache must be [num_blocks, block_size, Hkv, D], got shape {tuple(k_cache.shape)}")
     if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
         raise ValueError("v_cache must have the shape and strides of k_cache")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+    fp8 = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
+    if fp8 and q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"q must be float32/float16/bfloat16 with a float8_e4m3fn cache, got {q.dtype}")
+    if not fp8 and (k_cache.dtype != q.dtype or v_cache.dtype != q.dtype):
         raise ValueError(f"k_cache/v_cache dtype {k_cache.dtype} differs from q dtype {q.dtype}")
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     if q.shape[2] != head_dim:
@@ -121,4 +169,4 @@ def check_paged_inputs(q, k_cache, v_cache, seq_lens, block_tables, out):
         raise ValueError(f"block_tables must be [B={batch}, max_blocks], got shape {tuple(block_tables.shape)}")
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1):
         raise ValueError(f"out must be a {q.dtype} tensor of q's shape {tuple(q.shape)}, contiguous in head_dim")
-    return q.shape[1] // num_kv_heads, block_size
+    return q.shape[1] // num_kv_heads, block_size, fp8

@@ -11,6 +11,10 @@ Where each key tile lies inside one cache block (BLOCK_N <= block_size) on a GPU
 V tiles arrive as TMA bulk copies through tensor descriptors: one block-table lookup a tile, no
 per-element address math, and the copies pipeline ahead of the dots. The tile step itself
 (`_attend_tile`) is kernels/paged.py's, shared with decode_attention.py.
+
+An e4m3 cache (k_scale / v_scale given) takes the same paths: its TMA descriptors copy 1-byte
+tiles, which are converted to q's dtype in registers for the bf16/fp16 wgmma, and the per-key
+scales arrive as [BLOCK_N] pointer loads beside them.
 """
 import functools
 
@@ -20,18 +24,18 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tritonllm.kernels import tuning
-from tritonllm.kernels.paged import LOG2E, _attend_tile, check_paged_inputs, dot_precision
+from tritonllm.kernels.paged import LOG2E, _attend_tile, cache_bucket, check_paged_inputs, dot_precision
 
 
 @triton.jit
 def _prefill_attention_kernel(
-    q_ptr, k_cache, v_cache, o_ptr, cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
+    q_ptr, k_cache, v_cache, k_scale_ptr, v_scale_ptr, o_ptr, cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
     qk_scale,
     stride_q_token, stride_q_head, stride_o_token, stride_o_head,
-    stride_cache_block, stride_cache_token, stride_cache_head, stride_block_table,
+    stride_cache_block, stride_cache_token, stride_cache_head, stride_block_table, stride_scale_token,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr, TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr, TMA: tl.constexpr, FP8: tl.constexpr,
 ):
     kv_head = tl.program_id(0)
     seq = tl.program_id(1)
@@ -59,6 +63,10 @@ def _prefill_attention_kernel(
         q = q.to(tl.float32)
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_block_table
     head_offset = kv_head * stride_cache_head
+    if FP8:
+        # The KV head's scales: one per cache slot, stride_scale_token (Hkv) apart.
+        k_scale_ptr += kv_head
+        v_scale_ptr += kv_head
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -66,21 +74,23 @@ def _prefill_attention_kernel(
     # Keys [0, full_end) are visible to every row: the first row sits at position context + q0.
     full_end = (context + q0 + 1) // BLOCK_N * BLOCK_N
     for n0 in range(0, full_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache, v_cache, block_table_row, head_offset,
-                                     n0, seq_len, pos, qk_scale, stride_cache_block, stride_cache_token,
-                                     HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, INTERPRET, TMA)
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache, v_cache, k_scale_ptr, v_scale_ptr, block_table_row,
+                                     head_offset, n0, seq_len, pos, qk_scale, stride_cache_block, stride_cache_token,
+                                     stride_scale_token, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION,
+                                     INTERPRET, TMA, FP8)
     # The diagonal: up to the last row's position (rows past q_len are idle, hence the clamp).
     diag_end = tl.minimum(seq_len, context + q0 + BLOCK_Q)
     for n0 in range(full_end, diag_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache, v_cache, block_table_row, head_offset,
-                                     n0, seq_len, pos, qk_scale, stride_cache_block, stride_cache_token,
-                                     HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, INTERPRET, TMA)
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache, v_cache, k_scale_ptr, v_scale_ptr, block_table_row,
+                                     head_offset, n0, seq_len, pos, qk_scale, stride_cache_block, stride_cache_token,
+                                     stride_scale_token, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION,
+                                     INTERPRET, TMA, FP8)
     out = acc / l_i[:, None]
     o_rows = (q_start + token).to(tl.int64) * stride_o_token + head * stride_o_head
     tl.store(o_ptr + o_rows[:, None] + offs_d[None, :], out.to(o_ptr.dtype.element_ty), mask=row_mask[:, None])
 
 
-def _prefill_space(dtype_name, head_dim, group, block_size, q_len):
+def _prefill_space(dtype_name, head_dim, group, block_size, q_len, cache_dtype_name=None):
     configs = []
     for block_m, num_warps in ((64, 4), (128, 4), (128, 8)):
         for block_n in (32, 64, 128):
@@ -91,7 +101,7 @@ def _prefill_space(dtype_name, head_dim, group, block_size, q_len):
     return configs
 
 
-def _prefill_default(dtype_name, head_dim, group, block_size, q_len):
+def _prefill_default(dtype_name, head_dim, group, block_size, q_len, cache_dtype_name=None):
     if dtype_name == "float32":
         # Exact float32 products run on FMA, whose operands live in registers: small tiles, 8 warps.
         return {"BLOCK_M": max(32, triton.next_power_of_2(group)), "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
@@ -106,10 +116,13 @@ def _prefill_default(dtype_name, head_dim, group, block_size, q_len):
 PREFILL_TUNABLE = tuning.Tunable("prefill_attention", _prefill_space, _prefill_default)
 
 
-def prefill_attention_bucket(dtype: torch.dtype, head_dim: int, group: int, block_size: int, max_q_len: int) -> tuple:
-    """The tuning bucket of prefill_attention: q dtype, D, Hq / Hkv, cache block size, longest query."""
+def prefill_attention_bucket(dtype: torch.dtype, head_dim: int, group: int, block_size: int, max_q_len: int,
+                             cache_dtype: torch.dtype | None = None) -> tuple:
+    """The tuning bucket of prefill_attention: q dtype, D, Hq / Hkv, cache block size, longest query,
+    then the cache dtype where it is not q's (float8_e4m3fn; None means q's)."""
     # Past 1k query rows the grid is long whatever the length: one bucket serves them all.
-    return tuning.dtype_name(dtype), head_dim, group, block_size, min(tuning.pow2(max_q_len), 1024)
+    bucket = tuning.dtype_name(dtype), head_dim, group, block_size, min(tuning.pow2(max_q_len), 1024)
+    return bucket + cache_bucket(dtype, cache_dtype)
 
 
 @functools.cache
@@ -137,13 +150,16 @@ def _cache_descriptors(k_cache, v_cache, block_n):
 
 
 def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale=None, *,
-                      max_q_len: int | None = None, out: torch.Tensor | None = None, config: dict | None = None):
+                      max_q_len: int | None = None, out: torch.Tensor | None = None, config: dict | None = None,
+                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None):
     """Causal attention of the new tokens of B sequences over the paged KV cache.
 
     q: [T, Hq, D] float32/float16/bfloat16, the new tokens of the B sequences packed one after the
-    other (contiguous in D). k_cache, v_cache: [num_blocks, block_size, Hkv, D] of q's dtype, the
-    new tokens' K/V already stored; block_size a power of two; D a power of two >= 16; Hq a
-    multiple of Hkv. cu_seqlens_q: [B + 1] int32, sequence b owns q rows cu[b] .. cu[b+1] - 1.
+    other (contiguous in D). k_cache, v_cache: [num_blocks, block_size, Hkv, D] of q's dtype, or
+    float8_e4m3fn with k_scale, v_scale: float32 [num_blocks, block_size, Hkv] contiguous, the
+    scale of each stored row (its value is cache_row.float() * scale); the new tokens' K/V already
+    stored; block_size a power of two; D a power of two >= 16; Hq a multiple of Hkv.
+    cu_seqlens_q: [B + 1] int32, sequence b owns q rows cu[b] .. cu[b+1] - 1.
     seq_lens: [B] int32, cached plus new tokens. block_tables: [B, max_blocks] int32, physical
     block of each logical block; entries past a sequence's length are never read.
     Query i of sequence b sits at position seq_lens[b] - q_len_b + i and attends to every key at
@@ -155,7 +171,7 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
     place. config: launch config overriding the tuned/default one (tests, benchmarks).
     Returns o [T, Hq, D] in q's dtype (`out` if given); nothing else is modified.
     """
-    group, block_size = check_paged_inputs(q, k_cache, v_cache, seq_lens, block_tables, out)
+    group, block_size, fp8 = check_paged_inputs(q, k_cache, v_cache, seq_lens, block_tables, out, k_scale, v_scale)
     batch = seq_lens.shape[0]
     if cu_seqlens_q.shape != (batch + 1,):
         raise ValueError(f"cu_seqlens_q must be [B + 1 = {batch + 1}], got shape {tuple(cu_seqlens_q.shape)}")
@@ -176,14 +192,17 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
         grid = (num_kv_heads, batch, triton.cdiv(max_q_len, block_q))
         descriptors = _cache_descriptors(k_cache, v_cache, cfg["BLOCK_N"])
         _prefill_attention_kernel[grid](
-            q, *(descriptors or (k_cache, v_cache)), out, cu_seqlens_q, seq_lens, block_tables, qk_scale,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            q, *(descriptors or (k_cache, v_cache)), k_scale, v_scale, out, cu_seqlens_q, seq_lens, block_tables,
+            qk_scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+            k_scale.stride(1) if fp8 else None,
             GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_Q=block_q,
-            DOT_PRECISION=dot_precision(q.dtype), INTERPRET=tuning.INTERPRET, TMA=descriptors is not None, **cfg)
+            DOT_PRECISION=dot_precision(q.dtype), INTERPRET=tuning.INTERPRET, TMA=descriptors is not None,
+            FP8=fp8, **cfg)
 
     if config is None:
-        config = PREFILL_TUNABLE.config(prefill_attention_bucket(q.dtype, head_dim, group, block_size, max_q_len), launch)
+        bucket = prefill_attention_bucket(q.dtype, head_dim, group, block_size, max_q_len, k_cache.dtype)
+        config = PREFILL_TUNABLE.config(bucket, launch)
     if config["BLOCK_M"] < group:
         raise ValueError(f"config BLOCK_M ({config['BLOCK_M']}) must be at least the GQA group ({group})")
     launch(config)

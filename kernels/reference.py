@@ -102,12 +102,14 @@ def gather_kv(cache, block_table, length):
     return cache[blocks].reshape(-1, *cache.shape[2:])[:length]
 
 
-def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale=None, *, max_q_len=None):
+def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale=None, *, max_q_len=None,
+                      k_scale=None, v_scale=None):
     """Causal attention of the new tokens q [T, Hq, D] over the paged cache; returns o [T, Hq, D].
 
     Query i of sequence b sits at position seq_lens[b] - q_len_b + i and sees keys at or before it.
-    max_q_len: the kernel's grid hint, unused here.
+    max_q_len: the kernel's grid hint, unused here. An e4m3 cache is read as cache_row * scale.
     """
+    fp8 = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
     head_dim = q.shape[-1]
     scale = head_dim**-0.5 if scale is None else scale
     group = q.shape[1] // k_cache.shape[2]
@@ -118,8 +120,12 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
         start, end = cu[b], cu[b + 1]
         if end == start:
             continue
-        k = gather_kv(k_cache, block_tables[b], length).to(dtype).repeat_interleave(group, dim=1)
-        v = gather_kv(v_cache, block_tables[b], length).to(dtype).repeat_interleave(group, dim=1)
+        k = gather_kv(k_cache, block_tables[b], length).to(dtype)
+        v = gather_kv(v_cache, block_tables[b], length).to(dtype)
+        if fp8:
+            k = k * gather_kv(k_scale, block_tables[b], length)[..., None].to(dtype)
+            v = v * gather_kv(v_scale, block_tables[b], length)[..., None].to(dtype)
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[start:end].to(dtype), k) * scale
         q_pos = torch.arange(length - (end - start), length, device=q.device)
         visible = torch.arange(length, device=q.device)[None, :] <= q_pos[:, None]
@@ -128,14 +134,16 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
     return out
 
 
-def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale=None, *, max_seq_len=None):
+def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale=None, *, max_seq_len=None,
+                     k_scale=None, v_scale=None):
     """One new token per sequence, q [B, Hq, D], attending to keys [0, seq_lens[b]). max_seq_len only
     steers the Triton kernel's split count: the reference takes and ignores it.
 
     Batched over the sequences (no host sync, so the engine can run it every step): every
     sequence's blocks are gathered up to the table width, keys past its length are masked. A row
-    with seq_lens 0 gives zeros.
+    with seq_lens 0 gives zeros. An e4m3 cache is read as cache_row * scale.
     """
+    fp8 = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     scale = head_dim**-0.5 if scale is None else scale
@@ -143,6 +151,9 @@ def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale=None, *,
     blocks = block_tables.long()
     k = k_cache[blocks].flatten(1, 2).to(dtype)  # [B, L, Hkv, D]
     v = v_cache[blocks].flatten(1, 2).to(dtype)
+    if fp8:
+        k = k * k_scale[blocks].flatten(1, 2)[..., None].to(dtype)
+        v = v * v_scale[blocks].flatten(1, 2)[..., None].to(dtype)
     visible = torch.arange(k.shape[1], device=q.device)[None, :] < seq_lens[:, None]  # [B, L]
     # Slots past a sequence's length may hold anything, NaN included: mask them out of both products.
     k = torch.where(visible[:, :, None, None], k, 0.0)
