@@ -2,6 +2,8 @@
 import torch
 from numerics import rel_err  # noqa: F401  (re-exported for the kernel tests)
 
+from tritonllm.kernels import reference
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -39,7 +41,7 @@ def paged_kv(seq_lens, num_kv_heads, head_dim, block_size, dtype, spare_blocks=3
     Every cache row that no sequence owns is NaN (unused blocks, the tail of each sequence's last
     block), so a kernel that reads a key it must not produces NaN. Returns k_cache, v_cache,
     block_tables [B, max_blocks + pad_columns] int32 whose entries past each sequence point at
-    unused (NaN) blocks.
+    unused (NaN) blocks. paged_caches adds e4m3 caches with their scales.
     """
     blocks = [-(-n // block_size) for n in seq_lens]
     total = sum(blocks) + spare_blocks
@@ -59,11 +61,34 @@ def paged_kv(seq_lens, num_kv_heads, head_dim, block_size, dtype, spare_blocks=3
     return k_cache, v_cache, tables.to(torch.int32)
 
 
-def prefill_inputs(context_lens, q_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype):
-    """q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables for sequences of cached + new tokens."""
+def paged_caches(seq_lens, num_kv_heads, head_dim, block_size, dtype, fp8=False, **layout):
+    """paged_kv's k_cache, v_cache, block_tables, and the scales to pass as keywords to the wrappers
+    and references: {} for a cache of `dtype`, {"k_scale", "v_scale"} for an e4m3 cache (fp8).
+
+    fp8: the random float32 rows are quantized with reference.quantize_e4m3, so the reference reads
+    exactly the values stored; rows no sequence owns are NaN in the caches and the scales.
+    """
+    if not fp8:
+        return *paged_kv(seq_lens, num_kv_heads, head_dim, block_size, dtype, **layout), {}
+    k, v, tables = paged_kv(seq_lens, num_kv_heads, head_dim, block_size, torch.float32, **layout)
+    (k_cache, k_scale), (v_cache, v_scale) = reference.quantize_e4m3(k), reference.quantize_e4m3(v)
+    # NaN rows stay NaN through the quantizer: e4m3 0x7F, and a NaN scale.
+    assert (k_cache.view(torch.uint8)[k.isnan()] & 0x7F == 0x7F).all() and k_scale[k[..., 0].isnan()].isnan().all()
+    return k_cache, v_cache, tables, {"k_scale": k_scale, "v_scale": v_scale}
+
+
+def exact(cache):
+    """A cache as the float64 reference reads it: float64, or e4m3 as stored (the reference
+    dequantizes it with its scales)."""
+    return cache if cache.dtype == torch.float8_e4m3fn else cache.double()
+
+
+def prefill_inputs(context_lens, q_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, fp8=False):
+    """q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scales for sequences of cached + new
+    tokens; scales ({} unless fp8) as paged_caches gives them."""
     seq_lens = [c + n for c, n in zip(context_lens, q_lens)]
-    k_cache, v_cache, tables = paged_kv(seq_lens, num_kv_heads, head_dim, block_size, dtype)
+    k_cache, v_cache, tables, scales = paged_caches(seq_lens, num_kv_heads, head_dim, block_size, dtype, fp8)
     cu = torch.tensor([0] + q_lens, device=DEVICE).cumsum(0).to(torch.int32)
     # Scaled queries make the softmax peaked enough that a misplaced key shows.
     q = randn(sum(q_lens), num_q_heads, head_dim, dtype=dtype, scale=2.0)
-    return q, k_cache, v_cache, cu, torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), tables
+    return q, k_cache, v_cache, cu, torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), tables, scales

@@ -2,16 +2,19 @@
 
 Every cache row that no sequence owns is NaN and the block-table entries past each sequence point
 at NaN blocks (kernel_utils.paged_kv); outputs are NaN-poisoned buffers. A kernel that reads a key
-it must not, or skips a row, produces NaN and fails.
+it must not, or skips a row, produces NaN and fails. fp8: the same over an e4m3 cache whose rows
+and scales no sequence owns are NaN, at the tolerances of the model-dtype cache (the reference
+dequantizes exactly the values stored).
 """
 import importlib
 import json
 
 import pytest
 import torch
-from kernel_utils import ATTN, DEVICE, DTYPES, assert_close, paged_kv, poisoned, prefill_inputs, randn
+from kernel_utils import ATTN, DEVICE, DTYPES, assert_close, exact, paged_caches, poisoned, prefill_inputs, randn
 
 from tritonllm.kernels import decode_attention, prefill_attention, reference, tuning
+from tritonllm.kernels.decode_attention import decode_attention_bucket
 
 # The package exports the function under the module's name: fetch the module itself.
 decode_module = importlib.import_module("tritonllm.kernels.decode_attention")
@@ -20,10 +23,14 @@ decode_module = importlib.import_module("tritonllm.kernels.decode_attention")
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
 
-def run_decode(q, k_cache, v_cache, seq_lens, tables, **kwargs):
-    out = decode_attention(q, k_cache, v_cache, seq_lens, tables, out=poisoned(*q.shape, dtype=q.dtype), **kwargs)
-    ref = reference.decode_attention(q.double(), k_cache.double(), v_cache.double(), seq_lens, tables,
-                                     kwargs.get("scale"))
+FP8 = pytest.mark.parametrize("fp8", [False, True], ids=["model-cache", "fp8-cache"])
+
+
+def run_decode(q, k_cache, v_cache, seq_lens, tables, scales, **kwargs):
+    out = decode_attention(q, k_cache, v_cache, seq_lens, tables, out=poisoned(*q.shape, dtype=q.dtype),
+                           **scales, **kwargs)
+    ref = reference.decode_attention(q.double(), exact(k_cache), exact(v_cache), seq_lens, tables,
+                                     kwargs.get("scale"), **scales)
     return out, ref
 
 
@@ -41,27 +48,30 @@ DECODE_CASES = [
 ]
 
 
+@FP8
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim, num_q_heads, num_kv_heads, block_size, seq_lens", DECODE_CASES)
-def test_decode_matches_reference(head_dim, num_q_heads, num_kv_heads, block_size, seq_lens, dtype):
-    k_cache, v_cache, tables = paged_kv(seq_lens, num_kv_heads, head_dim, block_size, dtype)
+def test_decode_matches_reference(head_dim, num_q_heads, num_kv_heads, block_size, seq_lens, dtype, fp8):
+    k_cache, v_cache, tables, scales = paged_caches(seq_lens, num_kv_heads, head_dim, block_size, dtype, fp8)
     q = randn(len(seq_lens), num_q_heads, head_dim, dtype=dtype, scale=2.0)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    out, ref = run_decode(q, k_cache, v_cache, lens, tables)
+    out, ref = run_decode(q, k_cache, v_cache, lens, tables, scales)
     assert_close(out, ref, dtype, ATTN)
 
 
 # Split-KV: one split (o written directly), a few, many more than a sequence can use (unused splits
 # exit and the merge skips them), tiles over several blocks (BLOCK_N 64 > block_size 16).
+@FP8
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_splits, split_min, block_n",
                          [(1, 256, 16), (3, 16, 16), (8, 32, 32), (64, 16, 16), (5, 16, 64)])
-def test_decode_splits(num_splits, split_min, block_n, dtype):
+def test_decode_splits(num_splits, split_min, block_n, dtype, fp8):
     seq_lens = [1, 17, 100, 300, 64]
-    k_cache, v_cache, tables = paged_kv(seq_lens, 2, 64, 16, dtype)
+    k_cache, v_cache, tables, scales = paged_caches(seq_lens, 2, 64, 16, dtype, fp8)
     q = randn(len(seq_lens), 4, 64, dtype=dtype, scale=2.0)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    out, ref = run_decode(q, k_cache, v_cache, lens, tables, config=decode_config(num_splits, split_min, block_n))
+    out, ref = run_decode(q, k_cache, v_cache, lens, tables, scales,
+                          config=decode_config(num_splits, split_min, block_n))
     assert_close(out, ref, dtype, ATTN)
 
 
@@ -75,56 +85,63 @@ def shipped_decode_configs():
 
 
 # What the engine runs: lengths around SPLIT_MIN (128..512) and BLOCK_N (64, 128) boundaries.
+@FP8
 @pytest.mark.parametrize("config", shipped_decode_configs(),
                          ids=lambda c: f"splits{c['NUM_SPLITS']}-min{c['SPLIT_MIN']}-n{c['BLOCK_N']}")
-def test_decode_shipped_configs(config):
+def test_decode_shipped_configs(config, fp8):
     seq_lens = [1, 127, 129, 513, 1100]
-    k_cache, v_cache, tables = paged_kv(seq_lens, 2, 64, 16, torch.bfloat16)
+    k_cache, v_cache, tables, scales = paged_caches(seq_lens, 2, 64, 16, torch.bfloat16, fp8)
     q = randn(len(seq_lens), 4, 64, dtype=torch.bfloat16, scale=2.0)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    out, ref = run_decode(q, k_cache, v_cache, lens, tables, config=config)
+    out, ref = run_decode(q, k_cache, v_cache, lens, tables, scales, config=config)
     assert_close(out, ref, torch.bfloat16, ATTN)
 
 
-def test_decode_default_splits_on_a_large_gpu(monkeypatch):
+@FP8
+def test_decode_default_splits_on_a_large_gpu(monkeypatch, fp8):
     # The default rule as on an H200 (132 SMs): many splits, most of them unused at these lengths.
     monkeypatch.setattr(decode_module, "num_sms", lambda: 132)
     seq_lens = [700, 5, 260]
-    k_cache, v_cache, tables = paged_kv(seq_lens, 2, 64, 32, torch.bfloat16)
+    k_cache, v_cache, tables, scales = paged_caches(seq_lens, 2, 64, 32, torch.bfloat16, fp8)
     q = randn(3, 4, 64, dtype=torch.bfloat16, scale=2.0)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     assert decode_module._decode_default("bfloat16", 64, 2, 2, 32, 4, 4096)["NUM_SPLITS"] == 16
-    out, ref = run_decode(q, k_cache, v_cache, lens, tables, max_seq_len=4096)
+    out, ref = run_decode(q, k_cache, v_cache, lens, tables, scales, max_seq_len=4096)
     assert_close(out, ref, torch.bfloat16, ATTN)
 
 
+@FP8
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("config", [None, decode_config(6, 16, 16)], ids=["default", "6-splits"])
-def test_decode_after_prefill_equals_last_prefill_row(dtype, config):
+def test_decode_after_prefill_equals_last_prefill_row(dtype, config, fp8):
     q_lens = [1, 33, 90]
-    q, k_cache, v_cache, cu, seq_lens, tables = prefill_inputs([0, 0, 0], q_lens, 8, 2, 128, 32, dtype)
-    prefill_out = prefill_attention(q, k_cache, v_cache, cu, seq_lens, tables)
+    q, k_cache, v_cache, cu, seq_lens, tables, scales = prefill_inputs([0, 0, 0], q_lens, 8, 2, 128, 32, dtype, fp8)
+    prefill_out = prefill_attention(q, k_cache, v_cache, cu, seq_lens, tables, **scales)
     last = cu[1:].long() - 1
-    decode_out, ref = run_decode(q[last].contiguous(), k_cache, v_cache, seq_lens, tables, config=config)
+    decode_out, ref = run_decode(q[last].contiguous(), k_cache, v_cache, seq_lens, tables, scales, config=config)
     assert_close(decode_out, ref, dtype, ATTN)
     assert_close(decode_out, prefill_out[last].double(), dtype, ATTN)
 
 
+@FP8
 @pytest.mark.parametrize("config", [decode_config(1, 256, 16), decode_config(4, 16, 16)], ids=["1-split", "4-splits"])
-def test_decode_zero_length_rows_give_zeros(config):
+def test_decode_zero_length_rows_give_zeros(config, fp8):
     # A CUDA-graph batch padded with seq_len 0 rows: zeros there, nothing read through their table.
     seq_lens = [40, 0, 7]
-    k_cache, v_cache, tables = paged_kv(seq_lens, 2, 64, 16, torch.float32)
+    k_cache, v_cache, tables, scales = paged_caches(seq_lens, 2, 64, 16, torch.float32, fp8)
     q = randn(3, 4, 64, scale=2.0)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    out = decode_attention(q, k_cache, v_cache, lens, tables, out=poisoned(*q.shape, dtype=q.dtype), config=config)
+    out = decode_attention(q, k_cache, v_cache, lens, tables, out=poisoned(*q.shape, dtype=q.dtype), config=config,
+                           **scales)
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     keep = torch.tensor([0, 2], device=DEVICE)
-    ref = reference.decode_attention(q[keep].double(), k_cache.double(), v_cache.double(), lens[keep], tables[keep])
+    ref = reference.decode_attention(q[keep].double(), exact(k_cache), exact(v_cache), lens[keep], tables[keep],
+                                     **scales)
     assert_close(out[keep], ref, torch.float32, ATTN)
 
 
-def test_decode_launch_is_graph_capturable(monkeypatch):
+@FP8
+def test_decode_launch_is_graph_capturable(monkeypatch, fp8):
     """No host sync in the wrapper, and the grid and scratch shapes depend on shapes only."""
     launches = []
 
@@ -141,7 +158,7 @@ def test_decode_launch_is_graph_capturable(monkeypatch):
     monkeypatch.setattr(decode_module, "num_sms", lambda: 132)
     monkeypatch.setattr(decode_module, "_decode_attention_kernel", Recorder("attention"))
     monkeypatch.setattr(decode_module, "_merge_splits_kernel", Recorder("merge"))
-    k_cache, v_cache, tables = paged_kv([300, 5], 2, 64, 16, torch.bfloat16, pad_columns=30)
+    k_cache, v_cache, tables, scales = paged_caches([300, 5], 2, 64, 16, torch.bfloat16, fp8, pad_columns=30)
     q = randn(2, 4, 64, dtype=torch.bfloat16)
 
     def host_sync(*args, **kwargs):
@@ -150,15 +167,35 @@ def test_decode_launch_is_graph_capturable(monkeypatch):
     for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"):
         monkeypatch.setattr(torch.Tensor, name, host_sync)
     for lens in ([300, 5], [1, 2]):
-        decode_attention(q, k_cache, v_cache, torch.tensor(lens, dtype=torch.int32, device=DEVICE), tables)
+        decode_attention(q, k_cache, v_cache, torch.tensor(lens, dtype=torch.int32, device=DEVICE), tables, **scales)
     monkeypatch.undo()
     assert len(launches) == 4 and launches[0] == launches[2] and launches[1] == launches[3], launches
     assert launches[0][0] == "attention" and launches[1][0] == "merge" and launches[0][3] > 1, launches
 
 
+def test_fp8_cache_has_its_own_tuning_bucket():
+    # A cache of q's dtype keeps the keys of the shipped configs; an e4m3 cache's are tuned apart.
+    bf16 = decode_attention_bucket(torch.bfloat16, 128, 2, 8, 16, 1, 1024)
+    assert tuning.bucket_key(bf16) == "bfloat16/128/2/8/16/1/1024"
+    assert decode_attention_bucket(torch.bfloat16, 128, 2, 8, 16, 1, 1024, torch.bfloat16) == bf16
+    fp8 = decode_attention_bucket(torch.bfloat16, 128, 2, 8, 16, 1, 1024, torch.float8_e4m3fn)
+    assert tuning.bucket_key(fp8) == "bfloat16/128/2/8/16/1/1024/float8_e4m3fn"
+    k_cache, v_cache, tables, scales = paged_caches([5, 9], 2, 64, 16, torch.bfloat16, fp8=True)
+    lens = torch.tensor([5, 9], dtype=torch.int32, device=DEVICE)
+    decode_attention(randn(2, 4, 64, dtype=torch.bfloat16), k_cache, v_cache, lens, tables, max_seq_len=100, **scales)
+    wanted = decode_attention_bucket(torch.bfloat16, 64, 2, 2, 16, 2, 100, torch.float8_e4m3fn)
+    assert decode_module.DECODE_TUNABLE.last_key == tuning.bucket_key(wanted)
+
+
 def test_decode_rejects_bad_inputs():
-    q, k_cache, v_cache, _, seq_lens, tables = prefill_inputs([0, 3], [4, 5], 4, 2, 64, 16, torch.float32)
+    q, k_cache, v_cache, _, seq_lens, tables, _ = prefill_inputs([0, 3], [4, 5], 4, 2, 64, 16, torch.float32)
     with pytest.raises(ValueError, match="v_cache"):
         decode_attention(q[:2], k_cache, v_cache[:, :, :1], seq_lens, tables)
     with pytest.raises(ValueError, match="seq_lens"):
         decode_attention(q[:3], k_cache, v_cache, seq_lens, tables)
+    # The scale checks are prefill's (test_prefill_attention.py); here, that decode runs them.
+    k8, v8, _, scales = paged_caches([4, 8], 2, 64, 16, torch.float32, fp8=True)
+    with pytest.raises(ValueError, match="v_scale"):
+        decode_attention(q[:2], k8, v8, seq_lens, tables, k_scale=scales["k_scale"])
+    with pytest.raises(ValueError, match="k_scale"):
+        decode_attention(q[:2], k_cache, v_cache, seq_lens, tables, **scales)

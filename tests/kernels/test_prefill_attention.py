@@ -2,22 +2,29 @@
 
 Every cache row that no sequence owns is NaN and the block-table entries past each sequence point
 at NaN blocks (kernel_utils.paged_kv); outputs are NaN-poisoned buffers. A kernel that reads a key
-it must not, or skips a row, produces NaN and fails.
+it must not, or skips a row, produces NaN and fails. fp8: the same over an e4m3 cache whose rows
+and scales no sequence owns are NaN; the reference dequantizes exactly the values stored, so the
+tolerances are those of the model-dtype cache.
 """
 import pytest
 import torch
-from kernel_utils import ATTN, DEVICE, DTYPES, assert_close, poisoned, prefill_inputs, rel_err
+from kernel_utils import ATTN, DEVICE, DTYPES, assert_close, exact, poisoned, prefill_inputs, rel_err
 
-from tritonllm.kernels import prefill_attention, reference
+from tritonllm.kernels import prefill_attention, reference, tuning
+from tritonllm.kernels.prefill_attention import PREFILL_TUNABLE, prefill_attention_bucket
 
 # Triton 3.6's interpreter converts loop bounds through a NumPy path that NumPy 2.x deprecates.
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
 
-def run_prefill(q, k_cache, v_cache, cu, seq_lens, tables, **kwargs):
-    out = prefill_attention(q, k_cache, v_cache, cu, seq_lens, tables, out=poisoned(*q.shape, dtype=q.dtype), **kwargs)
-    ref = reference.prefill_attention(q.double(), k_cache.double(), v_cache.double(), cu, seq_lens, tables,
-                                      kwargs.get("scale"))
+FP8 = pytest.mark.parametrize("fp8", [False, True], ids=["model-cache", "fp8-cache"])
+
+
+def run_prefill(q, k_cache, v_cache, cu, seq_lens, tables, scales, **kwargs):
+    out = prefill_attention(q, k_cache, v_cache, cu, seq_lens, tables, out=poisoned(*q.shape, dtype=q.dtype),
+                            **scales, **kwargs)
+    ref = reference.prefill_attention(q.double(), exact(k_cache), exact(v_cache), cu, seq_lens, tables,
+                                      kwargs.get("scale"), **scales)
     return out, ref
 
 
@@ -32,36 +39,40 @@ PREFILL_CASES = [
 ]
 
 
+@FP8
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim, num_q_heads, num_kv_heads, block_size, q_lens", PREFILL_CASES)
-def test_prefill_matches_reference(head_dim, num_q_heads, num_kv_heads, block_size, q_lens, dtype):
-    inputs = prefill_inputs([0] * len(q_lens), q_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype)
-    k_before = inputs[1].clone()
+def test_prefill_matches_reference(head_dim, num_q_heads, num_kv_heads, block_size, q_lens, dtype, fp8):
+    inputs = prefill_inputs([0] * len(q_lens), q_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, fp8)
+    before = [t.clone() for t in (inputs[1], inputs[2], *inputs[6].values())]
     out, ref = run_prefill(*inputs)
     assert_close(out, ref, dtype, ATTN)
-    assert torch.equal(inputs[1].nan_to_num(7.0), k_before.nan_to_num(7.0))  # the cache is only read
+    after = (inputs[1], inputs[2], *inputs[6].values())
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(after, before))  # only read
 
 
 # Prefix-cache hits: (cached, new) pairs around block boundaries, including one new token.
+@FP8
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim, num_q_heads, num_kv_heads, block_size", [(128, 4, 2, 16), (64, 8, 2, 64)])
-def test_prefill_prefix_hits(head_dim, num_q_heads, num_kv_heads, block_size, dtype):
+def test_prefill_prefix_hits(head_dim, num_q_heads, num_kv_heads, block_size, dtype, fp8):
     pairs = [(1, 1), (block_size - 1, 2), (block_size, 30), (37, 64), (2 * block_size + 1, 3), (200, 1)]
     context_lens, q_lens = [c for c, _ in pairs], [n for _, n in pairs]
-    inputs = prefill_inputs(context_lens, q_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype)
+    inputs = prefill_inputs(context_lens, q_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, fp8)
     out, ref = run_prefill(*inputs)
     assert_close(out, ref, dtype, ATTN)
 
 
+@FP8
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_chunked_prefill_equals_one_shot(dtype):
+def test_chunked_prefill_equals_one_shot(dtype, fp8):
     head_dim, num_q_heads, num_kv_heads, block_size = 128, 4, 2, 32
     # Two sequences, chunked differently; a step holds the sequences that have a chunk in it.
     chunks = [[50, 1, 64, 35], [20, 57, 0, 1]]
     total = [sum(c) for c in chunks]
-    q, k_cache, v_cache, cu, seq_lens, tables = prefill_inputs([0, 0], total, num_q_heads, num_kv_heads,
-                                                               head_dim, block_size, dtype)
-    one_shot = prefill_attention(q, k_cache, v_cache, cu, seq_lens, tables)
+    q, k_cache, v_cache, cu, seq_lens, tables, scales = prefill_inputs([0, 0], total, num_q_heads, num_kv_heads,
+                                                                       head_dim, block_size, dtype, fp8)
+    one_shot = prefill_attention(q, k_cache, v_cache, cu, seq_lens, tables, **scales)
     chunked = poisoned(*q.shape, dtype=dtype)
     done = [0, 0]
     for step in range(4):
@@ -77,8 +88,8 @@ def test_chunked_prefill_equals_one_shot(dtype):
         rows = torch.cat(rows)
         step_cu = torch.tensor([0] + q_lens, device=DEVICE).cumsum(0).to(torch.int32)
         step_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
-        chunked[rows] = prefill_attention(q[rows], k_cache, v_cache, step_cu, step_lens, tables[seqs])
-    ref = reference.prefill_attention(q.double(), k_cache.double(), v_cache.double(), cu, seq_lens, tables)
+        chunked[rows] = prefill_attention(q[rows], k_cache, v_cache, step_cu, step_lens, tables[seqs], **scales)
+    ref = reference.prefill_attention(q.double(), exact(k_cache), exact(v_cache), cu, seq_lens, tables, **scales)
     assert_close(one_shot, ref, dtype, ATTN)
     assert_close(chunked, ref, dtype, ATTN)
     assert_close(chunked, one_shot.double(), dtype, ATTN)
@@ -88,6 +99,7 @@ def test_chunked_prefill_equals_one_shot(dtype):
 # pointers), several tiles per block (TMA descriptors), several query tiles per sequence, BLOCK_Q >
 # BLOCK_N and the reverse, idle rows when BLOCK_M is not a multiple of the group (GQA 3). With 33
 # cached keys, in every config some full query tile's last row sees exactly one key of a new key tile.
+@FP8
 @pytest.mark.parametrize("num_q_heads, num_kv_heads, block_size, config", [
     (2, 2, 16, {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1}),
     (2, 2, 64, {"BLOCK_M": 64, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}),
@@ -95,25 +107,27 @@ def test_chunked_prefill_equals_one_shot(dtype):
     (6, 2, 16, {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}),
     (8, 1, 256, {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}),
 ], ids=["multi-block-tile", "tile-in-block", "gqa4-bq4", "gqa3-idle-rows", "gqa8-bq16"])
-def test_prefill_tilings(num_q_heads, num_kv_heads, block_size, config):
-    inputs = prefill_inputs([0, 33, 3], [70, 100, 1], num_q_heads, num_kv_heads, 64, block_size, torch.float32)
+def test_prefill_tilings(num_q_heads, num_kv_heads, block_size, config, fp8):
+    inputs = prefill_inputs([0, 33, 3], [70, 100, 1], num_q_heads, num_kv_heads, 64, block_size, torch.float32, fp8)
     out, ref = run_prefill(*inputs, config=config)
     assert_close(out, ref, torch.float32, ATTN)
 
 
-def test_prefill_non_contiguous_cache_takes_pointer_loads():
+@FP8
+def test_prefill_non_contiguous_cache_takes_pointer_loads(fp8):
     # Caches padded in head_dim cannot be viewed as [rows, Hkv * D] for TMA: the same tiling as
     # "tile-in-block" then loads through pointers, with the padding (NaN) never read.
-    q, k_cache, v_cache, cu, seq_lens, tables = prefill_inputs([0, 33, 3], [70, 100, 1], 2, 2, 64, 64, torch.float32)
+    q, k_cache, v_cache, cu, seq_lens, tables, scales = prefill_inputs([0, 33, 3], [70, 100, 1], 2, 2, 64, 64,
+                                                                       torch.float32, fp8)
     padded = [torch.cat([c, torch.full_like(c[..., :16], float("nan"))], -1)[..., :64] for c in (k_cache, v_cache)]
     assert not padded[0].is_contiguous()
-    out, ref = run_prefill(q, *padded, cu, seq_lens, tables,
+    out, ref = run_prefill(q, *padded, cu, seq_lens, tables, scales,
                            config={"BLOCK_M": 64, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1})
     assert_close(out, ref, torch.float32, ATTN)
 
 
 def test_prefill_scale_hint_and_out_buffer():
-    q, k_cache, v_cache, cu, seq_lens, tables = prefill_inputs([5, 0], [20, 9], 4, 2, 64, 16, torch.float16)
+    q, k_cache, v_cache, cu, seq_lens, tables, _ = prefill_inputs([5, 0], [20, 9], 4, 2, 64, 16, torch.float16)
     buffer = poisoned(*q.shape, dtype=q.dtype)
     # A generous max_q_len only launches query tiles that exit at once.
     out = prefill_attention(q, k_cache, v_cache, cu, seq_lens, tables, scale=0.3, max_q_len=100, out=buffer)
@@ -124,8 +138,22 @@ def test_prefill_scale_hint_and_out_buffer():
                                                     seq_lens, tables)) > 0.05  # the scale mattered
 
 
+def test_fp8_cache_has_its_own_tuning_bucket():
+    # A cache of q's dtype keeps the keys of the shipped configs; an e4m3 cache's are tuned apart.
+    bf16 = prefill_attention_bucket(torch.bfloat16, 128, 2, 16, 4096)
+    assert tuning.bucket_key(bf16) == "bfloat16/128/2/16/1024"
+    assert prefill_attention_bucket(torch.bfloat16, 128, 2, 16, 4096, torch.bfloat16) == bf16
+    fp8 = prefill_attention_bucket(torch.bfloat16, 128, 2, 16, 4096, torch.float8_e4m3fn)
+    assert tuning.bucket_key(fp8) == "bfloat16/128/2/16/1024/float8_e4m3fn"
+    q, k_cache, v_cache, cu, seq_lens, tables, scales = prefill_inputs([0, 3], [4, 5], 4, 2, 64, 16, torch.bfloat16,
+                                                                       fp8=True)
+    prefill_attention(q, k_cache, v_cache, cu, seq_lens, tables, max_q_len=5, **scales)
+    wanted = prefill_attention_bucket(torch.bfloat16, 64, 2, 16, 5, torch.float8_e4m3fn)
+    assert PREFILL_TUNABLE.last_key == tuning.bucket_key(wanted)
+
+
 def test_prefill_rejects_bad_inputs():
-    q, k_cache, v_cache, cu, seq_lens, tables = prefill_inputs([0, 3], [4, 5], 4, 2, 64, 16, torch.float32)
+    q, k_cache, v_cache, cu, seq_lens, tables, _ = prefill_inputs([0, 3], [4, 5], 4, 2, 64, 16, torch.float32)
     with pytest.raises(ValueError, match="multiple of k_cache heads"):
         prefill_attention(q[:, :3], k_cache, v_cache, cu, seq_lens, tables)
     with pytest.raises(ValueError, match="cu_seqlens_q"):
@@ -137,3 +165,28 @@ def test_prefill_rejects_bad_inputs():
     with pytest.raises(ValueError, match="block_size"):
         odd = k_cache[:, :12]
         prefill_attention(q, odd, odd, cu, seq_lens, tables)
+
+
+def test_prefill_rejects_bad_scales():
+    # Every check names the argument at fault; all raise before any launch.
+    q, k_cache, v_cache, cu, seq_lens, tables, scales = prefill_inputs([0, 3], [4, 5], 4, 2, 64, 16, torch.bfloat16,
+                                                                       fp8=True)
+    k_scale, v_scale = scales["k_scale"], scales["v_scale"]
+    with pytest.raises(ValueError, match="k_scale"):
+        prefill_attention(q, k_cache, v_cache, cu, seq_lens, tables)
+    with pytest.raises(ValueError, match="v_scale"):
+        prefill_attention(q, k_cache, v_cache, cu, seq_lens, tables, k_scale=k_scale)
+    with pytest.raises(ValueError, match="k_scale"):
+        prefill_attention(q, k_cache, v_cache, cu, seq_lens, tables, k_scale=k_scale[:, :8], v_scale=v_scale)
+    with pytest.raises(ValueError, match="v_scale"):
+        prefill_attention(q, k_cache, v_cache, cu, seq_lens, tables, k_scale=k_scale, v_scale=v_scale.double())
+    with pytest.raises(ValueError, match="v_scale"):
+        prefill_attention(q, k_cache, v_cache, cu, seq_lens, tables, k_scale=k_scale,
+                          v_scale=v_scale.transpose(0, 1).contiguous().transpose(0, 1))
+    bf16 = [c.to(torch.bfloat16) for c in (k_cache, v_cache)]
+    with pytest.raises(ValueError, match="k_scale"):
+        prefill_attention(q, *bf16, cu, seq_lens, tables, k_scale=k_scale, v_scale=v_scale)
+    with pytest.raises(ValueError, match="v_cache"):
+        prefill_attention(q, k_cache, bf16[1], cu, seq_lens, tables, k_scale=k_scale, v_scale=v_scale)
+    with pytest.raises(ValueError, match="q must be"):
+        prefill_attention(q.to(torch.float8_e4m3fn), k_cache, v_cache, cu, seq_lens, tables, **scales)
