@@ -127,25 +127,31 @@ def cases():
     def i32(*shape):
         return torch.zeros(*shape, dtype=torch.int32)
 
-    for dtype in (torch.float32, torch.float16, torch.bfloat16):  # 16 q / 8 kv heads, D 128
+    # 16 q / 8 kv heads, D 128; caches of q's dtype, then e4m3 caches with their scales.
+    for dtype, cache_dtype in [(d, c) for c in (None, torch.float8_e4m3fn) for d in (torch.float32, torch.float16,
+                                                                                      torch.bfloat16)]:
         for bs in (16, 256):
-            def cache(tokens, d=dtype, bs=bs):
+            def cache(tokens, d=cache_dtype or dtype, bs=bs):
                 return torch.zeros(tokens // bs, bs, 8, 128, dtype=d)
+
+            def scales(tokens, fp8=cache_dtype is not None, bs=bs):
+                return {name: torch.zeros(tokens // bs, bs, 8) for name in ("k_scale", "v_scale")} if fp8 else {}
 
             def q(tokens, d=dtype):
                 return torch.zeros(tokens, 16, 128, dtype=d)
 
             # Decode as an H200 (132 SMs) would launch batch 1 x 32k: split, then the merge kernel.
-            split = DECODE_TUNABLE.default(*decode_attention_bucket(dtype, 128, 2, 8, bs, 1, 32768)) | {"NUM_SPLITS": 50}
+            bucket = decode_attention_bucket(dtype, 128, 2, 8, bs, 1, 32768, cache_dtype)
+            split = DECODE_TUNABLE.default(*bucket) | {"NUM_SPLITS": 50}
             cu = torch.arange(0, 8193, 1024, dtype=torch.int32)  # 8 sequences: 1024 cached + 1024 new tokens
             calls += [
-                lambda q=q, c=cache, cu=cu, bs=bs: prefill_attention(
+                lambda q=q, c=cache, s=scales, cu=cu, bs=bs: prefill_attention(
                     q(8192), c(16384), c(16384), cu, torch.full((8,), 2048, dtype=torch.int32), i32(8, 2048 // bs),
-                    max_q_len=1024),
-                lambda q=q, c=cache, bs=bs: decode_attention(
-                    q(256), c(65536), c(65536), i32(256), i32(256, 4096 // bs)),
-                lambda q=q, c=cache, bs=bs, s=split: decode_attention(
-                    q(1), c(32768), c(32768), i32(1), i32(1, 32768 // bs), config=s),
+                    max_q_len=1024, **s(16384)),
+                lambda q=q, c=cache, s=scales, bs=bs: decode_attention(
+                    q(256), c(65536), c(65536), i32(256), i32(256, 4096 // bs), **s(65536)),
+                lambda q=q, c=cache, s=scales, bs=bs, cfg=split: decode_attention(
+                    q(1), c(32768), c(32768), i32(1), i32(1, 32768 // bs), config=cfg, **s(32768)),
             ]
     return calls
 
