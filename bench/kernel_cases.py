@@ -229,6 +229,24 @@ def prefill_attention_cases(quick):
              "varlen_attn": lambda *a: varlen_causal(a[0], a[10], a[11], a[3], a[6])},
             flops=2 * 2 * batch * 16 * 128 * seq * (seq + 1) // 2,
         ))
+    # Over an e4m3 cache with its scales (kv_cache_dtype="fp8"); the anchor: the bf16 cache quantized.
+    for seq, block_size in [(4096, 256)] if quick else [(1024, 256), (4096, 256), (16384, 256), (4096, 16)]:
+        batch = 16384 // seq
+
+        def make(s=seq, b=batch, bs=block_size):
+            k_cache, v_cache, tables = paged_cache(s, b, bs)
+            (k8, k_scale), (v8, v_scale) = reference.quantize_e4m3(k_cache), reference.quantize_e4m3(v_cache)
+            q = randn(b * s, 16, 128)
+            cu = torch.arange(0, b * s + 1, s, device="cuda", dtype=torch.int32)
+            seq_lens = torch.full((b,), s, device="cuda", dtype=torch.int32)
+            return q, k8, v8, cu, seq_lens, tables, s, k_scale, v_scale, k_cache, v_cache
+
+        cases.append(Case(
+            "prefill_attention", f"B{batch} x S{seq} causal 16/8 heads D128 block {block_size} bf16, fp8 cache", make,
+            lambda *a: kernels.prefill_attention(*a[:6], max_q_len=a[6], k_scale=a[7], v_scale=a[8]),
+            {"triton bf16 cache": lambda *a: kernels.prefill_attention(a[0], a[9], a[10], *a[3:6], max_q_len=a[6])},
+            flops=2 * 2 * batch * 16 * 128 * seq * (seq + 1) // 2,
+        ))
     return cases
 
 
@@ -260,6 +278,21 @@ def decode_attention_cases(quick):
             lambda *a: kernels.decode_attention(*a[:5]),
             {"sdpa flash (contiguous)": lambda *a, f=flash: f(*a[5:8])},
             bytes=batch * context * 8 * 128 * 2 * 2, graph=True,
+        ))
+    # Over an e4m3 cache (kv_cache_dtype="fp8"): K/V at a byte an element plus two float32 scales a
+    # (token, KV head), 2112 B a token; the anchor is this kernel on the bf16 cache quantized.
+    for batch, context, block_size in shapes:
+        def make(b=batch, c=context, bs=block_size):
+            k_cache, v_cache, tables = paged_cache(c, b, bs)
+            (k8, k_scale), (v8, v_scale) = reference.quantize_e4m3(k_cache), reference.quantize_e4m3(v_cache)
+            seq_lens = torch.full((b,), c, device="cuda", dtype=torch.int32)
+            return randn(b, 16, 128), k8, v8, seq_lens, tables, k_scale, v_scale, k_cache, v_cache
+
+        cases.append(Case(
+            "decode_attention", f"B{batch} x {context} 16/8 heads D128 block {block_size} bf16, fp8 cache", make,
+            lambda *a: kernels.decode_attention(*a[:5], k_scale=a[5], v_scale=a[6]),
+            {"triton bf16 cache": lambda *a: kernels.decode_attention(a[0], a[7], a[8], *a[3:5])},
+            bytes=batch * context * 8 * (128 * 2 + 2 * 4), graph=True,
         ))
     return cases
 
