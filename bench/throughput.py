@@ -1,11 +1,13 @@
 """End-to-end throughput on the nano-vllm benchmark workload (bench/NOTES-engine.md).
 
-    python bench/throughput.py [--model qwen3-0.6b] [--tp 1] [--kernels triton reference] [--num-seqs 256]
+    python bench/throughput.py [--model qwen3-0.6b] [--tp 1] [--kernels triton reference]
+                               [--kv-cache-dtype fp8 auto] [--num-seqs 256]
 
 256 requests (seed 0): prompts of randint(100, 1024) tokens drawn from [0, 10000], outputs of
 randint(100, 1024) tokens with ignore_eos, temperature 0.6, max_model_len 4096. A preset name runs
-with dummy weights; a checkpoint folder with its own. With several --kernels, the same workload
-runs on each backend in turn, in this one process, and the ratio is printed.
+with dummy weights; a checkpoint folder with its own. With several --kernels or --kv-cache-dtype,
+the same workload runs on each in turn, in this one process, and with two runs their ratio is
+printed.
 """
 import argparse
 import gc
@@ -16,7 +18,7 @@ import torch
 
 from tritonllm import LLM, SamplingParams
 from tritonllm.cli import int_at_least
-from tritonllm.config import KERNEL_BACKENDS
+from tritonllm.config import KERNEL_BACKENDS, KV_CACHE_DTYPES
 from tritonllm.loader import load_config
 
 MIN_LEN = 100  # the shortest prompt and output the workload draws
@@ -41,11 +43,12 @@ def warm_up(llm, prompts) -> None:
     llm.generate(others, [SamplingParams(ignore_eos=True, max_tokens=rng.randint(1, 16)) for _ in prompts], use_tqdm=False)
 
 
-def run(args, kernels: str, prompts, params) -> dict:
+def run(args, kernels: str, kv_cache_dtype: str, prompts, params) -> dict:
     # The references (run eagerly) gather whole block tables in float32: gigabytes of scratch at
     # batch 256 that need room beside the KV cache.
     llm = LLM(args.model, tensor_parallel_size=args.tp, max_model_len=args.max_model_len, kernels=kernels,
-              enforce_eager=args.enforce_eager, gpu_memory_utilization=0.5 if kernels == "reference" else 0.9)
+              kv_cache_dtype=kv_cache_dtype, enforce_eager=args.enforce_eager,
+              gpu_memory_utilization=0.5 if kernels == "reference" else 0.9)
     warm_up(llm, prompts)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -53,8 +56,9 @@ def run(args, kernels: str, prompts, params) -> dict:
     outputs = llm.generate(prompts, params, use_tqdm=not args.no_tqdm)
     elapsed = time.perf_counter() - start
     output_tokens = sum(len(o.token_ids) for o in outputs)
-    result = {"kernels": kernels, "output_tokens": output_tokens, "seconds": elapsed,
-              "tokens_per_s": output_tokens / elapsed, "preemptions": llm.scheduler.num_preemptions}
+    result = {"kernels": f"{kernels}, KV {kv_cache_dtype}", "output_tokens": output_tokens, "seconds": elapsed,
+              "tokens_per_s": output_tokens / elapsed, "preemptions": llm.scheduler.num_preemptions,
+              "blocks": llm.runner.num_kv_blocks}
     llm.close()
     del llm, outputs
     gc.collect()
@@ -68,6 +72,8 @@ def main():
     parser.add_argument("--model", default="qwen3-0.6b", help="preset name (dummy weights) or checkpoint folder")
     parser.add_argument("--tp", type=int_at_least(1), default=1, help="tensor-parallel size")
     parser.add_argument("--kernels", nargs="+", default=["triton"], choices=KERNEL_BACKENDS)
+    parser.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=list(KV_CACHE_DTYPES),
+                        help="several: each runs in turn (with each of --kernels)")
     parser.add_argument("--num-seqs", type=int_at_least(1), default=256)
     parser.add_argument("--max-input-len", type=int_at_least(MIN_LEN), default=1024,
                         help=f"prompts of {MIN_LEN} to this many tokens")
@@ -87,12 +93,14 @@ def main():
     prompts, params = workload(args.num_seqs, args.max_input_len, args.max_output_len, min(10000, vocab - 1))
     print(f"{args.model}, TP {args.tp}: {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, "
           f"{sum(p.max_tokens for p in params)} output tokens")
-    print("\n| kernels | output tokens | time (s) | tokens/s | preemptions |\n|---|---|---|---|---|")
+    print("\n| kernels | output tokens | time (s) | tokens/s | preemptions | KV blocks |\n|---|---|---|---|---|---|")
     results = []
     for kernels in args.kernels:  # each row printed as soon as it is known
-        results.append(run(args, kernels, prompts, params))
-        r = results[-1]
-        print(f"| {r['kernels']} | {r['output_tokens']} | {r['seconds']:.2f} | {r['tokens_per_s']:.0f} | {r['preemptions']} |")
+        for kv_cache_dtype in args.kv_cache_dtype:
+            results.append(run(args, kernels, kv_cache_dtype, prompts, params))
+            r = results[-1]
+            print(f"| {r['kernels']} | {r['output_tokens']} | {r['seconds']:.2f} | {r['tokens_per_s']:.0f} | "
+                  f"{r['preemptions']} | {r['blocks']} |")
     if len(results) == 2:
         print(f"\n{results[0]['kernels']} / {results[1]['kernels']}: {results[0]['tokens_per_s'] / results[1]['tokens_per_s']:.2f}x")
 

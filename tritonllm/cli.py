@@ -5,7 +5,7 @@ import sys
 import time
 from pathlib import Path
 
-from tritonllm.config import DEVICES, DTYPES, KERNEL_BACKENDS
+from tritonllm.config import DEVICES, DTYPES, KERNEL_BACKENDS, KV_CACHE_DTYPES
 from tritonllm.tiny_tasks import BUNDLED_MODEL, EVAL_SEED, problems
 
 REPO = Path(__file__).parents[1]
@@ -24,7 +24,8 @@ def int_at_least(low: int):
 
 
 def engine_options(args) -> dict:
-    options = {"tensor_parallel_size": args.tp, "seed": args.seed, "kernels": args.kernels}
+    options = {"tensor_parallel_size": args.tp, "seed": args.seed, "kernels": args.kernels,
+               "kv_cache_dtype": args.kv_cache_dtype}
     for name in ("device", "dtype", "max_model_len"):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
@@ -123,6 +124,8 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--max-model-len", type=int, help="longest prompt + completion (default: the model's)")
         p.add_argument("--kernels", choices=KERNEL_BACKENDS, default="triton",
                        help="Triton kernels, or their PyTorch references")
+        p.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
+                       help="auto: the model's dtype; fp8: e4m3 with a scale per token and KV head (half the bytes)")
         p.add_argument("--seed", type=int, default=0)
 
     gen = commands.add_parser("generate", help="complete prompts (or run the bundled model's task set)",

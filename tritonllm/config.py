@@ -17,6 +17,8 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 KERNEL_BACKENDS = tuple(BACKENDS)  # "triton", and "reference": the PyTorch references, for side-by-side runs
 DEVICES = ("cuda", "cpu")
 LOAD_FORMATS = ("auto", "dummy")  # safetensors of the checkpoint folder; random weights
+# "auto": the model's dtype; "fp8": float8 e4m3 with a float32 scale per (token, KV head), set when stored
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn}
 
 
 @dataclass
@@ -35,6 +37,7 @@ class EngineConfig:
     load_format: str | None = None  # None: "dummy" for a preset, "auto" for a folder
     seed: int = 0
     kernels: str = "triton"  # one of KERNEL_BACKENDS
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
 
     @classmethod
     def from_options(cls, model: str | os.PathLike, **options) -> "EngineConfig":
@@ -82,6 +85,7 @@ class EngineConfig:
         field("enforce_eager", bool)
         field("seed", int)
         field("kernels", str, *one_of(KERNEL_BACKENDS))
+        field("kv_cache_dtype", str, *one_of(KV_CACHE_DTYPES))
 
     def resolve(self, hf_config) -> None:
         """Fill the defaults that depend on the model and check the model-dependent limits."""
@@ -96,6 +100,7 @@ class EngineConfig:
             default = default or torch.bfloat16
             default = DTYPES[default] if isinstance(default, str) else default
             self.dtype = torch.float32 if self.device == "cpu" else default
+        self.cache_dtype = KV_CACHE_DTYPES[self.kv_cache_dtype] or self.dtype
         for name in ("num_attention_heads", "num_key_value_heads"):
             heads = getattr(hf_config, name)
             if heads % self.tensor_parallel_size:

@@ -14,7 +14,7 @@ from tritonllm.context import Context, set_context
 from tritonllm.distributed import broadcast_object, close_distributed, init_distributed
 from tritonllm.engine.sequence import Sequence
 from tritonllm.engine.step_inputs import StepInputs
-from tritonllm.layers.attention import Attention, allocate_kv_caches
+from tritonllm.layers.attention import allocate_kv_caches, kv_bytes_per_token
 from tritonllm.layers.ops import backend
 from tritonllm.loader import build_model, init_dummy_weights, load_weights
 
@@ -76,11 +76,6 @@ class ModelRunner:
 
     # ---- KV cache
 
-    def _kv_bytes_per_block(self) -> int:
-        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        elements = sum(2 * self.block_size * m.num_kv_heads * m.head_dim for m in layers)
-        return elements * torch.tensor([], dtype=self.config.dtype).element_size()
-
     def _allocate_kv_cache(self) -> int:
         num_blocks = self.config.num_kv_blocks
         if num_blocks is None:
@@ -92,14 +87,15 @@ class ModelRunner:
             else:
                 budget = CPU_KV_CACHE_BYTES
             # More blocks than max_num_seqs full-length sequences hold would only keep old prefixes.
-            num_blocks = min(int(budget // self._kv_bytes_per_block()), self.config.max_num_seqs * self.max_blocks_per_seq)
+            block_bytes = self.block_size * kv_bytes_per_token(self.model, self.config.cache_dtype)
+            num_blocks = min(int(budget // block_bytes), self.config.max_num_seqs * self.max_blocks_per_seq)
             if self.world_size > 1:  # every rank must agree on the smallest
                 count = torch.tensor([num_blocks], device=self.device)
                 dist.all_reduce(count, op=dist.ReduceOp.MIN)
                 num_blocks = int(count.item())
         if num_blocks < 1:
             raise ValueError("no memory left for the KV cache: lower max_num_batched_tokens or raise gpu_memory_utilization")
-        allocate_kv_caches(self.model, num_blocks, self.block_size, self.config.dtype, self.device)
+        allocate_kv_caches(self.model, num_blocks, self.block_size, self.config.cache_dtype, self.device)
         return num_blocks
 
     def _warmup(self) -> None:
@@ -110,7 +106,7 @@ class ModelRunner:
         lengths = [self.config.max_model_len] * (num_tokens // self.config.max_model_len)
         if num_tokens % self.config.max_model_len:
             lengths.append(num_tokens % self.config.max_model_len)
-        allocate_kv_caches(self.model, 1, self.block_size, self.config.dtype, self.device, fill=0.0)
+        allocate_kv_caches(self.model, 1, self.block_size, self.config.cache_dtype, self.device, fill=0.0)
         cu = torch.tensor([0] + lengths, device=self.device).cumsum(0).to(torch.int32)
         positions = torch.cat([torch.arange(n, device=self.device) for n in lengths])
         context = Context(True, torch.full((num_tokens,), -1, device=self.device),

@@ -24,28 +24,45 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(head_dim, eps, ops)
         self.rotary = rotary
         self.ops = ops
-        # [num_blocks, block_size, num_kv_heads, head_dim], given by the model runner.
+        # [num_blocks, block_size, num_kv_heads, head_dim], given by the model runner; with an fp8
+        # cache also the scales of its rows, [num_blocks, block_size, num_kv_heads] float32.
         self.k_cache = self.v_cache = torch.tensor([])
+        self.k_scale = self.v_scale = None
 
     def forward(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
         """qkv [T, (Hq + 2 Hkv) * D] -> o [T, Hq, D]."""
         context = get_context()
+        scales = {"k_scale": self.k_scale, "v_scale": self.v_scale}
         q = self.ops.qk_norm_rotary_store(positions, qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
                                           self.rotary.cos_sin_cache, self.k_cache, self.v_cache, context.slot_mapping,
-                                          self.num_heads, self.num_kv_heads)
+                                          self.num_heads, self.num_kv_heads, **scales)
         if context.is_prefill:
             return self.ops.prefill_attention(q, self.k_cache, self.v_cache, context.cu_seqlens_q, context.seq_lens,
-                                              context.block_tables, self.scale, max_q_len=context.max_q_len)
+                                              context.block_tables, self.scale, max_q_len=context.max_q_len, **scales)
         return self.ops.decode_attention(q, self.k_cache, self.v_cache, context.seq_lens, context.block_tables,
-                                         self.scale, max_seq_len=context.max_seq_len)
+                                         self.scale, max_seq_len=context.max_seq_len, **scales)
+
+
+def kv_bytes_per_token(model: nn.Module, dtype: torch.dtype) -> int:
+    """Cache bytes one token takes over every attention layer of model, scales included."""
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    scale_bytes = 4 if dtype == torch.float8_e4m3fn else 0
+    return sum(2 * m.num_kv_heads * (m.head_dim * dtype.itemsize + scale_bytes) for m in layers)
 
 
 def allocate_kv_caches(model: nn.Module, num_blocks: int, block_size: int, dtype, device, fill: float | None = None):
-    """Give every attention layer of model its [num_blocks, block_size, Hkv, D] caches (uninitialized,
-    or filled with `fill`)."""
+    """Give every attention layer of model its [num_blocks, block_size, Hkv, D] caches of `dtype`
+    and, for float8_e4m3fn, their [num_blocks, block_size, Hkv] float32 scales (uninitialized, or
+    filled with `fill`)."""
+    def tensor(shape, dtype):
+        t = torch.empty(shape, dtype=dtype, device=device)
+        return t if fill is None else t.fill_(fill)
+
     for module in model.modules():
         if isinstance(module, Attention):
             shape = (num_blocks, block_size, module.num_kv_heads, module.head_dim)
-            for name in ("k_cache", "v_cache"):
-                cache = torch.empty(shape, dtype=dtype, device=device)
-                setattr(module, name, cache if fill is None else cache.fill_(fill))
+            module.k_cache, module.v_cache = tensor(shape, dtype), tensor(shape, dtype)
+            if dtype == torch.float8_e4m3fn:
+                module.k_scale, module.v_scale = tensor(shape[:3], torch.float32), tensor(shape[:3], torch.float32)
+            else:
+                module.k_scale = module.v_scale = None

@@ -1,0 +1,44 @@
+"""The engine with an FP8 KV cache: sized for its bytes, close to HF, the bundled model still right."""
+import pytest
+import torch
+from tiny_qwen3 import hf_greedy
+
+from tritonllm import BUNDLED_MODEL, LLM, SamplingParams
+from tritonllm.layers.attention import kv_bytes_per_token
+from tritonllm.tiny_tasks import EVAL_SEED, problems
+
+PROMPTS = [list(range(3 * i + 1, 3 * i + 4 + 5 * i)) for i in range(12)]  # 4 to 59 tokens
+
+
+def test_unknown_kv_cache_dtype_is_an_error(tiny_qwen3):
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        LLM(str(tiny_qwen3), kv_cache_dtype="int8")
+
+
+def test_an_fp8_token_takes_half_the_bytes_plus_its_scales(tiny_qwen3):
+    llm = LLM(str(tiny_qwen3), num_kv_blocks=8, kv_cache_dtype="fp8")
+    model = llm.runner.model
+    # 2 layers x (K and V) x 2 KV heads x (32 values + a float32 scale)
+    assert kv_bytes_per_token(model, torch.float8_e4m3fn) == 2 * 2 * 2 * (32 + 4)
+    assert kv_bytes_per_token(model, torch.bfloat16) == 2 * 2 * 2 * 32 * 2
+    attention = next(m for m in model.modules() if hasattr(m, "k_scale"))
+    assert attention.k_cache.dtype == torch.float8_e4m3fn and attention.k_scale.shape == (8, 16, 2)
+    llm.close()
+
+
+def test_fp8_greedy_tokens_mostly_equal_hf(tiny_qwen3):
+    llm = LLM(str(tiny_qwen3), max_num_seqs=8, num_kv_blocks=64, kv_cache_dtype="fp8")
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    expected = [hf_greedy(tiny_qwen3, p, 4) for p in PROMPTS]
+    first = sum(o.token_ids[0] == e[0] for o, e in zip(outputs, expected))
+    assert first >= 0.75 * len(PROMPTS), [(o.token_ids, e) for o, e in zip(outputs, expected)]
+    assert llm.block_manager.num_free_blocks == 64
+    llm.close()
+
+
+def test_the_bundled_model_keeps_its_accuracy_with_fp8():
+    tasks = problems(40, EVAL_SEED)
+    llm = LLM(BUNDLED_MODEL, kv_cache_dtype="fp8")
+    outputs = llm.generate([p for p, _ in tasks], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert sum(o.text == answer for o, (_, answer) in zip(outputs, tasks)) >= 0.9 * len(tasks)
+    llm.close()
