@@ -151,6 +151,20 @@ def test_a_request_interrupted_mid_step_is_recomputed(llm, expected, monkeypatch
     assert_clean(llm)
 
 
+def test_an_abort_is_reported_by_the_next_step(llm, expected):
+    """A loop following a request learns of an abort from elsewhere (another thread, a server) as
+    the request's final output, finish_reason "abort", instead of waiting for it forever."""
+    ids = [llm.add_request(p, PARAMS, stream=False) for p in PROMPTS]
+    llm.step()
+    llm.abort(ids[2])
+    aborted = [out for out in llm.step() if out.request_id == ids[2]]
+    assert len(aborted) == 1 and aborted[0].finished and aborted[0].output.finish_reason == "abort"
+    assert aborted[0].output.prompt_token_ids == PROMPTS[2]
+    finished = {out.request_id: out.output.token_ids for out in sum((llm.step() for _ in range(40)), [])}
+    assert finished == {ids[i]: expected[i] for i in (0, 1, 3)}
+    assert_clean(llm)
+
+
 def test_nested_calls(llm, expected):
     outer = {}
     for event in llm.stream(PROMPTS[:2], PARAMS):

@@ -91,6 +91,7 @@ class LLMEngine:
         self.rng = random.Random(config.seed)
         self._lock = threading.RLock()
         self._requests: dict[int, Request] = {}
+        self._aborted: list[RequestOutput] = []  # the final outputs of aborted requests, for the next step
         self._in_flight: InFlight | None = None
         self.last_step = None  # the last step's (tokens computed, is_prefill, seconds); None if it launched nothing
         # Runs on close(), when the engine is garbage-collected, or at interpreter exit, whichever is
@@ -101,12 +102,13 @@ class LLMEngine:
         """Spawn ranks 1..N-1 and wait until each runs: a rank that dies while starting (as when the
         script lacks its main guard and the spawned rank re-runs it) is an error, not a hang."""
         context = mp.get_context("spawn")
-        for rank in range(1, self.config.tensor_parallel_size):
-            started = context.Event()
-            process = context.Process(target=_worker, args=(self.config, self.hf_config, rank, init_method, started), daemon=True)
+        started = [context.Event() for _ in range(1, self.config.tensor_parallel_size)]
+        for rank, event in enumerate(started, start=1):
+            process = context.Process(target=_worker, args=(self.config, self.hf_config, rank, init_method, event), daemon=True)
             process.start()
             self._workers.append(process)
-            while not started.wait(0.05):
+        for rank, (event, process) in enumerate(zip(started, self._workers), start=1):
+            while not event.wait(0.05):
                 if not process.is_alive():
                     raise RuntimeError(
                         f"tensor-parallel worker rank {rank} exited while starting (exit code {process.exitcode}). "
@@ -194,11 +196,13 @@ class LLMEngine:
 
     def abort(self, request_id: int) -> None:
         """Stop a request now and free its blocks (cached prefix blocks stay reusable); valid at any
-        moment, a no-op for a request that has finished or is unknown."""
+        moment, a no-op for a request that has finished or is unknown. The next step() reports it
+        finished, with finish_reason "abort"."""
         with self._lock:
             request = self._requests.pop(request_id, None)
             if request is not None:
                 self.scheduler.finish(request.seq, "abort")
+                self._aborted.append(RequestOutput(request_id, [], "", True, self._final_output(request)))
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
@@ -207,19 +211,20 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Launch the next step, then resolve the previous one: outputs of the requests that got a
-        token (streamed ones each time, the others when they finish)."""
+        token (streamed ones each time, the others when they finish) and of those aborted since."""
         with self._lock:
             start = time.perf_counter()
+            outputs, self._aborted = self._aborted, []
             self._check_workers()
             batch = self.scheduler.schedule()
             if batch is None and self._in_flight is None:
                 if not self.scheduler.is_finished():
                     raise RuntimeError("the scheduler found nothing to run: the KV cache is too small for the waiting requests")
-                return []
+                return outputs
             try:
                 launched = self._launch(batch) if batch is not None else None
                 previous, self._in_flight = self._in_flight, launched
-                outputs = self._resolve(previous)
+                outputs += self._resolve(previous)
             except BaseException as error:
                 # Whatever was in flight is lost: every live request is recomputed from its known tokens.
                 self._in_flight = None
