@@ -1,5 +1,4 @@
 """The offline API: LLM(model).generate / stream / chat, thin loops over the engine's steps."""
-import operator
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -11,6 +10,7 @@ from tqdm.auto import tqdm
 from tritonllm.engine.engine import LLMEngine
 from tritonllm.engine.output import GenerationOutput, RequestOutput
 from tritonllm.sampling_params import SamplingParams
+from tritonllm.validation import as_int
 
 
 @dataclass
@@ -124,16 +124,6 @@ def _prompt_list(prompts) -> list:
         return [prompts]
     if not isinstance(prompts, (list, tuple, np.ndarray, torch.Tensor)):
         raise TypeError(f"prompts must be a string, a list of token ids, or a list of those; got {type(prompts).__name__}")
-    if len(prompts) and _is_token_id(prompts[0]):
+    if len(prompts) and as_int(prompts[0]) is not None:  # one prompt of token ids
         return [prompts]
     return list(prompts)
-
-
-def _is_token_id(value) -> bool:
-    if isinstance(value, (str, bool)):
-        return False
-    try:
-        operator.index(value)  # an int, or an integer numpy / torch scalar
-    except TypeError:
-        return False
-    return True

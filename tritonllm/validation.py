@@ -24,6 +24,11 @@ def _convert(value, kind: type):
         return value if kind is float and isinstance(value, numbers.Real) else None
 
 
+def as_int(value) -> int | None:
+    """value as an int if it is one (numpy and torch integer scalars included, bools not), else None."""
+    return _convert(value, int)
+
+
 def check(name: str, value, kind: type, rule=None, allowed: str = "", optional: bool = False):
     """Return `value` converted to `kind` (int, float, bool or str) if it is one and `rule` holds for
     it; floats must also be finite. optional: None passes as None."""

@@ -5,7 +5,6 @@ tokens while the device runs, so the device does not wait on Python between step
 launched-but-unresolved step is the engine's one piece of in-flight state (`InFlight`).
 """
 import dataclasses
-import operator
 import os
 import random
 import threading
@@ -27,6 +26,7 @@ from tritonllm.engine.sequence import Sequence
 from tritonllm.engine.step_inputs import build_step_inputs
 from tritonllm.loader import load_config
 from tritonllm.sampling_params import SamplingParams
+from tritonllm.validation import as_int
 
 
 @dataclass
@@ -136,10 +136,12 @@ class LLMEngine:
             self.check_known_characters(prompt, token_ids)
         else:
             try:
-                token_ids = [_token_id(t) for t in prompt]
-            except TypeError:
+                token_ids = [as_int(t) for t in prompt]
+            except TypeError:  # not a sequence at all
+                token_ids = [None]
+            if None in token_ids:
                 raise TypeError("a prompt must be a string or a sequence of int token ids, got "
-                                f"{type(prompt).__name__} {prompt!r:.60}") from None
+                                f"{type(prompt).__name__} {prompt!r:.60}")
         if not token_ids:
             raise ValueError("prompt is empty: give at least one token")
         vocab = self.hf_config.vocab_size
@@ -314,10 +316,3 @@ class LLMEngine:
         finalizer = getattr(self, "_finalizer", None)  # absent if __init__ failed, or on ranks > 0
         if finalizer is not None:
             finalizer()
-
-
-def _token_id(value) -> int:
-    """An int, or an integer numpy / torch scalar, as an int (bools are not token ids)."""
-    if isinstance(value, bool):
-        raise TypeError
-    return operator.index(value)
