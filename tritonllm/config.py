@@ -87,6 +87,11 @@ class EngineConfig:
         field("kernels", str, *one_of(KERNEL_BACKENDS))
         field("kv_cache_dtype", str, *one_of(KV_CACHE_DTYPES))
 
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The KV cache's torch dtype (the model's for "auto"; known once resolve() set the dtype)."""
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] or self.dtype
+
     def resolve(self, hf_config) -> None:
         """Fill the defaults that depend on the model and check the model-dependent limits."""
         positions = max_positions(hf_config)  # YaRN stretches the model's context by its factor
@@ -100,7 +105,6 @@ class EngineConfig:
             default = default or torch.bfloat16
             default = DTYPES[default] if isinstance(default, str) else default
             self.dtype = torch.float32 if self.device == "cpu" else default
-        self.cache_dtype = KV_CACHE_DTYPES[self.kv_cache_dtype] or self.dtype
         for name in ("num_attention_heads", "num_key_value_heads"):
             heads = getattr(hf_config, name)
             if heads % self.tensor_parallel_size:
