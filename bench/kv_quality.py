@@ -20,6 +20,7 @@ from tritonllm import LLM, SamplingParams
 from tritonllm.config import DTYPES, KERNEL_BACKENDS
 from tritonllm.engine.scheduler import ScheduledBatch
 from tritonllm.engine.step_inputs import build_step_inputs
+from tritonllm.kernels import reference
 from tritonllm.layers.attention import Attention
 
 E4M3_MAX = 448.0
@@ -47,6 +48,7 @@ def prefill_then_decode(llm, prompts, after_prefill=None) -> torch.Tensor:
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x as e4m3 under given scales, one per row of the last dim (saturated to +-448)."""
     return (x.float() / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
@@ -61,10 +63,10 @@ def requantize(llm, scheme: str):
             caches = {}
             for name in ("k", "v"):
                 cache = getattr(layer, f"{name}_cache")
-                if scheme == "per-row":
-                    amax = cache.float().abs().amax(-1)
-                    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-                elif scheme == "per-tensor":
+                if scheme == "per-row":  # the engine's rule
+                    caches[name] = reference.quantize_e4m3(cache)
+                    continue
+                if scheme == "per-tensor":
                     scale = torch.full(cache.shape[:3], max(cache.float().abs().max().item(), 1e-30) / E4M3_MAX, device=cache.device)
                 else:
                     scale = torch.ones(cache.shape[:3], device=cache.device)
