@@ -6,7 +6,7 @@ import zlib  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from tiny_qwen3 import build_tiny_qwen3  # noqa: E402
+from tiny_qwen3 import build_tiny_qwen3, build_tiny_qwen3_moe  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -28,3 +28,10 @@ def tiny_qwen3(tmp_path_factory):
 def tiny_qwen3_untied(tmp_path_factory):
     """The same with untied embeddings (a separate lm_head.weight)."""
     return build_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3-untied"), tie_word_embeddings=False, seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe(tmp_path_factory):
+    """Path of a tiny random float32 Qwen3-MoE checkpoint (8 experts of width 48, top 2, renormalized,
+    a dense layer between two sparse ones) with a tokenizer."""
+    return build_tiny_qwen3_moe(tmp_path_factory.mktemp("tiny-qwen3-moe"))

@@ -1,10 +1,11 @@
-"""A tiny random Qwen3 checkpoint in HF layout (config, safetensors, tokenizer) for model and engine tests."""
+"""Tiny random Qwen3 and Qwen3-MoE checkpoints in HF layout (config, safetensors, tokenizer) for model and engine tests."""
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import GenerationConfig, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast
 from transformers.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from transformers.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -34,19 +35,17 @@ def build_tokenizer(vocab_size: int = 384) -> PreTrainedTokenizerFast:
     )
 
 
-def build_tiny_qwen3(path: Path, *, tie_word_embeddings: bool = True, dtype=torch.float32, seed: int = 0) -> Path:
-    """Write a 2-layer random Qwen3 (GQA 4/2 heads, head_dim 32) with its tokenizer to `path`."""
+def _save(path: Path, model_class, config_class, dtype, seed: int, **shapes) -> Path:
     path = Path(path)
     tokenizer = build_tokenizer()
     eos_ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
-    config = Qwen3Config(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
-        rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=tie_word_embeddings,
-        bos_token_id=None, eos_token_id=eos_ids[0], pad_token_id=eos_ids[1], torch_dtype=dtype,
+    config = config_class(
+        vocab_size=len(tokenizer), hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-6, bos_token_id=None,
+        eos_token_id=eos_ids[0], pad_token_id=eos_ids[1], torch_dtype=dtype, **shapes,
     )
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config).to(dtype)
+    model = model_class(config).to(dtype)
     # Larger than HF's init (std 0.02) so that logits differ clearly between tokens.
     with torch.no_grad():
         for param in model.parameters():
@@ -58,9 +57,24 @@ def build_tiny_qwen3(path: Path, *, tie_word_embeddings: bool = True, dtype=torc
     return path
 
 
+def build_tiny_qwen3(path: Path, *, tie_word_embeddings: bool = True, dtype=torch.float32, seed: int = 0) -> Path:
+    """Write a 2-layer random Qwen3 (GQA 4/2 heads, head_dim 32) with its tokenizer to `path`."""
+    return _save(path, Qwen3ForCausalLM, Qwen3Config, dtype, seed, intermediate_size=96, num_hidden_layers=2,
+                 tie_word_embeddings=tie_word_embeddings)
+
+
+def build_tiny_qwen3_moe(path: Path, *, top_k: int = 2, norm_topk_prob: bool = True, dtype=torch.float32,
+                         seed: int = 0) -> Path:
+    """Write a 3-layer random Qwen3-MoE to `path`: 8 experts of width 48 (not a power of two), the
+    top `top_k` of them, and a dense middle layer (mlp_only_layers) between two sparse ones."""
+    return _save(path, Qwen3MoeForCausalLM, Qwen3MoeConfig, dtype, seed, intermediate_size=96, num_hidden_layers=3,
+                 moe_intermediate_size=48, num_experts=8, num_experts_per_tok=top_k, norm_topk_prob=norm_topk_prob,
+                 mlp_only_layers=[1], decoder_sparse_step=1, tie_word_embeddings=False)
+
+
 def hf_greedy(path, prompt_ids: list[int], n: int) -> list[int]:
-    """n greedy tokens after prompt_ids from HF transformers' float32 Qwen3 at `path`."""
-    model = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32)
+    """n greedy tokens after prompt_ids from HF transformers' float32 model (Qwen3 or Qwen3-MoE) at `path`."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     ids = torch.tensor([prompt_ids])
     with torch.no_grad():
         for _ in range(n):

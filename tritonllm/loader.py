@@ -70,11 +70,7 @@ def load_weights(model: nn.Module, path: str | Path) -> None:
             for name in f.keys():
                 if tied and name == "lm_head.weight":
                     continue
-                target, shard_id = name, None
-                for checkpoint_name, (param_name, shard) in model.packed_modules_mapping.items():
-                    if f".{checkpoint_name}." in name:
-                        target, shard_id = name.replace(checkpoint_name, param_name), shard
-                        break
+                target, shard_id = model.checkpoint_target(name)
                 if target not in params:
                     raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(model).__name__}")
                 param = params[target]

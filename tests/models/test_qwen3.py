@@ -2,59 +2,14 @@
 import pytest
 import torch
 import torch.multiprocessing as mp
-from model_utils import allocate_kv_cache, run_step
+from model_utils import (BLOCK_SIZE, DEVICE, SEQ_LENS, allocate_kv_cache, hf_logits, load, prefill_then_decode,
+                         random_sequences, run_step, shuffled_block_tables, tp_worker)
 from numerics import rel_err
 from transformers.models.qwen3 import Qwen3ForCausalLM as HFQwen3
 
-from tritonllm.distributed import close_distributed, free_port, init_distributed
-from tritonllm.loader import build_model, init_dummy_weights, load_config, load_weights
-from tritonllm.models.presets import PRESETS, preset_config
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-BLOCK_SIZE = 16
-SEQ_LENS = [1, 16, 37]  # a single token, a block boundary, a partial last block
-
-
-def load(path, dtype=torch.float32, device=DEVICE):
-    config = load_config(str(path))
-    model = build_model(config, dtype, torch.device(device))
-    load_weights(model, path)
-    return model
-
-
-def random_sequences(vocab, lengths, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in lengths]
-
-
-def shuffled_block_tables(lengths, extra_blocks=3, seed=0):
-    """Non-contiguous blocks in random order; unused entries point at blocks never written."""
-    per_seq = [-(-n // BLOCK_SIZE) + extra_blocks for n in lengths]
-    order = torch.randperm(sum(per_seq), generator=torch.Generator().manual_seed(seed))
-    tables, start = [], 0
-    for n in per_seq:
-        tables.append(order[start:start + n])
-        start += n
-    return torch.stack([t[: min(per_seq)] for t in tables]).to(torch.int32), sum(per_seq)
-
-
-def hf_logits(path, sequences, dtype=torch.float32):
-    model = HFQwen3.from_pretrained(path, dtype=dtype).to(DEVICE)
-    with torch.no_grad():
-        return [model(torch.tensor([seq], device=DEVICE)).logits[0].float() for seq in sequences]
-
-
-def prefill_then_decode(model, sequences, dtype, extra_token_seed=1):
-    """Logits of a batched prefill of `sequences`, then of one decode step on one more token each."""
-    lengths = [len(s) for s in sequences]
-    block_tables, num_blocks = shuffled_block_tables([n + 1 for n in lengths])
-    allocate_kv_cache(model, num_blocks, BLOCK_SIZE, dtype, DEVICE)
-    block_tables = block_tables.to(DEVICE)
-    prefill = run_step(model, sequences, [0] * len(sequences), block_tables, BLOCK_SIZE, DEVICE)
-    longer = [seq + extra for seq, extra in zip(sequences, random_sequences(model.config.vocab_size, [1] * len(sequences), extra_token_seed))]
-    decode = run_step(model, longer, lengths, block_tables, BLOCK_SIZE, DEVICE)
-    return prefill, longer, decode
-
+from tritonllm.distributed import free_port
+from tritonllm.loader import build_model, init_dummy_weights, load_config
+from tritonllm.models.presets import preset_config
 
 @pytest.mark.parametrize("fixture", ["tiny_qwen3", "tiny_qwen3_untied"])
 def test_logits_equal_hf_float32(fixture, request):
@@ -100,6 +55,7 @@ def test_checkpoint_without_weights_is_an_error(tiny_qwen3, tmp_path):
 @pytest.mark.parametrize("name, total, non_embedding", [
     ("qwen3-0.6b", 0.6e9, 0.44e9), ("qwen3-1.7b", 1.7e9, 1.4e9), ("qwen3-4b", 4.0e9, 3.6e9),
     ("qwen3-8b", 8.2e9, 6.95e9), ("qwen3-14b", 14.8e9, 13.2e9), ("qwen3-32b", 32.8e9, 31.2e9),
+    ("qwen3-30b-a3b", 30.5e9, 29.9e9), ("qwen3-235b-a22b", 235e9, 234e9),
 ])
 def test_presets_have_the_published_sizes(name, total, non_embedding):
     config = preset_config(name)
@@ -118,21 +74,6 @@ def test_dummy_weights_are_deterministic():
     init_dummy_weights(b, seed=3)
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
     assert float(a.model.layers[0].mlp.down_proj.weight.std()) == pytest.approx(0.02, rel=0.05)
-
-
-def tp_worker(rank, world_size, port, path, out_file):
-    device = init_distributed(rank, world_size, DEVICE if DEVICE == "cpu" else "cuda", f"tcp://127.0.0.1:{port}")
-    config = load_config(str(path))
-    model = build_model(config, torch.float32, device)
-    load_weights(model, path)
-    sequences = random_sequences(config.vocab_size, SEQ_LENS)
-    block_tables, num_blocks = shuffled_block_tables([n + 1 for n in SEQ_LENS])
-    allocate_kv_cache(model, num_blocks, BLOCK_SIZE, torch.float32, device)
-    logits = run_step(model, sequences, [0] * len(sequences), block_tables.to(device), BLOCK_SIZE, device)
-    assert (logits is None) == (rank != 0)
-    if rank == 0:
-        torch.save(logits.cpu(), out_file)
-    close_distributed()
 
 
 @pytest.fixture(scope="module")

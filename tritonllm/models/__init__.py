@@ -1,7 +1,8 @@
 """Model classes by the `architectures` name of an HF config."""
 from tritonllm.models.qwen3 import Qwen3ForCausalLM
+from tritonllm.models.qwen3_moe import Qwen3MoeForCausalLM
 
-MODELS = {"Qwen3ForCausalLM": Qwen3ForCausalLM}
+MODELS = {"Qwen3ForCausalLM": Qwen3ForCausalLM, "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM}
 
 
 def model_class(config):

@@ -1,7 +1,8 @@
-"""Qwen3 dense model shapes by name (the published configs), for dummy-weight runs without a checkpoint."""
+"""Qwen3 model shapes by name (the published configs, dense and MoE), for dummy-weight runs without a checkpoint."""
 from pathlib import Path
 
 from transformers.models.qwen3 import Qwen3Config
+from transformers.models.qwen3_moe import Qwen3MoeConfig
 
 _COMMON = dict(vocab_size=151936, head_dim=128, num_key_value_heads=8, max_position_embeddings=40960,
                rope_theta=1000000.0, rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=151645,
@@ -14,6 +15,15 @@ PRESETS = {
     "qwen3-14b": dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40, tie_word_embeddings=False),
     "qwen3-32b": dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64, tie_word_embeddings=False),
 }
+_MOE = dict(num_key_value_heads=4, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+            mlp_only_layers=[], tie_word_embeddings=False, architectures=["Qwen3MoeForCausalLM"])
+MOE_PRESETS = {
+    "qwen3-30b-a3b": dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+                          num_attention_heads=32),
+    "qwen3-235b-a22b": dict(hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536, num_hidden_layers=94,
+                            num_attention_heads=64),
+}
+PRESETS.update(MOE_PRESETS)
 
 
 def is_preset(model: str) -> bool:
@@ -29,7 +39,9 @@ def is_preset(model: str) -> bool:
                      f"the presets (random weights) are {', '.join(PRESETS)}")
 
 
-def preset_config(name: str) -> Qwen3Config:
+def preset_config(name: str) -> Qwen3Config | Qwen3MoeConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}: choose one of {', '.join(PRESETS)}")
+    if name in MOE_PRESETS:
+        return Qwen3MoeConfig(**{**_COMMON, **_MOE, **MOE_PRESETS[name]})
     return Qwen3Config(**_COMMON, **PRESETS[name])

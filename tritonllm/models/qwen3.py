@@ -39,10 +39,10 @@ class Qwen3MLP(nn.Module):
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding, ops: ModuleType):
+    def __init__(self, config, rotary: RotaryEmbedding, ops: ModuleType, mlp: nn.Module):
         super().__init__()
         self.self_attn = Qwen3Attention(config, rotary, ops)
-        self.mlp = Qwen3MLP(config, ops)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
@@ -57,12 +57,13 @@ class Qwen3DecoderLayer(nn.Module):
 
 
 class Qwen3Model(nn.Module):
-    def __init__(self, config, ops: ModuleType):
+    def __init__(self, config, ops: ModuleType, make_mlp):
         super().__init__()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         rotary = RotaryEmbedding(config, head_dim)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, rotary, ops) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, rotary, ops, make_mlp(i))
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -88,10 +89,21 @@ class Qwen3ForCausalLM(nn.Module):
     def __init__(self, config, ops: ModuleType):
         super().__init__()
         self.config = config
-        self.model = Qwen3Model(config, ops)
+        self.model = Qwen3Model(config, ops, lambda layer: self.make_mlp(config, layer, ops))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def make_mlp(self, config, layer: int, ops: ModuleType) -> nn.Module:
+        """The MLP of decoder layer `layer` (dense in every layer of Qwen3)."""
+        return Qwen3MLP(config, ops)
+
+    def checkpoint_target(self, name: str) -> tuple[str, object]:
+        """The parameter a checkpoint tensor loads into, and the shard id its weight loader takes."""
+        for checkpoint_name, (param_name, shard) in self.packed_modules_mapping.items():
+            if f".{checkpoint_name}." in name:
+                return name.replace(checkpoint_name, param_name), shard
+        return name, None
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Hidden states [T, hidden] of the step's tokens (the forward context says where they sit)."""
