@@ -1,8 +1,9 @@
 """Triton kernels of tritonllm; kernels/reference.py holds the PyTorch reference of each, README.md the contract."""
 from tritonllm.kernels.decode_attention import decode_attention
 from tritonllm.kernels.kv_cache import store_kv_cache
-from tritonllm.kernels.logprobs import compute_logprobs
+from tritonllm.kernels.logprobs import compute_logprobs, compute_top_logprobs
 from tritonllm.kernels.norm import fused_add_rms_norm, rms_norm
+from tritonllm.kernels.penalties import apply_penalties, count_tokens
 from tritonllm.kernels.prefill_attention import prefill_attention
 from tritonllm.kernels.qk_norm_rotary import qk_norm_rotary_store
 from tritonllm.kernels.rotary import rotary_embedding

@@ -249,3 +249,37 @@ def compute_logprobs(logits, token_ids):
     """log_softmax(logits)[b, token_ids[b]] in float32 (float64 for float64 logits), [B]."""
     logprobs = torch.log_softmax(logits.to(_compute_dtype(logits.dtype)), dim=-1)
     return logprobs.gather(1, token_ids.long()[:, None])[:, 0]
+
+
+def compute_top_logprobs(logits, k):
+    """(values [B, k], ids [B, k] int64): the k largest log_softmax entries of each row, descending,
+    ties to the lower id (a stable sort); NaN counts as -inf, -inf logits give -inf."""
+    x = logits.to(_compute_dtype(logits.dtype))
+    x = x.masked_fill(x.isnan(), float("-inf"))
+    top = x.sort(dim=-1, descending=True, stable=True)
+    values = top.values[:, :k] - torch.logsumexp(x, dim=-1, keepdim=True)
+    return values.masked_fill(top.values[:, :k] == float("-inf"), float("-inf")), top.indices[:, :k]
+
+
+def apply_penalties(logits, counts, prompt_mask, rows, presence, frequency, repetition):
+    """In place on logits [B, V], rows b with r = rows[b] >= 0: with c = counts[r], a token seen
+    (c > 0 or prompt_mask[r]) has a positive logit divided by repetition[b], another multiplied;
+    then x -= frequency[b] * c + presence[b] * (c > 0). Returns logits."""
+    dtype = _compute_dtype(logits.dtype)
+    slot = rows.long().clamp(min=0)
+    c = counts[slot].to(dtype)
+    rep = repetition.to(dtype)[:, None]
+    x = logits.to(dtype)
+    x = torch.where((c > 0) | (prompt_mask[slot] != 0), torch.where(x > 0, x / rep, x * rep), x)
+    x = x - frequency.to(dtype)[:, None] * c - presence.to(dtype)[:, None] * (c > 0)
+    return logits.copy_(torch.where((rows >= 0)[:, None], x.to(logits.dtype), logits))
+
+
+def count_tokens(counts, rows, token_ids):
+    """In place: counts[rows[i], token_ids[i]] += 1 (int32 counts) or = 1 (a uint8 mask), rows[i] >= 0."""
+    keep = rows >= 0
+    index = (rows[keep].long(), token_ids[keep].long())
+    if counts.dtype == torch.uint8:
+        counts[index] = 1
+    else:
+        counts.index_put_(index, torch.ones_like(index[0], dtype=counts.dtype), accumulate=True)

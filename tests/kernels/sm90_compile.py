@@ -121,6 +121,20 @@ def cases():
                 lambda d=dtype, r=rows: sample(torch.zeros(len(r[0]), 151936, dtype=d), *r),
                 lambda d=dtype, r=rows: compute_logprobs(torch.zeros(len(r[0]), 151936, dtype=d), r[1]),
             ]
+    from tritonllm.kernels import apply_penalties, compute_top_logprobs, count_tokens
+
+    def vocab_rows(dtype, rows=8):
+        return torch.zeros(rows, 151936, dtype=dtype)
+
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        calls += [
+            lambda d=dtype: compute_top_logprobs(vocab_rows(d), 20),
+            lambda d=dtype: apply_penalties(vocab_rows(d), vocab_rows(torch.int32, 4), vocab_rows(torch.uint8, 4),
+                                            torch.zeros(8, dtype=torch.int32), *[torch.ones(8)] * 3),
+        ]
+    for buffer_dtype in (torch.int32, torch.uint8):  # generated-token counts, the prompt mask
+        calls.append(lambda d=buffer_dtype: count_tokens(vocab_rows(d, 4), torch.zeros(300, dtype=torch.int32),
+                                                         torch.zeros(300, dtype=torch.int64)))
     from tritonllm.kernels import decode_attention, prefill_attention
     from tritonllm.kernels.decode_attention import DECODE_TUNABLE, decode_attention_bucket
 
