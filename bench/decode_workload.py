@@ -1,6 +1,6 @@
 """Decode attention at the shapes of the nano-vllm workload, with the engine's config and others.
 
-    python bench/decode_workload.py [--stride 16] [--save] [--out PATH]
+    python bench/decode_workload.py [--stride 16] [--kv-cache-dtype auto|fp8] [--save] [--out PATH]
 
 bench/throughput.py's workload (256 requests, prompts 100..1024, outputs 100..1024) decodes with
 batches that shrink from 256 as requests finish and contexts spread from 100 to 2k, under a
@@ -9,6 +9,8 @@ This replays one layer of every `stride`-th decode step of the workload (Qwen3-0
 8 kv, D 128, bf16, KV block 16, batch padded to the engine's CUDA-graph size, block tables 256
 wide), times the engine's config and a grid of others (one CUDA graph each, median), and
 estimates the workload's decode-attention seconds (28 layers) for each config per batch bucket.
+With --kv-cache-dtype fp8 the cache is e4m3 with its per-(slot, head) scales (the engine's
+kv_cache_dtype="fp8"), and the fp8 buckets are the ones timed and saved.
 
 --save writes each bucket's best config into the tuned-config file under the engine's bucket key
 (context bound 4096). Run it after bench/kernels.py, which tunes the same keys on uniform contexts
@@ -25,6 +27,7 @@ from kernel_cases import paged_cache, randn
 from throughput import workload
 from timing import COPY_BYTES_PER_S, graph_time_ms
 from tritonllm import kernels
+from tritonllm.kernels import reference
 from tritonllm.engine.model_runner import graph_batch_sizes
 from tritonllm.kernels import tuning
 from tritonllm.kernels.decode_attention import DECODE_TUNABLE, decode_attention_bucket
@@ -32,14 +35,15 @@ from tritonllm.kernels.decode_attention import DECODE_TUNABLE, decode_attention_
 LAYERS, BLOCK_SIZE, MAX_MODEL_LEN = 28, 16, 4096
 
 
-def engine_bucket(batch):
+def engine_bucket(batch, cache_dtype):
     """The decode tuning bucket of the engine's graph of `batch` rows: bf16, D 128, group 2, 8 kv heads,
     block 16, context bound max_model_len; the kernel's own builder, so saved configs are the ones it reads."""
-    return decode_attention_bucket(torch.bfloat16, 128, 2, 8, BLOCK_SIZE, batch, MAX_MODEL_LEN)
+    return decode_attention_bucket(torch.bfloat16, 128, 2, 8, BLOCK_SIZE, batch, MAX_MODEL_LEN, cache_dtype)
 
 
-def candidates():
-    for block_n, splits, split_min, stages in itertools.product((64, 128), (1, 2, 4, 8), (128, 256, 512), (2, 3)):
+def candidates(fp8: bool):
+    block_ns = (128, 256) if fp8 else (64, 128)  # an e4m3 tile holds half the bytes
+    for block_n, splits, split_min, stages in itertools.product(block_ns, (1, 2, 4, 8), (128, 256, 512), (2, 3)):
         if splits == 1 and split_min != 256:
             continue  # SPLIT_MIN is unused with one split
         yield {"BLOCK_N": block_n, "NUM_SPLITS": splits, "SPLIT_MIN": split_min, "num_warps": 4, "num_stages": stages}
@@ -50,14 +54,21 @@ def main():
     parser.add_argument("--stride", type=int, default=16, help="time every stride-th decode step")
     parser.add_argument("--save", action="store_true", help="write each bucket's best config to the tuned-config file")
     parser.add_argument("--out", help="write every timing as JSON here")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto", help="auto: bf16")
     args = parser.parse_args()
+    fp8 = args.kv_cache_dtype == "fp8"
     prompts, params = workload(256, 1024, 1024)
     requests = [(len(p), sp.max_tokens) for p, sp in zip(prompts, params)]
     sizes = graph_batch_sizes(256)
     total_tokens = sum(p + o for p, o in requests)
     k_cache, v_cache, _ = paged_cache(total_tokens + 64 * BLOCK_SIZE, 1, BLOCK_SIZE)
+    scales = {}
+    if fp8:
+        (k_cache, k_scale), (v_cache, v_scale) = reference.quantize_e4m3(k_cache), reference.quantize_e4m3(v_cache)
+        scales = {"k_scale": k_scale, "v_scale": v_scale}
     num_blocks = k_cache.shape[0]
-    configs = list(candidates())
+    token_bytes = 8 * (128 + 4) * 2 if fp8 else 8 * 128 * 2 * 2  # K and V (and their float32 scales)
+    configs = list(candidates(fp8))
     rows = []
     by_bucket = defaultdict(lambda: defaultdict(float))  # batch bucket -> config key -> estimated s
     engine_keys = {}  # batch bucket -> the key of the config the engine runs there
@@ -68,16 +79,16 @@ def main():
         seq_lens[: len(lens)] = torch.tensor(lens, dtype=torch.int32)
         tables = torch.randint(0, num_blocks, (batch, MAX_MODEL_LEN // BLOCK_SIZE), dtype=torch.int32, device="cuda")
         q = randn(batch, 16, 128)
-        moved = sum(lens) * 8 * 128 * 2 * 2
+        moved = sum(lens) * token_bytes
         bucket = tuning.pow2(batch)
-        engine_cfg = DECODE_TUNABLE.config(engine_bucket(batch), None)
+        engine_cfg = DECODE_TUNABLE.config(engine_bucket(batch, k_cache.dtype), None)
         engine_keys[bucket] = json.dumps(engine_cfg, sort_keys=True)
         times = {}
         for cfg in [engine_cfg] + configs:
             key = json.dumps(cfg, sort_keys=True)
             if key not in times:  # the engine's config is often one of the candidates: count it once
                 times[key] = graph_time_ms(lambda c=cfg: kernels.decode_attention(q, k_cache, v_cache, seq_lens, tables,
-                                                                                   config=c), [()], replays=20)
+                                                                                   config=c, **scales), [()], replays=20)
                 by_bucket[bucket][key] += times[key] * 1e-3 * args.stride * LAYERS
         best = min(times, key=times.get)
         engine_ms = times[engine_keys[bucket]]
@@ -95,7 +106,7 @@ def main():
         engine_total += engine_s
         best_total += totals[key]
         if args.save:
-            tuning.tuned_table().setdefault("decode_attention", {})[tuning.bucket_key(engine_bucket(bucket))] = json.loads(key)
+            tuning.tuned_table().setdefault("decode_attention", {})[tuning.bucket_key(engine_bucket(bucket, k_cache.dtype))] = json.loads(key)
         print(f"| {bucket} | {engine_s:.3f} | {totals[key]:.3f} | {key} |")
     floor_total = sum(r["floor_us"] for r in rows) * 1e-6 * args.stride * LAYERS
     print(f"\nworkload decode attention, estimated: engine configs {engine_total:.3f} s, best config per bucket "

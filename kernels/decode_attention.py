@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from tritonllm.kernels import tuning
+from tritonllm.kernels.fp8 import fp8_dot_operand
 from tritonllm.kernels.paged import LOG2E, _attend_tile, cache_bucket, check_paged_inputs, dot_precision
 
 PROGRAMS_PER_SM = 3  # resident programs per SM that hide memory latency without extra splits
@@ -58,6 +59,8 @@ def _decode_attention_kernel(
     q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_mask[:, None], other=0.0)
     if INTERPRET:
         q = q.to(tl.float32)
+    elif FP8:
+        q = fp8_dot_operand(q)
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_block_table
     head_offset = kv_head * stride_cache_head
     if FP8:
@@ -145,14 +148,16 @@ def _decode_space(dtype_name, head_dim, group, num_kv_heads, block_size, batch, 
     num_warps = 8 if dtype_name == "float32" else 4
     # Bandwidth-bound: what matters is bytes in flight per SM (tile size) and the split count; the
     # stage count barely moves the time (bench/NOTES-attention.md).
+    # An e4m3 tile holds half the bytes of a bfloat16 one: longer tiles keep as many in flight.
+    block_ns = (32, 64, 128) if cache_dtype_name is None else (64, 128, 256)
     return [{"BLOCK_N": block_n, "NUM_SPLITS": num_splits, "SPLIT_MIN": 256, "num_warps": num_warps, "num_stages": 3}
-            for block_n in (32, 64, 128) for num_splits in splits]
+            for block_n in block_ns for num_splits in splits]
 
 
 def _decode_default(dtype_name, head_dim, group, num_kv_heads, block_size, batch, context, cache_dtype_name=None):
     split_min = 256
     fp32 = dtype_name == "float32"  # FMA dot (exact products): operands in registers, more warps
-    return {"BLOCK_N": 32 if fp32 else 64,
+    return {"BLOCK_N": 32 if fp32 else 64 if cache_dtype_name is None else 128,
             "NUM_SPLITS": default_num_splits(batch, num_kv_heads, context, split_min, num_sms()),
             "SPLIT_MIN": split_min, "num_warps": 8 if fp32 else 4, "num_stages": 2}
 

@@ -56,6 +56,16 @@ def from_e4m3(q, dtype: tl.constexpr, INTERPRET: tl.constexpr):
     return x
 
 
+@triton.jit
+def fp8_dot_operand(q):
+    """q as the dots against converted e4m3 tiles take it: a bfloat16 q as float16 (exact in fp16's
+    normal range, which bounds |q| by 65504), since e4m3 converts to float16 with one instruction a
+    pair of values and to bfloat16 only through float16, two more; other dtypes unchanged."""
+    if q.dtype == tl.bfloat16:
+        q = q.to(tl.float16)
+    return q
+
+
 def check_kv_scales(k_cache, v_cache, k_scale, v_scale) -> bool:
     """Check the scales passed with caches [num_blocks, block_size, Hkv, D]; True for an e4m3 cache.
 

@@ -7,8 +7,9 @@ of those keys; `check_paged_inputs` the shape checks of both wrappers.
 
 An e4m3 cache (torch.float8_e4m3fn, kernels/fp8.py) holds K/V rows with a float32 scale per
 (slot, KV head) in k_scale / v_scale [num_blocks, block_size, Hkv]: the fp8 tile is converted to
-q's dtype (exact) for the dots, each key's K scale multiplies its column of scores and its V scale
-its column of probabilities before the PV dot.
+q's dtype (exact; the kernels pass a bfloat16 q as float16, fp8.fp8_dot_operand) for the dots,
+each key's K scale multiplies its column of scores and its V scale its column of probabilities
+before the PV dot.
 """
 import torch
 import triton
@@ -108,17 +109,23 @@ def _attend_tile(acc, m_i, l_i, q, k_cache, v_cache, k_scale_ptr, v_scale_ptr, b
         v = tl.load(v_cache + offsets, mask=in_seq, other=0.0)
     else:
         v = tl.load(v_cache + offsets)
-    p_v = p
     if FP8:
         v = from_e4m3(v, q.dtype, INTERPRET)
-        # sum_j p_j * v_scale_j * v_j: the V scale goes on p's columns.
-        p_v = p * _load_scales(v_scale_ptr, scale_offsets, keys < seq_len, MASKED)[None, :]
     elif INTERPRET:
         v = v.to(tl.float32)
     if TMA and MASKED:
         # Rows past the sequence hold whatever the block held before: p is 0 there, 0 * NaN is not.
         v = tl.where(in_seq, v, 0.0)
-    acc = tl.dot(p_v.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    if FP8:
+        # sum_j p_j * v_scale_j * v_j: the V scales go on p's columns, relative to the tile's largest
+        # (multiplied back after the dot) so that a float16 p keeps small scales out of subnormals.
+        v_scales = _load_scales(v_scale_ptr, scale_offsets, keys < seq_len, MASKED)
+        v_max = tl.max(v_scales, 0)
+        v_max = tl.where(v_max == 0.0, 1.0, v_max)
+        p_v = p * (v_scales / v_max)[None, :]
+        acc = acc * alpha[:, None] + tl.dot(p_v.to(v.dtype), v, input_precision=DOT_PRECISION) * v_max
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     # l after the PV dot keeps fewer values live across it (Triton tutorial 06).
     l_i = l_i * alpha + tl.sum(p, 1)
     return acc, m_new, l_i

@@ -24,6 +24,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tritonllm.kernels import tuning
+from tritonllm.kernels.fp8 import fp8_dot_operand
 from tritonllm.kernels.paged import LOG2E, _attend_tile, cache_bucket, check_paged_inputs, dot_precision
 
 
@@ -61,6 +62,8 @@ def _prefill_attention_kernel(
     q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_mask[:, None], other=0.0)
     if INTERPRET:
         q = q.to(tl.float32)
+    elif FP8:
+        q = fp8_dot_operand(q)
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_block_table
     head_offset = kv_head * stride_cache_head
     if FP8:
