@@ -1,4 +1,4 @@
-"""The `tritonllm` command: generate, chat, bench."""
+"""The `tritonllm` command: generate, chat, serve, bench."""
 import argparse
 import subprocess
 import sys
@@ -9,6 +9,9 @@ from tritonllm.config import DEVICES, DTYPES, KERNEL_BACKENDS, KV_CACHE_DTYPES
 from tritonllm.tiny_tasks import BUNDLED_MODEL, EVAL_SEED, problems
 
 REPO = Path(__file__).parents[1]
+# Engine options only `serve` takes (None: the engine's default).
+SERVE_ENGINE_OPTIONS = ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "kv_block_size",
+                        "gpu_memory_utilization", "enforce_eager")
 
 
 def int_at_least(low: int):
@@ -26,8 +29,8 @@ def int_at_least(low: int):
 def engine_options(args) -> dict:
     options = {"tensor_parallel_size": args.tp, "seed": args.seed, "kernels": args.kernels,
                "kv_cache_dtype": args.kv_cache_dtype}
-    for name in ("device", "dtype", "max_model_len"):
-        if getattr(args, name) is not None:
+    for name in ("device", "dtype", "max_model_len", *SERVE_ENGINE_OPTIONS):  # the latter: serve only
+        if getattr(args, name, None) is not None:
             options[name] = getattr(args, name)
     return options
 
@@ -99,6 +102,13 @@ def chat(args) -> None:
         history.append({"role": "assistant", "content": reply})
 
 
+def serve(args) -> None:
+    from tritonllm.server.app import run_server
+
+    run_server(args.model, engine_options(args), args.host, args.port, args.served_model_name, args.max_waiting,
+               args.shutdown_timeout, args.log_level)
+
+
 def bench(args) -> None:
     script = REPO / "bench" / f"{args.what}.py"
     if not script.exists():
@@ -111,13 +121,16 @@ def parser() -> argparse.ArgumentParser:
     commands = top.add_subparsers(dest="command", required=True)
 
     def add_model_options(p, max_tokens_help):
-        p.add_argument("--model", default=str(BUNDLED_MODEL),
-                       help="checkpoint folder or preset (qwen3-0.6b ... qwen3-32b, random weights); default: the bundled tiny model")
         p.add_argument("--max-tokens", type=int, help=f"tokens to generate per {max_tokens_help}")
         p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
         p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
         p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off)")
         p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p * p_max (0 = off)")
+        add_engine_options(p)
+
+    def add_engine_options(p):
+        p.add_argument("--model", default=str(BUNDLED_MODEL),
+                       help="checkpoint folder or preset (qwen3-0.6b ... qwen3-32b, random weights); default: the bundled tiny model")
         p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (GPUs)")
         p.add_argument("--device", choices=DEVICES, help="default: cuda when available, else cpu (interpreter)")
         p.add_argument("--dtype", choices=list(DTYPES), help="default: the checkpoint's")
@@ -141,8 +154,28 @@ def parser() -> argparse.ArgumentParser:
     add_model_options(talk, "reply (default 64, at most an eighth of max_model_len: 8 on the bundled model)")
     talk.set_defaults(run=chat)
 
-    perf = commands.add_parser("bench", help="run bench/kernels.py or bench/throughput.py (source checkout)")
-    perf.add_argument("what", choices=["kernels", "throughput"])
+    server = commands.add_parser("serve", help="an OpenAI-compatible HTTP server",
+                                 description="Serve the model over the OpenAI API (/v1/completions, /v1/chat/completions, "
+                                             "/v1/models, /health, /stats, /metrics) until SIGINT or SIGTERM.")
+    server.add_argument("--host", default="127.0.0.1")
+    server.add_argument("--port", type=int, default=8000)
+    server.add_argument("--served-model-name", help="the model's name in the API (default: the folder's or preset's name)")
+    server.add_argument("--max-waiting", type=int_at_least(1), default=4096,
+                        help="requests waiting for a batch slot before new ones get 503 (default 4096)")
+    server.add_argument("--shutdown-timeout", type=float, default=5.0,
+                        help="seconds running requests get to finish after SIGTERM before they are aborted (default 5)")
+    server.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_engine_options(server)
+    server.add_argument("--max-num-seqs", type=int, help="requests in one batch (default 256)")
+    server.add_argument("--max-num-batched-tokens", type=int, help="tokens in one step (default 16384)")
+    server.add_argument("--num-kv-blocks", type=int, help="KV cache blocks (default: from --gpu-memory-utilization)")
+    server.add_argument("--kv-block-size", type=int, help="tokens per KV block (default 16)")
+    server.add_argument("--gpu-memory-utilization", type=float, help="share of GPU memory for weights and cache (default 0.9)")
+    server.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
+    server.set_defaults(run=serve)
+
+    perf = commands.add_parser("bench", help="run bench/kernels.py, throughput.py or serve.py (source checkout)")
+    perf.add_argument("what", choices=["kernels", "throughput", "serve"])
     perf.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the bench script")
     perf.set_defaults(run=bench)
     return top

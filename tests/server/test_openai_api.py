@@ -1,0 +1,243 @@
+"""`tritonllm serve` driven by the official openai client: the answers equal the offline engine's."""
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+from tritonllm import SamplingParams
+from tritonllm.tiny_tasks import problems
+
+MODEL = "bundled"
+AS_IDS = {"return_token_ids": True, "return_tokens_as_token_ids": True}
+
+
+def token_ids(choice) -> list[int]:
+    return choice.model_extra["token_ids"]
+
+
+def test_models_health_and_stats(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert server.request("GET", "/health") == (200, {"status": "ok"})
+    stats = server.stats()
+    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"] > 0
+    assert stats["num_running_seqs"] == stats["num_waiting_seqs"] == 0
+    status, text = server.request("GET", "/metrics")
+    assert status == 200 and f"tritonllm_num_kv_blocks {stats['num_kv_blocks']}" in text
+
+
+def test_greedy_completion_equals_generate(client, llm):
+    prompts = [prompt for prompt, _ in problems(4, seed=5)]
+    expected = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    for prompt, out in zip(prompts[:2], expected):
+        response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+        choice = response.choices[0]
+        assert (choice.text, choice.finish_reason) == (out.text, out.finish_reason)
+        assert response.usage.prompt_tokens == len(out.prompt_token_ids)
+        assert response.usage.completion_tokens == len(out.token_ids)
+        assert response.usage.total_tokens == len(out.prompt_token_ids) + len(out.token_ids)
+    # A batch of token-id prompts: one choice per prompt, in order, with the token ids asked for.
+    response = client.completions.create(model=MODEL, prompt=[out.prompt_token_ids for out in expected], max_tokens=8,
+                                         temperature=0, extra_body={"return_token_ids": True})
+    assert [c.index for c in response.choices] == [0, 1, 2, 3]
+    assert [c.text for c in response.choices] == [out.text for out in expected]
+    assert [token_ids(c) for c in response.choices] == [out.token_ids for out in expected]
+    assert response.usage.prompt_tokens == sum(len(out.prompt_token_ids) for out in expected)
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "seed": 3}])
+def test_streamed_text_equals_non_streamed(client, sampling):
+    request = dict(model=MODEL, prompt="rev hgfedc=", max_tokens=8, **sampling)
+    whole = client.completions.create(**request)
+    chunks = list(client.completions.create(**request, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks[:-1]) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks[:-1]][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    assert all(c.usage is None for c in chunks[:-1])
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_chat_plain_and_streamed(client, llm):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "12+34"}]
+    expected = llm.chat(messages, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
+    reply = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=8)
+    assert reply.object == "chat.completion" and reply.choices[0].message.role == "assistant"
+    assert reply.choices[0].message.content == expected.text == "46"
+    assert reply.choices[0].finish_reason == "stop" and reply.usage.completion_tokens == len(expected.token_ids)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=8, stream=True))
+    assert chunks[0].object == "chat.completion.chunk" and chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    # Without max_tokens the reply may run to the model's length (it stops at EOS first here).
+    words = [{"role": "user", "content": "sort dcab"}]
+    reply = client.chat.completions.create(model=MODEL, messages=words, temperature=0)
+    assert reply.choices[0].message.content == llm.chat(words, SamplingParams(temperature=0, max_tokens=54), use_tqdm=False)[0].text
+
+
+def test_n_samples(client, llm):
+    params = SamplingParams(temperature=1.0, seed=7, n=3, max_tokens=6, ignore_eos=True)
+    expected = llm.generate(["3"], params, use_tqdm=False)
+    request = dict(model=MODEL, prompt="3", n=3, temperature=1.0, seed=7, max_tokens=6, extra_body={"ignore_eos": True})
+    response = client.completions.create(**request)
+    assert [c.index for c in response.choices] == [0, 1, 2]
+    assert [c.text for c in response.choices] == [out.text for out in expected]
+    assert len({out.text for out in expected}) > 1  # three samples, not one thrice
+    assert response.usage.completion_tokens == 18 and response.usage.prompt_tokens == 1
+    texts = ["", "", ""]
+    for chunk in client.completions.create(**request, stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == [out.text for out in expected]
+
+
+def test_stop_strings_and_tokens(client, llm):
+    request = dict(model=MODEL, prompt="rev abcd=", max_tokens=8, temperature=0)
+    assert client.completions.create(**request).choices[0].text == "dcba"
+    stopped = client.completions.create(**request, stop=["cb", "xyz"])
+    assert (stopped.choices[0].text, stopped.choices[0].finish_reason) == ("d", "stop")
+    # Streamed, the "c" that could start "cb" is held back until it is known not to be shown.
+    deltas = [c.choices[0].text for c in client.completions.create(**request, stop="cb", stream=True)]
+    assert "".join(deltas) == "d" and not any("c" in d for d in deltas)
+    # A stop token (b = id 14) and the offline result for the same params.
+    response = client.completions.create(**request, extra_body={"stop_token_ids": [14], "return_token_ids": True})
+    out = llm.generate(["rev abcd="], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[14]), use_tqdm=False)[0]
+    assert (response.choices[0].text, token_ids(response.choices[0])) == (out.text, out.token_ids)
+    assert token_ids(response.choices[0])[-1] == 14 and response.choices[0].finish_reason == "stop"
+
+
+def test_logprobs(client, llm):
+    out = llm.generate(["25+17="], SamplingParams(temperature=0, max_tokens=6, top_logprobs=3), use_tqdm=False)[0]
+    response = client.completions.create(model=MODEL, prompt="25+17=", max_tokens=6, temperature=0, logprobs=3)
+    logprobs = response.choices[0].logprobs
+    assert len(logprobs.tokens) == len(out.token_ids) and "".join(logprobs.tokens).startswith(response.choices[0].text)
+    assert logprobs.token_logprobs == pytest.approx(out.logprobs, abs=1e-4)
+    for chosen, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+        assert len(top) == 3 and max(top, key=top.get) == chosen  # greedy: the likeliest
+        assert top[chosen] == pytest.approx(logprob, abs=1e-4) and logprob <= 0
+    assert logprobs.text_offset == [sum(map(len, logprobs.tokens[:i])) for i in range(len(logprobs.tokens))]
+    # Chat: logprobs with top_logprobs alternatives each.
+    reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "rev abc"}], max_tokens=6,
+                                           temperature=0, logprobs=True, top_logprobs=2)
+    content = reply.choices[0].logprobs.content
+    assert "".join(entry.token for entry in content[:-1]) == reply.choices[0].message.content == "cba"
+    for entry in content:
+        assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].token == entry.token
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob and entry.bytes == list(entry.token.encode())
+
+
+def penalized_choice_ok(ids: list[int], tops: list[dict], presence: float, frequency: float) -> None:
+    """Greedy under OpenAI's penalties: each token is the argmax of logprob - presence * [count > 0] -
+    frequency * count, counts over the completion so far (checked among the 20 alternatives given,
+    which is where the maximum lies unless it fell below the 20th logprob)."""
+    counts: dict[int, int] = {}
+    for token, top in zip(ids, tops):
+        top = {int(key.removeprefix("token_id:")): logprob for key, logprob in top.items()}
+        scores = {t: lp - presence * (counts.get(t, 0) > 0) - frequency * counts.get(t, 0) for t, lp in top.items()}
+        best = max(scores, key=scores.get)
+        if scores[best] >= min(top.values()):
+            assert token == best, (token, scores)
+        counts[token] = counts.get(token, 0) + 1
+
+
+def test_penalties(client, llm):
+    request = dict(model=MODEL, prompt="3", max_tokens=12, temperature=0, logprobs=20,
+                   extra_body={**AS_IDS, "ignore_eos": True})
+    plain = client.completions.create(**request).choices[0]
+    assert len(set(token_ids(plain))) <= 2  # not a problem it knows: it repeats itself
+    outputs = {}
+    for presence, frequency in ((0.0, 1.5), (1.5, 0.0), (-0.5, 0.8)):
+        penalized = client.completions.create(**request, presence_penalty=presence, frequency_penalty=frequency).choices[0]
+        penalized_choice_ok(token_ids(penalized), penalized.logprobs.top_logprobs, presence, frequency)
+        outputs[presence, frequency] = token_ids(penalized)
+    assert len({tuple(ids) for ids in outputs.values()} | {tuple(token_ids(plain))}) == 4
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=1.8, frequency_penalty=0.3)
+    out = llm.generate(["3"], params, use_tqdm=False)[0]
+    body = {**request["extra_body"], "repetition_penalty": 1.8}
+    response = client.completions.create(**{**request, "extra_body": body}, frequency_penalty=0.3).choices[0]
+    assert token_ids(response) == out.token_ids != token_ids(plain)
+
+
+def error_of(call) -> openai.APIStatusError:
+    with pytest.raises(openai.APIStatusError) as raised:
+        call()
+    return raised.value
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"n": 0}, "n"), ({"max_tokens": 0}, "max_tokens"),
+    ({"logprobs": 21}, "logprobs"), ({"stop": 5}, "stop"), ({"seed": "x"}, "seed"), ({"echo": True}, "echo"),
+    ({"max_tokens": 100}, "max_tokens"), ({"prompt": "hello?"}, "prompt"), ({"prompt": []}, "prompt"),
+    ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"), ({"presence_penalty": 3}, "presence_penalty"),
+    ({"stream": True, "temperature": -1}, "temperature")])
+def test_bad_completion_fields_are_400_naming_the_field(client, fields, param):
+    request = {"model": MODEL, "prompt": "1+1=", "max_tokens": 2, **fields}
+    error = error_of(lambda: client.completions.create(**request))
+    assert error.status_code == 400 and error.param == param and error.type == "invalid_request_error"
+    assert param.split("_")[0] in error.message
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"messages": []}, "messages"), ({"messages": [{"content": "hi"}]}, "messages[0]"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens"), ({"top_logprobs": 2}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 30}, "top_logprobs"), ({"tools": [{"type": "function"}]}, "tools")])
+def test_bad_chat_fields_are_400_naming_the_field(client, fields, param):
+    request = {"model": MODEL, "messages": [{"role": "user", "content": "1+1"}], **fields}
+    error = error_of(lambda: client.chat.completions.create(**request))
+    assert error.status_code == 400 and error.param == param
+
+
+def test_other_errors_and_unknown_fields(server, client):
+    error = error_of(lambda: client.completions.create(model="gpt-4", prompt="1+1=", max_tokens=2))
+    assert (error.status_code, error.code, error.param) == (404, "model_not_found", "model")
+    for body in (b"{not json", b"[1, 2]", b""):
+        status, answer = server.request("POST", "/v1/completions", body)
+        assert status == 400 and answer["error"]["code"] == "invalid_json" and answer["error"]["type"] == "invalid_request_error"
+    status, answer = server.request("GET", "/v1/nothing")
+    assert status == 404 and set(answer["error"]) == {"message", "type", "param", "code"}
+    assert server.request("GET", "/v1/completions")[0] == 405
+    # Fields that change nothing, known to OpenAI or not, are accepted.
+    response = client.completions.create(model=MODEL, prompt="1+1=", max_tokens=2, temperature=0, user="me",
+                                         extra_body={"metadata": {"a": "b"}, "store": False, "a_future_field": 1})
+    assert response.choices[0].text == "2"
+
+
+def test_concurrent_streams_equal_their_offline_results(client, llm):
+    prompts = [prompt for prompt, _ in problems(16, seed=9)]
+    params = [SamplingParams(temperature=0, max_tokens=6) if i % 2 else SamplingParams(temperature=0.9, seed=i, max_tokens=6)
+              for i in range(16)]
+    expected = [out.text for out in llm.generate(prompts, params, use_tqdm=False)]
+
+    def stream(i: int) -> str:
+        p = params[i]
+        chunks = client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=6, temperature=p.temperature,
+                                           seed=p.seed, stream=True)
+        return "".join(c.choices[0].text for c in chunks)
+
+    with ThreadPoolExecutor(16) as pool:
+        assert list(pool.map(stream, range(16))) == expected
+
+
+def wait_idle(server, timeout: float = 120) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = server.stats()
+        idle = stats["num_running_seqs"] == stats["num_waiting_seqs"] == 0
+        if (idle and stats["num_free_kv_blocks"] == stats["num_kv_blocks"]) or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.2)
+
+
+def test_dropped_stream_is_aborted_and_frees_its_blocks(server, client):
+    before = wait_idle(server)
+    stream = client.completions.create(model=MODEL, prompt="12+34=", max_tokens=50, stream=True, extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    next(chunks), next(chunks)
+    running = server.stats()
+    assert running["num_running_seqs"] == 1 and running["num_free_kv_blocks"] < running["num_kv_blocks"]
+    stream.close()  # the client goes away mid-stream
+    after = wait_idle(server)
+    assert after["num_free_kv_blocks"] == after["num_kv_blocks"] and after["num_running_seqs"] == 0
+    assert after["requests_aborted"] == before["requests_aborted"] + 1
+    assert after["generation_tokens_total"] - before["generation_tokens_total"] < 40  # stopped early, not at 50
+    # The server goes on answering.
+    assert client.completions.create(model=MODEL, prompt="1+1=", max_tokens=2, temperature=0).choices[0].text == "2"

@@ -1,0 +1,73 @@
+"""The server's limits: a full waiting queue answers 503, SIGTERM ends the server within seconds."""
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+MODEL = "bundled"
+# One request runs at a time and one may wait; streams still open 1 s after SIGTERM are aborted.
+SERVER_ARGS = ["--max-num-seqs", "1", "--max-waiting", "1", "--shutdown-timeout", "1"]
+
+
+def long_stream(client):
+    """A stream that runs for many steps; returned once its first chunk came (so it is running)."""
+    stream = client.completions.create(model=MODEL, prompt="12+34=", max_tokens=50, stream=True,
+                                       extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    next(chunks)
+    return stream, chunks
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def test_full_queue_is_503(server, client):
+    running, _ = long_stream(client)
+    waiting = client.completions.create(model=MODEL, prompt="1+1=", max_tokens=2, stream=True)  # queued: it answered
+    with pytest.raises(openai.APIStatusError) as raised:
+        client.completions.create(model=MODEL, prompt="2+2=", max_tokens=2)
+    assert raised.value.status_code == 503 and raised.value.code == "queue_full"
+    assert server.stats()["num_waiting_seqs"] == 1
+    running.close()
+    assert "".join(c.choices[0].text for c in waiting) == "2"  # it ran once the first left
+    assert client.completions.create(model=MODEL, prompt="2+2=", max_tokens=2, temperature=0).choices[0].text == "4"
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process tree from /proc")
+def test_sigterm_exits_within_seconds(server, client):
+    engine = children(server.process.pid)
+    assert engine  # the engine's process (and multiprocessing's resource tracker)
+    _, chunks = long_stream(client)
+    start = time.monotonic()
+    server.process.send_signal(signal.SIGTERM)
+    with pytest.raises(openai.APIError, match="shutting down"):  # the stream ends with an error event
+        for _ in chunks:
+            pass
+    # uvicorn re-raises the signal once it has shut down, so the exit is that of SIGTERM.
+    assert server.process.wait(timeout=60) in (0, -signal.SIGTERM)
+    assert time.monotonic() - start < 20
+    assert server.request("GET", "/health", timeout=2)[0] == 0  # nothing listens
+    deadline = time.monotonic() + 10  # the engine is gone; multiprocessing's resource tracker follows
+    while any(Path(f"/proc/{pid}").exists() for pid in engine) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(Path(f"/proc/{pid}").exists() for pid in engine)
+    assert "Traceback" not in server.log_text()
+
+
+def test_a_model_that_does_not_load_is_a_clean_error():
+    result = subprocess.run([sys.executable, "-m", "tritonllm", "serve", "--model", "Qwen3-0.6B", "--device", "cpu"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and "does not exist" in result.stderr and "Traceback" not in result.stderr

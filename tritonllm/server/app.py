@@ -1,0 +1,228 @@
+"""The HTTP server: FastAPI routes of the OpenAI API over the engine process (engine_loop.py).
+
+    GET  /v1/models            the served model
+    POST /v1/completions       prompt: text, texts, token ids or lists of them
+    POST /v1/chat/completions  messages, through the tokenizer's chat template
+    GET  /health               200 while the engine runs
+    GET  /stats, /metrics      running / waiting requests, KV blocks, token counters (JSON, Prometheus)
+"""
+import asyncio
+import json
+import time
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from tritonllm.server.engine_loop import EngineClient, RequestStream
+from tritonllm.server.protocol import ApiError, GenerateRequest, check_model, parse_chat, parse_completion
+from tritonllm.server.render import Renderer
+
+
+class ServerState:
+    """What the routes share: the engine, the tokenizer, the model's names and the server's counters."""
+
+    def __init__(self, engine: EngineClient, names: tuple[str, ...], tokenizer):
+        self.engine, self.names, self.tokenizer = engine, names, tokenizer
+        self.created = int(time.time())
+        self.token_cache: dict[int, str] = {}
+        self.counters = {"requests": 0, "requests_finished": 0, "requests_aborted": 0, "errors": 0}
+
+
+def error_response(error: ApiError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+async def read_json(request: Request) -> dict:
+    try:
+        body = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ApiError(400, f"the body is not valid JSON: {error}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the body must be a JSON object, got {type(body).__name__}", code="invalid_json")
+    return body
+
+
+async def until_disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def collect(state: ServerState, stream: RequestStream, request: Request) -> list[tuple] | None:
+    """Every output of a request not streamed; None if the client left first (that aborts it)."""
+    async def outputs() -> list[tuple]:
+        items = []
+        while not stream.finished:
+            items += await stream.get()
+        return items
+
+    done = asyncio.ensure_future(outputs())
+    gone = asyncio.ensure_future(until_disconnected(request))
+    try:
+        await asyncio.wait((done, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not done.done():
+            done.cancel()
+            state.counters["requests_aborted"] += 1
+        state.engine.release(stream)
+    return done.result() if done.done() and not done.cancelled() else None
+
+
+async def events(state: ServerState, stream: RequestStream, renderer: Renderer, include_usage: bool):
+    """The stream's server-sent events. A client that disconnects cancels this generator (Starlette
+    listens for it), and its finally aborts the request."""
+    try:
+        yield renderer.stream_start()
+        while not stream.finished:
+            try:
+                items = await stream.get()
+            except ApiError as error:
+                yield "data: " + json.dumps(error.body()) + "\n\n"
+                break
+            chunk = renderer.stream_chunks(items)
+            if chunk:
+                yield chunk
+        else:
+            if include_usage:
+                yield renderer.stream_usage(stream.prompt_tokens)
+            state.counters["requests_finished"] += 1
+        yield "data: [DONE]\n\n"
+    finally:
+        if not stream.finished:
+            state.counters["requests_aborted"] += 1
+        state.engine.release(stream)
+
+
+async def generate(state: ServerState, request: Request, parsed: GenerateRequest):
+    state.counters["requests"] += 1
+    stream = await state.engine.submit(parsed.prompts, parsed.params, parsed.chat, parsed.fill_max_tokens)
+    renderer = Renderer(parsed, state.names[0], state.tokenizer, state.token_cache)
+    if parsed.stream:
+        return StreamingResponse(events(state, stream, renderer, parsed.include_usage), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    items = await collect(state, stream, request)
+    if items is None:
+        return Response(status_code=499)  # nobody is there to read it
+    state.counters["requests_finished"] += 1
+    return JSONResponse(renderer.response(items, stream.prompt_tokens))
+
+
+def prometheus(stats: dict) -> str:
+    lines = []
+    for name, value in stats.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            lines += [f"# TYPE tritonllm_{name} gauge", f"tritonllm_{name} {value}"]
+    return "\n".join(lines) + "\n"
+
+
+def create_app(engine: EngineClient, names: tuple[str, ...], tokenizer=None) -> FastAPI:
+    """The app over a started engine; `names[0]` is the model's name in responses, any of `names`
+    is accepted as the request's model."""
+    state = ServerState(engine, names, tokenizer)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.attach(asyncio.get_running_loop())
+        yield
+        await asyncio.to_thread(engine.shutdown)
+
+    app = FastAPI(title="tritonllm", lifespan=lifespan)
+    app.state.server = state
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, error: ApiError):
+        state.counters["errors"] += 1
+        return error_response(error)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException):  # unknown route, wrong method
+        state.counters["errors"] += 1
+        return error_response(ApiError(error.status_code, str(error.detail), code=None))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, error: Exception):
+        state.counters["errors"] += 1
+        return error_response(ApiError(500, f"internal error: {type(error).__name__}: {error}"))
+
+    @app.get("/health")
+    async def health():
+        if engine.dead:
+            raise ApiError(503, engine.dead, code="engine_dead")
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        info = engine.info
+        return {"object": "list", "data": [{"id": names[0], "object": "model", "created": state.created,
+                                            "owned_by": "tritonllm", "root": info["model"],
+                                            "max_model_len": info["max_model_len"]}]}
+
+    async def all_stats() -> dict:
+        return {**await engine.stats(), **state.counters}
+
+    @app.get("/stats")
+    async def stats():
+        return await all_stats()
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(prometheus(await all_stats()))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await read_json(request)
+        check_model(body, names)
+        return await generate(state, request, parse_completion(body, engine.info["has_tokenizer"]))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await read_json(request)
+        check_model(body, names)
+        return await generate(state, request, parse_chat(body, tokenizer))
+
+    return app
+
+
+def served_names(model: str, served_model_name: str | None) -> tuple[str, ...]:
+    """The name responses carry, then the other names a request may use: a folder's name (the
+    bundled model is "bundled") or a preset's, and the --model argument as given."""
+    name = served_model_name or Path(model).name
+    return tuple(dict.fromkeys([name, model, str(Path(model).resolve()) if Path(model).is_dir() else model]))
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server; on SIGINT or SIGTERM it stops accepting, and the requests still open after
+    the grace period are aborted and answered (a stream gets an error event and [DONE])."""
+
+    def __init__(self, config: uvicorn.Config, engine: EngineClient, grace: float):
+        super().__init__(config)
+        self.engine, self.grace = engine, grace
+
+    def handle_exit(self, sig, frame) -> None:
+        loop = self.engine.loop
+        if not self.should_exit and loop is not None:  # a signal handler: hand the timer to the loop
+            loop.call_soon_threadsafe(loop.call_later, self.grace, self.engine.abort_all, "the server is shutting down")
+        super().handle_exit(sig, frame)
+
+
+def run_server(model: str, options: dict, host: str = "127.0.0.1", port: int = 8000, served_model_name: str | None = None,
+               max_waiting: int = 4096, shutdown_timeout: float = 5.0, log_level: str = "info") -> None:
+    """Load the model in the engine process, then serve until SIGINT or SIGTERM: the server stops
+    accepting, lets running requests finish for up to shutdown_timeout seconds, aborts the rest
+    and stops the engine."""
+    from transformers import AutoTokenizer
+
+    engine = EngineClient(model, options, max_waiting)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(engine.info["model"]) if engine.info["has_tokenizer"] else None
+        app = create_app(engine, served_names(model, served_model_name), tokenizer)
+        # uvicorn's own timeout is a backstop: by then the streams have ended themselves.
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+                                timeout_graceful_shutdown=shutdown_timeout + 5)
+        Server(config, engine, shutdown_timeout).run()
+    finally:
+        engine.shutdown()

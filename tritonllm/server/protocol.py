@@ -1,0 +1,206 @@
+"""OpenAI request bodies parsed into SamplingParams, and the API's error shape.
+
+Fields that change nothing in the output (user, metadata, store, ...) and fields nobody defined
+are accepted and ignored; a field that would change the output and that this server does not
+implement (echo, logit_bias, tools, ...) is an error unless it holds its neutral value.
+"""
+import re
+from dataclasses import dataclass
+
+from tritonllm.sampling_params import SamplingParams
+from tritonllm.validation import as_int
+
+MAX_TOP_LOGPROBS = 20
+
+# Field -> the values that leave the output as it is (anything else is refused by name).
+NEUTRAL = {
+    "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1), "logit_bias": (None, {}),
+    "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
+    "function_call": (None, "none", "auto"), "response_format": (None, {"type": "text"}),
+    "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,),
+    # vLLM's extras
+    "use_beam_search": (None, False), "prompt_logprobs": (None, 0), "include_stop_str_in_output": (None, False),
+    "skip_special_tokens": (None, True), "allowed_token_ids": (None,), "bad_words": (None, []),
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "structured_outputs": (None,), "truncate_prompt_tokens": (None,),
+}
+
+JSON_NAMES = {bool: "a boolean", int: "an integer", str: "a string", dict: "an object", list: "an array"}
+ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 422: "invalid_request_error",
+               429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+
+
+class ApiError(Exception):
+    """An error the client gets as {"error": {"message", "type", "param", "code"}} with its status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "server_error"),
+                          "param": self.param, "code": self.code}}
+
+
+def bad(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, param, "invalid_value" if param else None)
+
+
+@dataclass
+class GenerateRequest:
+    """One completions or chat request, checked: what the engine process and the renderer need."""
+    chat: bool
+    prompts: list  # completions: strings or token-id lists; chat: the one chat-templated text
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    logprobs: int | None  # None: no logprobs; else how many top alternatives per token (0..20)
+    return_token_ids: bool  # each choice (and stream delta) also carries its token ids
+    tokens_as_ids: bool  # logprob tokens as "token_id:N" instead of their text
+    fill_max_tokens: bool  # chat without max_tokens: up to the model's length
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.params.n
+
+
+def _typed(body: dict, name: str, kind: type, default=None):
+    """body[name] if it is of `kind` (None or absent: default)."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise bad(f"{name} must be {JSON_NAMES[kind]}, got {type(value).__name__} {value!r:.60}", name)
+    return value
+
+
+def check_model(body: dict, names: tuple[str, ...]) -> None:
+    model = _typed(body, "model", str)
+    if model is not None and model not in names:
+        raise ApiError(404, f"The model `{model}` does not exist; this server serves {names[0]!r}", "model",
+                       "model_not_found")
+
+
+def _check_unsupported(body: dict) -> None:
+    for name, neutral in NEUTRAL.items():
+        if name in body and body[name] not in neutral:
+            raise bad(f"{name}={body[name]!r:.60} is not supported by this server", name)
+
+
+def _stop(body: dict):
+    stop = body.get("stop")
+    if stop is None or isinstance(stop, str):
+        return stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise bad(f"stop must be a string or an array of strings, got {stop!r:.60}", "stop")
+    return stop
+
+
+def sampling_params(body: dict, default_max_tokens: int | None, top_logprobs: int | None) -> SamplingParams:
+    """The body's sampling fields as checked SamplingParams; a bad one is a 400 naming its field."""
+    max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    names = {"max_tokens": max_name, "top_logprobs": "logprobs" if "messages" not in body else "top_logprobs"}
+    fields = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "min_tokens": 0, "n": 1,
+              "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+              "seed": None, "ignore_eos": False, "stop_token_ids": None}
+    kwargs = {name: default if body.get(name) is None else body[name] for name, default in fields.items()}
+    if kwargs["top_k"] == -1:  # vLLM's "off"
+        kwargs["top_k"] = 0
+    kwargs["max_tokens"] = body.get(max_name)
+    if kwargs["max_tokens"] is None:  # chat: a stand-in, replaced by the room the prompt leaves
+        kwargs["max_tokens"] = default_max_tokens or max(1, as_int(kwargs["min_tokens"]) or 0)
+    kwargs["stop"] = _stop(body)
+    kwargs["logprobs"] = top_logprobs is not None
+    kwargs["top_logprobs"] = top_logprobs or 0
+    try:
+        return SamplingParams(**kwargs)
+    except (TypeError, ValueError) as error:
+        found = re.search(r"SamplingParams\.(\w+)", str(error))
+        field = found.group(1) if found else None
+        message = str(error).replace("SamplingParams.", "")
+        if field in names:
+            message = message.replace(field, names[field], 1)
+        raise bad(message, names.get(field, field)) from None
+
+
+def _prompts(body: dict) -> list:
+    """prompt: a string, an array of strings, an array of token ids, or an array of those arrays."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(as_int(t) is not None for t in prompt):
+            return [prompt]
+        if all(isinstance(p, str) for p in prompt):
+            return prompt
+        if all(isinstance(p, list) and p and all(as_int(t) is not None for t in p) for p in prompt):
+            return prompt
+    raise bad("prompt must be a string, an array of strings, an array of token ids or an array of "
+              f"token-id arrays (none empty), got {prompt!r:.60}", "prompt")
+
+
+def _usage_options(body: dict, stream: bool) -> bool:
+    options = _typed(body, "stream_options", dict, {})
+    if options and not stream:
+        raise bad("stream_options is only allowed with stream=true", "stream_options")
+    return bool(_typed(options, "include_usage", bool, False))
+
+
+def parse_completion(body: dict, has_tokenizer: bool) -> GenerateRequest:
+    _check_unsupported(body)
+    prompts = _prompts(body)
+    logprobs = _typed(body, "logprobs", int)
+    if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+        raise bad(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}", "logprobs")
+    return _request(body, False, prompts, sampling_params(body, 16, logprobs), logprobs, has_tokenizer)
+
+
+def parse_chat(body: dict, tokenizer) -> GenerateRequest:
+    """A chat request; `tokenizer` renders its messages through the model's chat template."""
+    _check_unsupported(body)
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise bad("this model has no chat template: use /v1/completions", "messages")
+    messages, extra = _messages(body), _typed(body, "chat_template_kwargs", dict, {})
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
+    except Exception as error:  # the template's own checks (roles, order), or bad chat_template_kwargs
+        raise bad(f"the chat template refused these messages: {error}", "messages") from None
+    wants = _typed(body, "logprobs", bool, False)
+    top = _typed(body, "top_logprobs", int)
+    if top is not None and not wants:
+        raise bad("top_logprobs requires logprobs=true", "top_logprobs")
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise bad(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}", "top_logprobs")
+    logprobs = (top or 0) if wants else None
+    request = _request(body, True, [text], sampling_params(body, None, logprobs), logprobs, True)
+    request.fill_max_tokens = body.get("max_completion_tokens") is None and body.get("max_tokens") is None
+    return request
+
+
+def _messages(body: dict) -> list[dict]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages must be a non-empty array of {role, content} objects", "messages")
+    checked = []
+    for i, message in enumerate(messages):
+        name = f"messages[{i}]"
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise bad(f"{name} must be an object with a string role", name)
+        content = message.get("content")
+        if isinstance(content, list):  # content parts: only text ones
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+                raise bad(f"{name}.content: only text parts are supported", f"{name}.content")
+            content = "".join(p["text"] for p in content)
+        if content is not None and not isinstance(content, str):
+            raise bad(f"{name}.content must be a string or an array of text parts", f"{name}.content")
+        checked.append({**message, "content": content or ""})
+    return checked
+
+
+def _request(body: dict, chat: bool, prompts: list, params: SamplingParams, logprobs, has_tokenizer: bool) -> GenerateRequest:
+    if params.stop and not has_tokenizer:
+        raise bad("stop strings need a tokenizer, and this model has none: use stop_token_ids", "stop")
+    stream = _typed(body, "stream", bool, False)
+    return GenerateRequest(chat, prompts, params, stream, _usage_options(body, stream), logprobs,
+                           _typed(body, "return_token_ids", bool, False) or not has_tokenizer,
+                           _typed(body, "return_tokens_as_token_ids", bool, False) or not has_tokenizer, False)

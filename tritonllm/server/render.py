@@ -1,0 +1,151 @@
+"""OpenAI responses and stream chunks made from the engine's outputs.
+
+An output item is (key, choice, token_ids, text, logprobs, top_logprobs, final) as engine_loop
+sends it; final is None or (finish_reason, cached_tokens). The items of one choice that arrive
+together are merged into one chunk, so a reader that fell behind catches up in one write.
+"""
+import json
+import time
+import uuid
+
+from tritonllm.server.protocol import GenerateRequest
+
+FLOOR = -9999.0  # JSON has no -inf: a logprob below this is sent as this
+
+
+class Piece:
+    """The merged outputs of one choice: a stream chunk's worth, or the whole completion."""
+    __slots__ = ("text", "token_ids", "logprobs", "top_logprobs", "finish_reason")
+
+    def __init__(self):
+        self.text, self.token_ids, self.logprobs, self.top_logprobs = [], [], [], []
+        self.finish_reason = None
+
+
+def merge(items: list[tuple]) -> dict[int, Piece]:
+    pieces: dict[int, Piece] = {}
+    for _, choice, token_ids, text, logprobs, top_logprobs, final in items:
+        piece = pieces.get(choice)
+        if piece is None:
+            piece = pieces[choice] = Piece()
+        piece.text.append(text)
+        piece.token_ids += token_ids
+        if logprobs:
+            piece.logprobs += logprobs
+        if top_logprobs:
+            piece.top_logprobs += top_logprobs
+        if final is not None:
+            piece.finish_reason = final[0]
+    return pieces
+
+
+def _floor(logprob: float) -> float:
+    return logprob if logprob > FLOOR else FLOOR  # NaN too
+
+
+class Renderer:
+    """Builds one request's response (or its stream's chunks) in the OpenAI format."""
+
+    def __init__(self, request: GenerateRequest, model: str, tokenizer, token_cache: dict):
+        self.request, self.chat = request, request.chat
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.model = model
+        self.tokenizer = tokenizer if not request.tokens_as_ids else None
+        self.token_cache = token_cache  # token id -> its text, shared by the requests of one tokenizer
+        self.offsets: dict[int, int] = {}  # completions logprobs: text_offset reached, per choice
+        self.completion_tokens = 0
+        head = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": model}
+        self.chunk_head = "data: " + json.dumps(head, separators=(",", ":"))[:-1] + ',"choices":['
+
+    # ---- pieces
+
+    def token(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        text = self.token_cache.get(token_id)
+        if text is None:
+            text = self.token_cache[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    def _completion_logprobs(self, choice: int, piece: Piece) -> dict:
+        tokens = [self.token(t) for t in piece.token_ids]
+        offsets, offset = [], self.offsets.get(choice, 0)
+        for text in tokens:
+            offsets.append(offset)
+            offset += len(text)
+        self.offsets[choice] = offset
+        top = None
+        if self.request.logprobs:
+            top = [{self.token(t): _floor(lp) for t, lp in alternatives.items()} for alternatives in piece.top_logprobs]
+        return {"tokens": tokens, "token_logprobs": [_floor(lp) for lp in piece.logprobs], "top_logprobs": top,
+                "text_offset": offsets}
+
+    def _chat_logprobs(self, piece: Piece) -> dict:
+        def entry(token_id: int, logprob: float) -> dict:
+            text = self.token(token_id)
+            return {"token": text, "logprob": _floor(logprob), "bytes": list(text.encode())}
+
+        content = []
+        tops = piece.top_logprobs or [{}] * len(piece.token_ids)
+        for token_id, logprob, alternatives in zip(piece.token_ids, piece.logprobs, tops):
+            ranked = sorted(alternatives.items(), key=lambda kv: -kv[1])[:self.request.logprobs]
+            content.append({**entry(token_id, logprob), "top_logprobs": [entry(t, lp) for t, lp in ranked]})
+        return {"content": content}
+
+    def _choice(self, index: int, piece: Piece, whole: bool, first: bool = False) -> dict:
+        """A choice of a response (whole) or of a stream chunk."""
+        self.completion_tokens += len(piece.token_ids)
+        text = "".join(piece.text)
+        logprobs = None
+        if self.request.logprobs is not None:
+            logprobs = self._chat_logprobs(piece) if self.chat else self._completion_logprobs(index, piece)
+        if not self.chat:
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": piece.finish_reason}
+        elif whole:
+            choice = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                      "finish_reason": piece.finish_reason}
+        else:
+            choice = {"index": index, "delta": {"content": text} if text else {}, "logprobs": logprobs,
+                      "finish_reason": piece.finish_reason}
+        if self.request.return_token_ids:
+            choice["token_ids"] = piece.token_ids
+        return choice
+
+    def usage(self, prompt_tokens: int) -> dict:
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": prompt_tokens + self.completion_tokens}
+
+    # ---- whole responses
+
+    def response(self, items: list[tuple], prompt_tokens: int) -> dict:
+        pieces = merge(items)
+        choices = [self._choice(i, pieces.get(i) or Piece(), whole=True) for i in range(self.request.num_choices)]
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion", "created": self.created,
+                "model": self.model, "choices": choices, "usage": self.usage(prompt_tokens)}
+
+    # ---- streams (server-sent events)
+
+    def _event(self, choice: dict) -> str:
+        return self.chunk_head + json.dumps(choice, separators=(",", ":")) + "]}\n\n"
+
+    def stream_start(self) -> str:
+        """Chat streams open with the assistant's role, one chunk per choice."""
+        if not self.chat:
+            return ""
+        return "".join(self._event({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                    "finish_reason": None}) for i in range(self.request.num_choices))
+
+    def stream_chunks(self, items: list[tuple]) -> str:
+        """One event per choice that has news: text, tokens or its finish."""
+        events = []
+        for index, piece in merge(items).items():
+            if piece.token_ids or piece.finish_reason is not None or any(piece.text):
+                events.append(self._event(self._choice(index, piece, whole=False)))
+        return "".join(events)
+
+    def stream_usage(self, prompt_tokens: int) -> str:
+        head = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": [], "usage": self.usage(prompt_tokens)}
+        return "data: " + json.dumps(head, separators=(",", ":")) + "\n\n"
