@@ -4,7 +4,7 @@
 
 Runs bench/throughput.py's workload (fewer requests by default, to keep the trace small) under
 torch.profiler and sums the CUDA kernel time by kind: attention, GEMM, norms, other elementwise
-kernels (rotary, SiLU-and-mul, KV store), sampler, communication, the rest. Host overhead is the
+kernels (rotary, SiLU-and-mul, KV store), sampler, MoE, communication, the rest. Host overhead is the
 wall time the GPU sat idle: wall time minus the summed kernel time (one stream, no overlap).
 Also counts kernel launches per step and layer, and splits the idle time by gap length from the
 trace: gaps of a few microseconds sit between the kernels of one CUDA graph or launch sequence,
@@ -27,6 +27,7 @@ from tritonllm.loader import load_config
 
 KINDS = [  # first match wins, on the kernel's name
     ("attention", r"prefill_attention|decode_attention|merge_splits|flash|fmha"),
+    ("MoE", r"moe"),  # router, alignment, the grouped GEMMs and the combine
     ("GEMM", r"gemm|nvjet|cutlass|xmma|sm90_|splitK|cublas"),
     ("norms", r"rms_norm"),
     ("rotary + KV store", r"rotary|store_kv|qk_norm"),

@@ -8,6 +8,10 @@ randint(100, 1024) tokens with ignore_eos, temperature 0.6, max_model_len 4096. 
 with dummy weights; a checkpoint folder with its own. With several --kernels or --kv-cache-dtype,
 the same workload runs on each in turn, in this one process, and with two runs their ratio is
 printed.
+
+Each row also gives the decode floor: the workload's output tokens over the time its decode steps
+would take if each only read its bytes at the copy ceiling (decode_floor), and the share of it
+reached (the whole run, prefill included, against a decode-only floor).
 """
 import argparse
 import gc
@@ -16,9 +20,12 @@ import time
 
 import torch
 
+from timing import COPY_BYTES_PER_S
 from tritonllm import LLM, SamplingParams
 from tritonllm.cli import int_at_least
 from tritonllm.config import KERNEL_BACKENDS, KV_CACHE_DTYPES
+from tritonllm.layers.attention import kv_bytes_per_token
+from tritonllm.layers.moe import FusedMoE
 from tritonllm.loader import load_config
 
 MIN_LEN = 100  # the shortest prompt and output the workload draws
@@ -30,6 +37,26 @@ def workload(num_seqs: int, max_input_len: int, max_output_len: int, max_token_i
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=rng.randint(MIN_LEN, max_output_len))
               for _ in range(num_seqs)]
     return prompts, params
+
+
+def decode_floor(model, cache_dtype, prompt_lens: list[int], output_lens: list[int]) -> float:
+    """Output tokens/s if every decode step took only the time to read its bytes at the copy ceiling:
+    this rank's weights (the embedding is a lookup, not read whole; of the experts, those the step's
+    tokens pick, in expectation under uniform routing) and the KV cache of every running sequence.
+    Every request runs from the first step, as when all fit."""
+    params = dict(model.named_parameters())  # a tied LM head is the embedding, counted once
+    dense = sum(p.numel() * p.element_size() for name, p in params.items() if "experts" not in name)
+    if "lm_head.weight" in params:
+        dense -= params["model.embed_tokens.weight"].numel() * params["model.embed_tokens.weight"].element_size()
+    experts = [(m.w13.numel() * m.w13.element_size() + m.w2.numel() * m.w2.element_size(), m.w13.shape[0], m.top_k)
+               for m in model.modules() if isinstance(m, FusedMoE)]
+    kv_token = kv_bytes_per_token(model, cache_dtype)
+    seconds = 0.0
+    for step in range(max(output_lens)):
+        contexts = [p + step for p, o in zip(prompt_lens, output_lens) if o > step]
+        picked = sum(size * (1 - (1 - k / e) ** len(contexts)) for size, e, k in experts)
+        seconds += (dense + picked + kv_token * sum(contexts)) / COPY_BYTES_PER_S
+    return sum(output_lens) / seconds
 
 
 def warm_up(llm, prompts) -> None:
@@ -49,6 +76,8 @@ def run(args, kernels: str, kv_cache_dtype: str, prompts, params) -> dict:
     llm = LLM(args.model, tensor_parallel_size=args.tp, max_model_len=args.max_model_len, kernels=kernels,
               kv_cache_dtype=kv_cache_dtype, enforce_eager=args.enforce_eager,
               gpu_memory_utilization=0.5 if kernels == "reference" else 0.9)
+    floor = decode_floor(llm.runner.model, llm.config.cache_dtype, [len(p) for p in prompts],
+                         [p.max_tokens for p in params])
     warm_up(llm, prompts)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -58,7 +87,7 @@ def run(args, kernels: str, kv_cache_dtype: str, prompts, params) -> dict:
     output_tokens = sum(len(o.token_ids) for o in outputs)
     result = {"kernels": f"{kernels}, KV {kv_cache_dtype}", "output_tokens": output_tokens, "seconds": elapsed,
               "tokens_per_s": output_tokens / elapsed, "preemptions": llm.scheduler.num_preemptions,
-              "blocks": llm.runner.num_kv_blocks}
+              "blocks": llm.runner.num_kv_blocks, "floor": floor}
     llm.close()
     del llm, outputs
     gc.collect()
@@ -93,14 +122,15 @@ def main():
     prompts, params = workload(args.num_seqs, args.max_input_len, args.max_output_len, min(10000, vocab - 1))
     print(f"{args.model}, TP {args.tp}: {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, "
           f"{sum(p.max_tokens for p in params)} output tokens")
-    print("\n| kernels | output tokens | time (s) | tokens/s | preemptions | KV blocks |\n|---|---|---|---|---|---|")
+    print("\n| kernels | output tokens | time (s) | tokens/s | decode floor (tokens/s) | of floor | preemptions "
+          "| KV blocks |\n|---|---|---|---|---|---|---|---|")
     results = []
     for kernels in args.kernels:  # each row printed as soon as it is known
         for kv_cache_dtype in args.kv_cache_dtype:
             results.append(run(args, kernels, kv_cache_dtype, prompts, params))
             r = results[-1]
             print(f"| {r['kernels']} | {r['output_tokens']} | {r['seconds']:.2f} | {r['tokens_per_s']:.0f} | "
-                  f"{r['preemptions']} | {r['blocks']} |")
+                  f"{r['floor']:.0f} | {r['tokens_per_s'] / r['floor']:.2f} | {r['preemptions']} | {r['blocks']} |")
     if len(results) == 2:
         print(f"\n{results[0]['kernels']} / {results[1]['kernels']}: {results[0]['tokens_per_s'] / results[1]['tokens_per_s']:.2f}x")
 
