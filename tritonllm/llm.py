@@ -15,11 +15,13 @@ from tritonllm.validation import as_int
 
 @dataclass
 class StreamOutput:
-    index: int  # position of the request in the prompts given
+    index: int  # position of the output in generate's list: the prompt's, or with n samples, prompt-major
     new_token_ids: list[int]
     text_delta: str
     finished: bool
     output: GenerationOutput | None = field(default=None)  # set when finished
+    new_logprobs: list[float] | None = None  # aligned with new_token_ids (params.logprobs or top_logprobs)
+    new_top_logprobs: list[dict[int, float]] | None = None
 
 
 class LLM(LLMEngine):
@@ -38,8 +40,10 @@ class LLM(LLMEngine):
         super().__init__(model, **options)
         self._owners: dict[int, deque] = {}  # request id -> the output queue of the loop that follows it
 
-    def _add(self, prompts, sampling_params, stream: bool) -> list[int]:
-        """Check every prompt and params, then queue them all (nothing is queued if one is bad)."""
+    def _add(self, prompts, sampling_params, stream: bool) -> tuple[dict[int, tuple[int, int]], deque]:
+        """Check every prompt and params, then queue them all (nothing is queued if one is bad).
+        Returns request id -> (the position of its sample 0 in the flat, prompt-major list of every
+        prompt's n outputs, n), and the queue that gets their outputs."""
         prompts = _prompt_list(prompts)
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
@@ -48,15 +52,19 @@ class LLM(LLMEngine):
             if p is not None and not isinstance(p, SamplingParams):
                 raise TypeError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
         seqs = [self.make_sequence(prompt, p) for prompt, p in zip(prompts, params)]
-        return [self.queue(seq, stream) for seq in seqs]
+        requests, queue, total = {}, deque(), 0
+        with self._lock:  # owned before any step (of another thread) can make an output
+            for seq in seqs:
+                request_id = self.queue(seq, stream)
+                self._owners[request_id] = queue
+                requests[request_id] = (total, seq.params.n)
+                total += seq.params.n
+        return requests, queue
 
-    def _follow(self, ids: list[int]) -> Iterator[RequestOutput]:
-        """Outputs of the requests `ids` as the engine makes them, stepping it while none are queued.
-        However the loop ends, its unfinished requests are aborted and forgotten."""
-        queue = deque()
-        for request_id in ids:
-            self._owners[request_id] = queue
-        live = set(ids)
+    def _follow(self, requests: dict[int, tuple[int, int]], queue: deque) -> Iterator[RequestOutput]:
+        """Outputs of `requests` (from _add) as the engine makes them, stepping it while none are
+        queued. However the loop ends, its unfinished requests are aborted and forgotten."""
+        live = {request_id: n for request_id, (_, n) in requests.items()}
         try:
             while live:
                 if not queue:
@@ -67,35 +75,39 @@ class LLM(LLMEngine):
                     continue
                 output = queue.popleft()
                 if output.finished:
-                    live.discard(output.request_id)
+                    live[output.request_id] -= 1
+                    if not live[output.request_id]:
+                        del live[output.request_id]
                 yield output
         finally:
-            for request_id in ids:
+            for request_id in requests:
                 self._owners.pop(request_id, None)
                 if request_id in live:
                     self.abort(request_id)
 
     def stream(self, prompts, sampling_params=None) -> Iterator[StreamOutput]:
         """Yield each request's new tokens and text as they are generated; the last yield has the output."""
-        ids = self._add(prompts, sampling_params, stream=True)
-        index = {request_id: i for i, request_id in enumerate(ids)}
-        for out in self._follow(ids):
-            yield StreamOutput(index[out.request_id], out.new_token_ids, out.text_delta, out.finished, out.output)
+        requests, queue = self._add(prompts, sampling_params, stream=True)
+        for out in self._follow(requests, queue):
+            yield StreamOutput(requests[out.request_id][0] + out.index, out.new_token_ids, out.text_delta, out.finished,
+                               out.output, out.new_logprobs, out.new_top_logprobs)
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[GenerationOutput]:
-        """Complete every prompt (strings or token-id lists); outputs in the order of the prompts."""
-        ids = self._add(prompts, sampling_params, stream=False)
+        """Complete every prompt (strings or token-id lists); outputs in the order of the prompts, a
+        prompt's n samples (SamplingParams.n) one after another, in the order of their index."""
+        requests, queue = self._add(prompts, sampling_params, stream=False)
         outputs: dict[int, GenerationOutput] = {}
         rates = {True: 0.0, False: 0.0}
-        with tqdm(total=len(ids), desc="Generating", dynamic_ncols=True, disable=not use_tqdm) as bar:
-            for out in self._follow(ids):
-                outputs[out.request_id] = out.output
+        total = sum(n for _, n in requests.values())
+        with tqdm(total=total, desc="Generating", dynamic_ncols=True, disable=not use_tqdm) as bar:
+            for out in self._follow(requests, queue):
+                outputs[requests[out.request_id][0] + out.index] = out.output
                 if self.last_step is not None:
                     num_tokens, is_prefill, seconds = self.last_step
                     rates[is_prefill] = num_tokens / max(seconds, 1e-9)
                 bar.update(1)
                 bar.set_postfix(prefill=f"{rates[True]:.0f}tok/s", decode=f"{rates[False]:.0f}tok/s")
-        return [outputs[request_id] for request_id in ids]
+        return [outputs[i] for i in range(total)]
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True, stream: bool = False):
         """Replies to one conversation (a list of {"role", "content"}) or a list of them, through the

@@ -26,6 +26,11 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     seed: int | None = None
     logprobs: bool = False
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    top_logprobs: int = 0
 
     def __post_init__(self):
         self.validate()
@@ -43,8 +48,22 @@ class SamplingParams:
         field("ignore_eos", bool)
         field("seed", int, optional=True)  # any int: the engine mixes it into 62 bits
         field("logprobs", bool)
+        field("n", int, lambda n: 1 <= n <= 128, "in [1, 128]")
+        field("presence_penalty", float, lambda p: -2 <= p <= 2, "in [-2, 2] (0 = off)")
+        field("frequency_penalty", float, lambda p: -2 <= p <= 2, "in [-2, 2] (0 = off)")
+        field("repetition_penalty", float, lambda p: p > 0, "> 0 (1 = off)")
+        field("top_logprobs", int, lambda k: 0 <= k <= 20, "in [0, 20] (0 = off)")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = check_list("SamplingParams.stop", self.stop, str, bool, "a non-empty string")
         # Token ids of numpy or torch (e.g. from a tokenizer's tensors) become ints.
         self.stop_token_ids = check_list("SamplingParams.stop_token_ids", self.stop_token_ids, int, lambda t: t >= 0, ">= 0")
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """Whether the chosen tokens' logprobs are returned (logprobs, or top_logprobs > 0)."""
+        return self.logprobs or self.top_logprobs > 0

@@ -20,9 +20,10 @@ from tritonllm.config import EngineConfig
 from tritonllm.distributed import free_port
 from tritonllm.engine.block_manager import BlockManager
 from tritonllm.engine.model_runner import ModelRunner, SampledTokens
-from tritonllm.engine.output import GenerationOutput, IncrementalText, RequestOutput
+from tritonllm.engine.output import RequestOutput
+from tritonllm.engine.requests import Request, Sample, final_output, make_request, step_output
 from tritonllm.engine.scheduler import ScheduledBatch, Scheduler
-from tritonllm.engine.sequence import Sequence
+from tritonllm.engine.sequence import Sequence, SequenceStatus
 from tritonllm.engine.step_inputs import build_step_inputs
 from tritonllm.loader import load_config
 from tritonllm.sampling_params import SamplingParams
@@ -37,14 +38,6 @@ class InFlight:
 
     def rows(self) -> dict[int, int]:
         return {seq.seq_id: row for row, seq in enumerate(self.seqs)}
-
-
-@dataclass
-class Request:
-    seq: Sequence
-    text: IncrementalText | None  # decoded as tokens arrive (streamed, or checked for stop strings)
-    stream: bool  # report every step's tokens and text, or only the final output
-    num_emitted: int = 0  # completion tokens reported so far
 
 
 def _worker(config: EngineConfig, hf_config, rank: int, init_method: str, started) -> None:
@@ -90,7 +83,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.rng = random.Random(config.seed)
         self._lock = threading.RLock()
-        self._requests: dict[int, Request] = {}
+        self._requests: dict[int, Request] = {}  # the unfinished ones
+        self._samples: dict[int, tuple[Request, Sample]] = {}  # seq_id -> the unfinished sample, its request
+        self._counters = dict.fromkeys(("prompt_tokens", "generation_tokens", "prefill_tokens", "unqueued"), 0)
         self._aborted: list[RequestOutput] = []  # the final outputs of aborted requests, for the next step
         self._in_flight: InFlight | None = None
         self.last_step = None  # the last step's (tokens computed, is_prefill, seconds); None if it launched nothing
@@ -163,8 +158,8 @@ class LLMEngine:
                          f"it knows {''.join(vocab)!r}")
 
     def add_request(self, prompt, params: SamplingParams | None = None, stream: bool = True) -> int:
-        """Queue a prompt (a string or token ids); returns its request id. `stream`: step() reports
-        each new token and piece of text; otherwise only the final output."""
+        """Queue a prompt (a string or token ids) for params.n samples; returns its request id.
+        `stream`: step() reports each sample's new tokens and text; otherwise only final outputs."""
         return self.queue(self.make_sequence(prompt, params), stream)
 
     def make_sequence(self, prompt, params: SamplingParams | None = None) -> Sequence:
@@ -187,24 +182,47 @@ class LLMEngine:
         return Sequence(token_ids, params, self.config.kv_block_size)
 
     def queue(self, seq: Sequence, stream: bool = True) -> int:
-        """Queue a sequence from make_sequence; returns its request id."""
-        text = None
-        if self.tokenizer is not None and (stream or seq.params.stop):
-            text = IncrementalText(self.tokenizer, seq.params.stop, seq.params.min_tokens)
+        """Queue a sequence from make_sequence as sample 0 of its request; returns the request id."""
+        request = make_request(seq, stream, self.tokenizer)
         with self._lock:
-            self._requests[seq.seq_id] = Request(seq, text, stream)
+            self._requests[request.request_id] = request
+            self._samples.update((sample.seq.seq_id, (request, sample)) for sample in request.samples)
+            self._counters["prompt_tokens"] += seq.num_prompt_tokens
+            self._counters["unqueued"] += len(request.unqueued)
             self.scheduler.add(seq)
-        return seq.seq_id
+        return request.request_id
+
+    def _queue_samples(self, seqs: list[Sequence]) -> None:
+        """Queue samples 1..n-1 of the requests whose sample 0 just launched the end of its prompt. Its
+        full blocks are registered now (the device writes them before any later step reads them), so
+        the others hit them and compute only the last partial block, each sampling its first token."""
+        for seq in seqs:
+            request = self._samples[seq.seq_id][0]
+            if request.unqueued:
+                self.block_manager.register_computed_blocks(seq)
+                self._counters["unqueued"] -= len(request.unqueued)
+                self.scheduler.add_first([sample.seq for sample in request.unqueued])
+                request.num_queued = len(request.samples)
 
     def abort(self, request_id: int) -> None:
-        """Stop a request now and free its blocks (cached prefix blocks stay reusable); valid at any
-        moment, a no-op for a request that has finished or is unknown. The next step() reports it
-        finished, with finish_reason "abort"."""
+        """Stop a request's samples now and free their blocks (cached prefix blocks stay reusable);
+        valid at any moment, a no-op for a request that has finished or is unknown. The next step()
+        reports each unfinished sample finished, with finish_reason "abort"."""
         with self._lock:
             request = self._requests.pop(request_id, None)
-            if request is not None:
-                self.scheduler.finish(request.seq, "abort")
-                self._aborted.append(RequestOutput(request_id, [], "", True, self._final_output(request)))
+            if request is None:
+                return
+            self._counters["unqueued"] -= len(request.unqueued)
+            for sample in request.samples:
+                seq = sample.seq
+                if self._samples.pop(seq.seq_id, None) is None:
+                    continue  # finished before
+                if sample.index < request.num_queued:
+                    self.scheduler.finish(seq, "abort")
+                else:
+                    seq.finish_reason, seq.status = "abort", SequenceStatus.FINISHED
+                self._aborted.append(RequestOutput(request_id, [], "", True, final_output(sample, self.tokenizer),
+                                                   sample.index))
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
@@ -231,11 +249,25 @@ class LLMEngine:
                 # Whatever was in flight is lost: every live request is recomputed from its known tokens.
                 self._in_flight = None
                 self.scheduler.recompute_all()
+                self.runner.penalties.reset()  # the counts may hold tokens the host never got
                 if isinstance(error, RuntimeError) and self._workers:  # a collective failed: name a dead worker
                     self._check_workers(wait=1.0)
                 raise
             self.last_step = (batch.num_tokens, batch.is_prefill, time.perf_counter() - start) if batch else None
             return outputs
+
+    def stats(self) -> dict[str, int]:
+        """Counters for monitoring (a server's /metrics): sequences running and waiting (samples not
+        yet queued included), KV blocks free and in all, requests unfinished, preemptions, and totals
+        since start of prompt tokens added (once per request), tokens computed by prefill (prefix
+        cache hits excluded, recomputation included) and tokens generated. No lock, no device sync."""
+        return {"num_running_seqs": len(self.scheduler.running),
+                "num_waiting_seqs": len(self.scheduler.waiting) + self._counters["unqueued"],
+                "num_free_kv_blocks": self.block_manager.num_free_blocks, "num_kv_blocks": len(self.block_manager.blocks),
+                "num_unfinished_requests": len(self._requests), "num_preemptions": self.scheduler.num_preemptions,
+                "prompt_tokens_total": self._counters["prompt_tokens"],
+                "prefill_tokens_total": self._counters["prefill_tokens"],
+                "generation_tokens_total": self._counters["generation_tokens"]}
 
     def _seed(self, seq: Sequence) -> int:
         if seq.params.seed is None:
@@ -249,6 +281,9 @@ class LLMEngine:
         samples = self.runner.launch(inputs, seqs, [self._seed(seq) for seq in seqs],
                                      previous.samples.ids if previous else None)
         self.scheduler.launched(batch)
+        if batch.is_prefill:
+            self._counters["prefill_tokens"] += batch.num_tokens
+            self._queue_samples(seqs)
         return InFlight(seqs, samples) if samples is not None else None
 
     def _check_workers(self, wait: float = 0.0) -> None:
@@ -264,23 +299,27 @@ class LLMEngine:
         """Bring in a launched step's sampled tokens; rows of sequences that finished since are dropped."""
         if in_flight is None:
             return []
-        token_ids, logprobs = in_flight.samples.result(self._check_workers if self._workers else None)
+        token_ids, logprobs, top = in_flight.samples.result(self._check_workers if self._workers else None)
         outputs = []
         for row, (seq, token) in enumerate(zip(in_flight.seqs, token_ids)):
             if seq.is_finished:
                 continue
             seq.append_token(token)
-            if logprobs is not None and seq.params.logprobs:
+            self._counters["generation_tokens"] += 1
+            params = seq.params
+            if params.wants_logprobs:
                 seq.logprobs.append(logprobs[row])
+            if params.top_logprobs:
+                seq.top_logprobs.append(dict(zip(top[1][row][:params.top_logprobs], top[0][row][:params.top_logprobs])))
             self.block_manager.register_computed_blocks(seq)
-            output = self._advance(self._requests[seq.seq_id])
+            output = self._advance(*self._samples[seq.seq_id])
             if output is not None:
                 outputs.append(output)
         return outputs
 
-    def _advance(self, request: Request) -> RequestOutput | None:
-        """The one place a request finishes: EOS or a stop token, a stop string, max_tokens."""
-        seq, params = request.seq, request.seq.params
+    def _advance(self, request: Request, sample: Sample) -> RequestOutput | None:
+        """The one place a sample finishes: EOS or a stop token, a stop string, max_tokens."""
+        seq, params = sample.seq, sample.seq.params
         completion = seq.completion_token_ids
         token = completion[-1]
         reason = None
@@ -288,28 +327,19 @@ class LLMEngine:
                                                     or (not params.ignore_eos and token in self.eos_ids)):
             reason = "stop"
         last = reason is not None or len(completion) >= params.max_tokens
-        if request.text is not None and request.text.update(completion, final=last):
+        if sample.text is not None and sample.text.update(completion, final=last):
             reason = "stop"
         if reason is None and last:
             reason = "length"
         if reason is not None:
-            del self._requests[seq.seq_id]
             self.scheduler.finish(seq, reason)
+            del self._samples[seq.seq_id]
+            request.num_finished += 1
+            if request.num_finished == len(request.samples):
+                del self._requests[request.request_id]
         elif not request.stream:
             return None
-        new_tokens, request.num_emitted = completion[request.num_emitted:], len(completion)
-        delta = request.text.delta(reason is not None) if request.stream and request.text is not None else ""
-        output = self._final_output(request) if reason is not None else None
-        return RequestOutput(seq.seq_id, new_tokens, delta, reason is not None, output)
-
-    def _final_output(self, request: Request) -> GenerationOutput:
-        seq = request.seq
-        if request.text is not None:
-            text = request.text.text
-        else:
-            text = self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=True) if self.tokenizer else None
-        return GenerationOutput(seq.token_ids[:seq.num_prompt_tokens], seq.completion_token_ids, text,
-                                seq.finish_reason, seq.num_cached_tokens, seq.logprobs if seq.params.logprobs else None)
+        return step_output(request, sample, reason is not None, self.tokenizer)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers and leave the process group; also done by `del` and at exit."""

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from tritonllm.config import EngineConfig
 from tritonllm.context import Context, set_context
 from tritonllm.distributed import broadcast_object, close_distributed, init_distributed
+from tritonllm.engine.penalties import PenaltyRows
 from tritonllm.engine.sequence import Sequence
 from tritonllm.engine.step_inputs import StepInputs
 from tritonllm.layers.attention import allocate_kv_caches, kv_bytes_per_token
@@ -27,21 +28,22 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 class SampledTokens:
-    """A step's sampled ids [N] (and logprobs [N] or None) on the device, copied to the host in the
-    background; `result()` waits for the copy."""
+    """A step's sampled ids [N] (and logprobs [N], top logprobs' values and ids [N, k], or None) on
+    the device, copied to the host in the background; `result()` waits for the copy."""
 
-    def __init__(self, ids: torch.Tensor, logprobs: torch.Tensor | None):
+    def __init__(self, ids: torch.Tensor, logprobs: torch.Tensor | None, top: tuple | None = None):
         self.ids = ids
-        self._host = [t.to("cpu", non_blocking=True) for t in (ids, logprobs) if t is not None]
+        self._host = [t.to("cpu", non_blocking=True) for t in (ids, logprobs, *(top or ())) if t is not None]
         self._copied = None
         if ids.is_cuda:
             self._copied = torch.cuda.Event()
             self._copied.record()
-        self.has_logprobs = logprobs is not None
+        self.has_logprobs, self.has_top = logprobs is not None, top is not None
 
-    def result(self, check=None) -> tuple[list[int], list[float] | None]:
-        """The ids and logprobs as lists. While the copy is not done, `check()` (if given) runs every
-        0.1 ms: it raises when a tensor-parallel worker died, whose collectives would never finish."""
+    def result(self, check=None) -> tuple[list[int], list[float] | None, tuple[list, list] | None]:
+        """The ids, logprobs and top logprobs (values, ids) as lists. While the copy is not done,
+        `check()` (if given) runs every 0.1 ms: it raises when a tensor-parallel worker died, whose
+        collectives would never finish."""
         if self._copied is not None and check is None:
             self._copied.synchronize()
         elif self._copied is not None:
@@ -49,7 +51,8 @@ class SampledTokens:
                 check()
                 time.sleep(1e-4)
         values = [t.tolist() for t in self._host]
-        return values[0], values[1] if self.has_logprobs else None
+        logprobs = values[1] if self.has_logprobs else None
+        return values[0], logprobs, tuple(values[-2:]) if self.has_top else None
 
 
 class ModelRunner:
@@ -69,6 +72,7 @@ class ModelRunner:
         if self.device.type == "cuda" and self.rank == 0:
             self._compile_sampler()  # before the KV cache is sized: its scratch is gone by then
         self.num_kv_blocks = self._allocate_kv_cache()
+        self.penalties = PenaltyRows(self.ops, hf_config.vocab_size, config.max_num_seqs, self.device, self._to_device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # The references index with boolean masks, which syncs the host: they cannot be captured.
         if self.device.type == "cuda" and not config.enforce_eager and config.kernels == "triton":
@@ -220,19 +224,39 @@ class ModelRunner:
             top_k, seeds = (50 * ones).to(torch.int32), ones.to(torch.int64)
             ids = self.ops.sample(logits, ones, top_k, 0.9 * ones, 0.05 * ones, seeds)
             self.ops.compute_logprobs(logits, ids)
+            # The penalties and top logprobs, with the argument dtypes sample() passes.
+            counts = torch.zeros(1, vocab, dtype=torch.int32, device=self.device)
+            mask = torch.zeros(1, vocab, dtype=torch.uint8, device=self.device)
+            self.ops.apply_penalties(logits, counts, mask, 0 * seeds, ones, ones, ones)
+            self.ops.count_tokens(counts, 0 * seeds, ids)
+            self.ops.count_tokens(mask, 0 * seeds, ids)
+            self.ops.compute_top_logprobs(logits, min(20, vocab))
         torch.cuda.synchronize(self.device)
 
+    @torch.inference_mode()
     def sample(self, logits: torch.Tensor, seqs: list[Sequence], seeds: list[int]) -> "SampledTokens":
-        """Sample each row (no host sync); the ids and, when asked, logprobs head to the host."""
+        """Sample each row (no host sync); the ids and, when asked, logprobs head to the host.
+        Penalties, when a row has some, modify the logits first; logprobs are of the raw logits."""
         params = [seq.params for seq in seqs]
         vocab = self.hf_config.vocab_size
+        rows = self.penalties.rows(seqs)
+        penalties = [] if rows is None else [[p.presence_penalty for p in params], [p.frequency_penalty for p in params],
+                                             [p.repetition_penalty for p in params]]
         floats = self._to_device(torch.tensor([[p.temperature for p in params], [p.top_p for p in params],
-                                               [p.min_p for p in params]], dtype=torch.float32))
+                                               [p.min_p for p in params], *penalties], dtype=torch.float32))
         # top_k past the vocabulary means off; clamped so that it fits the kernel's int32.
-        ints = self._to_device(torch.tensor([[min(p.top_k, vocab) for p in params], seeds], dtype=torch.int64))
+        ints = self._to_device(torch.tensor([[min(p.top_k, vocab) for p in params], seeds, *([] if rows is None else [rows])],
+                                            dtype=torch.int64))
+        raw, wants_logprobs = logits, any(p.wants_logprobs for p in params)
+        if rows is not None:
+            logits = logits.clone() if wants_logprobs else logits
+            self.ops.apply_penalties(logits, self.penalties.counts, self.penalties.prompt_mask, ints[2], *floats[3:])
         ids = self.ops.sample(logits, floats[0], ints[0].to(torch.int32), floats[1], floats[2], ints[1])
-        logprobs = self.ops.compute_logprobs(logits, ids) if any(p.logprobs for p in params) else None
-        return SampledTokens(ids, logprobs)
+        if rows is not None:
+            self.ops.count_tokens(self.penalties.counts, ints[2], ids)
+        logprobs = self.ops.compute_logprobs(raw, ids) if wants_logprobs else None
+        k = min(max(p.top_logprobs for p in params), vocab)
+        return SampledTokens(ids, logprobs, self.ops.compute_top_logprobs(raw, k) if k else None)
 
     # ---- tensor-parallel driving
 

@@ -9,7 +9,9 @@ class GenerationOutput:
     text: str | None  # None without a tokenizer (preset models); cut before a stop string
     finish_reason: str  # "stop" (EOS, a stop token or string), "length" (max_tokens) or "abort"
     num_cached_tokens: int  # prompt tokens served from the prefix cache
-    logprobs: list[float] | None = None
+    logprobs: list[float] | None = None  # the chosen tokens' (with params.logprobs or top_logprobs > 0)
+    top_logprobs: list[dict[int, float]] | None = None  # per token, the top_logprobs likeliest: id -> logprob
+    index: int = 0  # which of the request's n samples
 
     def __getitem__(self, key: str):
         """out["text"], out["token_ids"]: the dict access of nano-vllm's outputs."""
@@ -18,12 +20,15 @@ class GenerationOutput:
 
 @dataclass
 class RequestOutput:
-    """One request's progress in one engine step."""
+    """One sample's progress in one engine step (a request of n samples gives up to n per step)."""
     request_id: int
     new_token_ids: list[int]
     text_delta: str  # "" without a tokenizer, or while the new text could still start a stop string
-    finished: bool
+    finished: bool  # this sample; the request is done when all of its samples are
     output: GenerationOutput | None = None  # set when finished
+    index: int = 0  # which of the request's n samples
+    new_logprobs: list[float] | None = None  # aligned with new_token_ids, when the output has logprobs
+    new_top_logprobs: list[dict[int, float]] | None = None  # likewise, with params.top_logprobs > 0
 
 
 class IncrementalText:

@@ -41,6 +41,14 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def add_first(self, seqs: list[Sequence]) -> None:
+        """Queue seqs ahead of the other waiting ones (the samples of a request whose first sample
+        just prefilled their prompt: they hit its blocks while those are fresh), behind a head that
+        is partly prefilled, which goes on first."""
+        at = 1 if self.waiting and self.waiting[0].block_table else 0
+        for i, seq in enumerate(seqs):
+            self.waiting.insert(at + i, seq)
+
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
 

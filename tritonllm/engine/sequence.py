@@ -34,6 +34,7 @@ class Sequence:
         self.num_cached_tokens = 0  # of those, how many came from the prefix cache
         self.num_hashed_blocks = 0  # leading blocks registered in the prefix cache
         self.logprobs: list[float] = []
+        self.top_logprobs: list[dict[int, float]] = []
         self.finish_reason: str | None = None
 
     def __len__(self) -> int:

@@ -1,0 +1,205 @@
+"""n samples per prompt, presence / frequency / repetition penalties and top logprobs, end to end
+on the tiny checkpoint, against HF transformers' logits and penalties applied by hand."""
+import pytest
+import torch
+from tiny_qwen3 import hf_greedy
+from transformers.models.qwen3 import Qwen3ForCausalLM as HFQwen3
+
+from tritonllm import LLM, SamplingParams
+
+NUM_BLOCKS = 32
+PROMPT = list(range(40, 75))  # 35 tokens: two full blocks of 16 and 3 more
+SHORT = [7, 8, 9, 7, 8, 9, 7]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_qwen3):
+    with LLM(str(tiny_qwen3), max_num_seqs=8, num_kv_blocks=NUM_BLOCKS) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_qwen3):
+    return HFQwen3.from_pretrained(tiny_qwen3, dtype=torch.float32)
+
+
+def greedy(**params):
+    return SamplingParams(temperature=0, ignore_eos=True, **{"max_tokens": 6, **params})
+
+
+def assert_clean(llm):
+    assert not llm.has_unfinished() and llm.scheduler.is_finished()
+    assert llm.block_manager.num_free_blocks == NUM_BLOCKS
+
+
+def hf_penalized(hf, prompt, n, presence=0.0, frequency=0.0, repetition=1.0):
+    """Greedy tokens with the penalties applied by hand to HF's logits (float64), and each chosen
+    token's raw logprob."""
+    ids, logprobs = list(prompt), []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = hf(torch.tensor([ids])).logits[0, -1].double()
+            counts = torch.bincount(torch.tensor(ids[len(prompt):], dtype=torch.long), minlength=len(logits))
+            seen = (counts > 0) | torch.isin(torch.arange(len(logits)), torch.tensor(prompt))
+            x = torch.where(seen, torch.where(logits > 0, logits / repetition, logits * repetition), logits)
+            x = x - frequency * counts - presence * (counts > 0)
+            ids.append(int(x.argmax()))
+            logprobs.append(float(logits.log_softmax(-1)[ids[-1]]))
+    return ids[len(prompt):], logprobs
+
+
+def test_n_greedy_samples_equal_n_1_and_the_prompt_is_prefilled_once(tiny_qwen3):
+    llm = LLM(str(tiny_qwen3), max_num_seqs=8, num_kv_blocks=NUM_BLOCKS)
+    want = hf_greedy(tiny_qwen3, PROMPT, 6)
+    before = llm.stats()
+    outputs = llm.generate([PROMPT], greedy(n=3), use_tqdm=False)
+    after = llm.stats()
+    assert [o.token_ids for o in outputs] == [want] * 3 and [o.index for o in outputs] == [0, 1, 2]
+    # Sample 0 computes the prompt; the others hit its two full blocks and compute the last 3 tokens.
+    assert [o.num_cached_tokens for o in outputs] == [0, 32, 32]
+    assert after["prefill_tokens_total"] - before["prefill_tokens_total"] == 35 + 2 * 3
+    assert after["prompt_tokens_total"] - before["prompt_tokens_total"] == 35
+    assert after["generation_tokens_total"] - before["generation_tokens_total"] == 18
+    assert after["num_free_kv_blocks"] == after["num_kv_blocks"] == NUM_BLOCKS and after["num_running_seqs"] == 0
+    assert llm.generate([PROMPT], greedy(), use_tqdm=False)[0].token_ids == want
+    llm.close()
+
+
+def test_n_seeded_samples_differ_are_reproducible_and_prompt_major(llm):
+    params = SamplingParams(temperature=1.0, max_tokens=8, seed=11, n=3, ignore_eos=True)
+    first = llm.generate([PROMPT, SHORT], params, use_tqdm=False)
+    assert [o.index for o in first] == [0, 1, 2] * 2
+    assert [o.prompt_token_ids for o in first] == [PROMPT] * 3 + [SHORT] * 3
+    for outputs in (first[:3], first[3:]):
+        assert len({tuple(o.token_ids) for o in outputs}) == 3
+    assert [o.token_ids for o in llm.generate([PROMPT, SHORT], params, use_tqdm=False)] == [o.token_ids for o in first]
+    one = SamplingParams(temperature=1.0, max_tokens=8, seed=11, ignore_eos=True)
+    assert llm.generate([SHORT], one, use_tqdm=False)[0].token_ids == first[3].token_ids  # sample 0 keeps the seed
+    # Per-prompt params with different n: still flat and prompt-major.
+    mixed = llm.generate([SHORT, PROMPT], [greedy(n=2), greedy()], use_tqdm=False)
+    assert [(o.prompt_token_ids, o.index) for o in mixed] == [(SHORT, 0), (SHORT, 1), (PROMPT, 0)]
+    assert_clean(llm)
+
+
+def test_stream_of_n_samples(llm):
+    params = SamplingParams(temperature=1.0, max_tokens=5, seed=3, n=2, ignore_eos=True, logprobs=True)
+    tokens, logprobs, finals = {}, {}, {}
+    for event in llm.stream([SHORT, PROMPT], params):
+        tokens.setdefault(event.index, []).extend(event.new_token_ids)
+        logprobs.setdefault(event.index, []).extend(event.new_logprobs)
+        assert len(event.new_logprobs) == len(event.new_token_ids)
+        if event.finished:
+            finals[event.index] = event.output
+    generated = llm.generate([SHORT, PROMPT], params, use_tqdm=False)
+    assert sorted(tokens) == [0, 1, 2, 3]
+    assert [tokens[i] for i in range(4)] == [o.token_ids for o in generated] == [finals[i].token_ids for i in range(4)]
+    assert [logprobs[i] for i in range(4)] == [finals[i].logprobs for i in range(4)]
+    assert [finals[i].index for i in range(4)] == [0, 1, 0, 1]
+    assert_clean(llm)
+
+
+@pytest.mark.parametrize("steps", [0, 1, 2, 4])
+def test_abort_of_an_n_request_aborts_every_sample_and_frees_all_blocks(llm, steps):
+    # Step 1 prefills sample 0, step 2 the other two (from the cache); tokens follow a step later.
+    request = llm.add_request(PROMPT, greedy(n=3, max_tokens=20))
+    seen = []
+    for _ in range(steps):
+        seen += llm.step()
+    running = llm.stats()["num_running_seqs"] + llm.stats()["num_waiting_seqs"]
+    assert running == 3
+    llm.abort(request)
+    seen += llm.step()
+    assert not llm.has_unfinished()
+    finals = [o for o in seen if o.finished]
+    assert sorted(o.index for o in finals) == [0, 1, 2]
+    assert all(o.request_id == request and o.output.finish_reason == "abort" and o.output.index == o.index for o in finals)
+    assert llm.step() == []
+    assert_clean(llm)
+    assert llm.stats()["num_waiting_seqs"] == 0
+
+
+def test_n_samples_under_preemption(tiny_qwen3):
+    # A 14-token prompt takes a block of 16; at its 17th token each sample needs a second one, and
+    # 4 blocks do not give three samples two each.
+    prompt = list(range(1, 15))
+    small = LLM(str(tiny_qwen3), max_num_seqs=4, num_kv_blocks=4)
+    want = hf_greedy(tiny_qwen3, prompt, 10)
+    outputs = small.generate([prompt], greedy(n=3, max_tokens=10), use_tqdm=False)
+    assert [o.token_ids for o in outputs] == [want] * 3
+    assert small.scheduler.num_preemptions > 0 and small.block_manager.num_free_blocks == 4
+    small.close()
+
+
+def test_presence_and_frequency_penalties(llm, hf):
+    plain = llm.generate([SHORT], greedy(max_tokens=12), use_tqdm=False)[0].token_ids
+    assert len(set(plain)) < len(plain)  # greedy repeats itself here, so the penalties show
+    plain_long, changed = hf_greedy(llm.config.model, PROMPT, 12), []
+    for presence, frequency in [(0.0, 2.0), (2.0, 0.0), (1.5, 0.5), (-1.0, -0.5)]:
+        params = greedy(max_tokens=12, presence_penalty=presence, frequency_penalty=frequency, logprobs=True)
+        # Beside requests without penalties (rows left as they are) and samples of one request.
+        outputs = llm.generate([SHORT, SHORT, PROMPT], [params, greedy(max_tokens=12), greedy(n=2, max_tokens=12)],
+                               use_tqdm=False)
+        want, raw_logprobs = hf_penalized(hf, SHORT, 12, presence, frequency)
+        assert outputs[0].token_ids == want, (presence, frequency)
+        assert outputs[0].logprobs == pytest.approx(raw_logprobs, abs=1e-4)  # of the raw distribution
+        assert outputs[1].token_ids == plain
+        assert outputs[2].token_ids == outputs[3].token_ids == plain_long
+        changed.append(want != plain)
+    assert changed[:3] == [True] * 3
+    assert_clean(llm)
+
+
+@pytest.mark.parametrize("kernels", ["triton", "reference"])
+def test_repetition_penalty_with_n_and_preemption(tiny_qwen3, hf, kernels):
+    # Two blocks of 16 for three samples of a 14-token prompt: the samples are preempted and
+    # recomputed, and get their penalty rows back filled from their tokens.
+    prompt = list(range(1, 15))
+    small = LLM(str(tiny_qwen3), max_num_seqs=4, num_kv_blocks=4, kernels=kernels)
+    filled, fill = [], small.runner.penalties._assign
+    small.runner.penalties._assign = lambda seqs: filled.extend(len(s.completion_token_ids) for s in seqs) or fill(seqs)
+    for repetition, frequency in [(1.8, 0.0), (0.6, 0.0), (1.3, 1.0)]:
+        params = greedy(n=3, max_tokens=10, repetition_penalty=repetition, frequency_penalty=frequency)
+        outputs = small.generate([prompt], params, use_tqdm=False)
+        want = hf_penalized(hf, prompt, 10, frequency=frequency, repetition=repetition)[0]
+        assert [o.token_ids for o in outputs] == [want] * 3, repetition
+    assert small.scheduler.num_preemptions > 0 and small.block_manager.num_free_blocks == 4
+    assert max(filled) > 0  # a preempted sample's row was filled again from the tokens it had generated
+    small.close()
+
+
+def test_top_logprobs(llm, hf):
+    params = greedy(top_logprobs=5, max_tokens=4)
+    events = list(llm.stream([PROMPT], params))
+    out = events[-1].output
+    assert out.logprobs is not None and len(out.top_logprobs) == len(out.token_ids) == 4
+    with torch.no_grad():
+        logp = hf(torch.tensor([PROMPT + out.token_ids])).logits[0].log_softmax(-1)
+    for i, (token, top) in enumerate(zip(out.token_ids, out.top_logprobs)):
+        want = logp[len(PROMPT) - 1 + i].topk(5)
+        assert list(top) == want.indices.tolist() and list(top)[0] == token  # greedy: the chosen token first
+        assert list(top.values()) == pytest.approx(want.values.tolist(), abs=1e-4)
+        assert top[token] == pytest.approx(out.logprobs[i], abs=1e-5)
+    assert sum((e.new_top_logprobs for e in events), []) == out.top_logprobs
+    assert sum((e.new_logprobs for e in events), []) == out.logprobs
+    plain = llm.generate([PROMPT], greedy(max_tokens=4), use_tqdm=False)[0]
+    assert plain.token_ids == out.token_ids and plain.logprobs is None and plain.top_logprobs is None
+    assert_clean(llm)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("n", 0), ("n", 129), ("presence_penalty", 2.5), ("frequency_penalty", -2.01), ("repetition_penalty", 0.0),
+    ("repetition_penalty", -1.0), ("top_logprobs", 21), ("top_logprobs", -1),
+])
+def test_invalid_values_name_their_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_wrong_types_are_type_errors(llm):
+    with pytest.raises(TypeError, match="n must be an int"):
+        SamplingParams(n=2.0)
+    params = greedy()
+    params.top_logprobs = 30
+    with pytest.raises(ValueError, match="top_logprobs"):
+        llm.generate([SHORT], params, use_tqdm=False)
+    assert not llm.has_unfinished()

@@ -1,0 +1,71 @@
+"""The penalties' per-sequence state on the device: which buffer row each running sequence owns."""
+import torch
+
+from tritonllm.engine.sequence import Sequence, SequenceStatus
+
+
+class PenaltyRows:
+    """Rows of two device buffers, one per running sequence with penalties: counts [R, V] int32 of
+    its generated tokens and prompt_mask [R, V] uint8 of its prompt's tokens (the kernels'
+    apply_penalties reads them). After sampling, count_tokens adds the sampled ids to the counts
+    on the device, so the host never waits for them nor loops over the vocabulary.
+
+    A sequence gets a row when it first samples after a prefill, when all its tokens are on the
+    host: the row is filled from them. The row is given back once the sequence is no longer
+    running (finished or preempted; a preempted one gets a fresh row when it samples again).
+    A fill is launched after every update still in flight for the row's former owner, so the
+    device applies them in order. The buffers are made on first use and grow to max_rows.
+    """
+
+    def __init__(self, ops, vocab: int, max_rows: int, device: torch.device, to_device):
+        self.ops, self.vocab, self.max_rows, self.device = ops, vocab, max_rows, device
+        self.to_device = to_device  # host tensor -> device without waiting for the device (pinned)
+        self.counts = self.prompt_mask = None
+        self.owner: dict[int, Sequence] = {}  # row -> its sequence
+        self.row_of: dict[int, int] = {}  # seq_id -> row
+
+    def rows(self, seqs: list[Sequence]) -> list[int] | None:
+        """Each sequence's row (-1 without penalties), new rows filled; None if none has penalties."""
+        if not any(seq.params.has_penalties for seq in seqs):
+            return None
+        for row, seq in list(self.owner.items()):
+            if seq.status != SequenceStatus.RUNNING:
+                del self.owner[row], self.row_of[seq.seq_id]
+        new = [seq for seq in seqs if seq.params.has_penalties and seq.seq_id not in self.row_of]
+        if new:
+            self._assign(new)
+        return [self.row_of.get(seq.seq_id, -1) for seq in seqs]
+
+    def _assign(self, seqs: list[Sequence]) -> None:
+        # Running sequences never outnumber max_rows (max_num_seqs), and only they keep rows.
+        needed = len(self.owner) + len(seqs)
+        capacity = 0 if self.counts is None else len(self.counts)
+        if needed > capacity:
+            self._grow(min(self.max_rows, 1 << (needed - 1).bit_length()))
+        free = (row for row in range(len(self.counts)) if row not in self.owner)
+        rows = []
+        for seq, row in zip(seqs, free):
+            self.owner[row], self.row_of[seq.seq_id] = seq, row
+            rows.append(row)
+        index = self.to_device(torch.tensor(rows))
+        self.counts.index_fill_(0, index, 0)
+        self.prompt_mask.index_fill_(0, index, 0)
+        for buffer, tokens in ((self.counts, [s.completion_token_ids for s in seqs]),
+                               (self.prompt_mask, [s.token_ids[:s.num_prompt_tokens] for s in seqs])):
+            pairs = torch.tensor([(row, t) for row, ids in zip(rows, tokens) for t in ids], dtype=torch.int64)
+            if len(pairs):
+                pairs = self.to_device(pairs.T.contiguous())
+                self.ops.count_tokens(buffer, pairs[0], pairs[1])
+
+    def _grow(self, rows: int) -> None:
+        counts = torch.zeros(rows, self.vocab, dtype=torch.int32, device=self.device)
+        mask = torch.zeros(rows, self.vocab, dtype=torch.uint8, device=self.device)
+        if self.counts is not None:
+            counts[:len(self.counts)] = self.counts
+            mask[:len(self.prompt_mask)] = self.prompt_mask
+        self.counts, self.prompt_mask = counts, mask
+
+    def reset(self) -> None:
+        """Forget every row (after a failed step, whose in-flight updates the host never saw)."""
+        self.owner.clear()
+        self.row_of.clear()

@@ -1,0 +1,73 @@
+"""A request's bookkeeping: its n samples (one Sequence each), their text, and what each reported."""
+import dataclasses
+from dataclasses import dataclass
+
+import xxhash
+
+from tritonllm.engine.output import GenerationOutput, IncrementalText, RequestOutput
+from tritonllm.engine.sequence import Sequence
+from tritonllm.sampling_params import SamplingParams
+
+
+@dataclass
+class Sample:
+    seq: Sequence
+    index: int  # among the request's n samples
+    text: IncrementalText | None  # decoded as tokens arrive (streamed, or checked for stop strings)
+    num_emitted: int = 0  # completion tokens reported so far
+
+
+@dataclass
+class Request:
+    """One prompt and its n samples. Sample 0 is queued first; the others wait until its prompt is
+    computed and in the prefix cache (`num_queued`), so the prompt is prefilled once."""
+    request_id: int
+    samples: list[Sample]
+    stream: bool  # report every step's tokens and text, or only the final outputs
+    num_queued: int = 1
+    num_finished: int = 0
+
+    @property
+    def unqueued(self) -> list[Sample]:
+        return self.samples[self.num_queued:]
+
+
+def sample_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Sample `index`'s params: a seed stream of its own, derived from (seed, index). Sample 0 keeps
+    the seed, so it draws what the same request with n = 1 does."""
+    if index == 0 or params.seed is None:
+        return params
+    return dataclasses.replace(params, seed=xxhash.xxh64_intdigest(f"{params.seed}/{index}".encode()) >> 2)
+
+
+def make_request(seq: Sequence, stream: bool, tokenizer) -> Request:
+    """The request of a new sequence (sample 0): params.n samples of its prompt."""
+    params = seq.params
+    seqs = [seq] + [Sequence(seq.token_ids, sample_params(params, i), seq.block_size) for i in range(1, params.n)]
+    with_text = tokenizer is not None and (stream or params.stop)
+    samples = [Sample(s, i, IncrementalText(tokenizer, params.stop, params.min_tokens) if with_text else None)
+               for i, s in enumerate(seqs)]
+    return Request(seq.seq_id, samples, stream)
+
+
+def final_output(sample: Sample, tokenizer) -> GenerationOutput:
+    seq, params = sample.seq, sample.seq.params
+    if sample.text is not None:
+        text = sample.text.text
+    else:
+        text = tokenizer.decode(seq.completion_token_ids, skip_special_tokens=True) if tokenizer else None
+    return GenerationOutput(seq.token_ids[:seq.num_prompt_tokens], seq.completion_token_ids, text, seq.finish_reason,
+                            seq.num_cached_tokens, seq.logprobs if params.wants_logprobs else None,
+                            seq.top_logprobs if params.top_logprobs else None, sample.index)
+
+
+def step_output(request: Request, sample: Sample, finished: bool, tokenizer) -> RequestOutput:
+    """The sample's tokens, text and logprobs since its last output; the final output if finished."""
+    seq, params = sample.seq, sample.seq.params
+    start = sample.num_emitted
+    sample.num_emitted = len(seq.completion_token_ids)
+    delta = sample.text.delta(finished) if request.stream and sample.text is not None else ""
+    return RequestOutput(request.request_id, seq.completion_token_ids[start:], delta, finished,
+                         final_output(sample, tokenizer) if finished else None, sample.index,
+                         seq.logprobs[start:] if params.wants_logprobs else None,
+                         seq.top_logprobs[start:] if params.top_logprobs else None)
