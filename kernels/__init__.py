@@ -2,6 +2,7 @@
 from tritonllm.kernels.decode_attention import decode_attention
 from tritonllm.kernels.kv_cache import store_kv_cache
 from tritonllm.kernels.logprobs import compute_logprobs, compute_top_logprobs
+from tritonllm.kernels.moe_routing import moe_align, moe_route
 from tritonllm.kernels.norm import fused_add_rms_norm, rms_norm
 from tritonllm.kernels.penalties import apply_penalties, count_tokens
 from tritonllm.kernels.prefill_attention import prefill_attention

@@ -95,6 +95,31 @@ def silu_and_mul(x):
     return (gate.to(xf.dtype) * xf[..., inter:]).to(x.dtype)
 
 
+def moe_route(router_logits, top_k, renormalize):
+    """Softmax over the experts (float32, float64 for float64 logits), the top_k largest (ties to the
+    lower expert: a stable sort), divided by their sum if renormalize; (weights, ids int32) [T, top_k]."""
+    probs = torch.softmax(router_logits.to(_compute_dtype(router_logits.dtype)), dim=-1)
+    weights, ids = probs.sort(dim=-1, descending=True, stable=True)
+    weights, ids = weights[:, :top_k], ids[:, :top_k]
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights, ids.to(torch.int32)
+
+
+def fused_moe(x, w13, w2, topk_weights, topk_ids):
+    """Qwen3-MoE experts, a loop over them: y[t] = sum_j topk_weights[t, j] * w2[e] @ act(w13[e] @ x[t])
+    for e = topk_ids[t, j], act = silu_and_mul (gate/up rounded to x.dtype first); the down product,
+    weights and sum in float32 (float64 for float64 x), rounded once."""
+    dtype = _compute_dtype(x.dtype)
+    y = torch.zeros(x.shape, dtype=dtype, device=x.device)
+    for expert in topk_ids.unique().tolist():
+        tokens, slots = (topk_ids == expert).nonzero(as_tuple=True)
+        gate_up = (x[tokens].to(dtype) @ w13[expert].to(dtype).T).to(x.dtype)
+        down = silu_and_mul(gate_up).to(dtype) @ w2[expert].to(dtype).T
+        y.index_add_(0, tokens, down * topk_weights[tokens, slots, None].to(dtype))
+    return y.to(x.dtype)
+
+
 def gather_kv(cache, block_table, length):
     """The first `length` rows [length, Hkv, D] of a sequence from a paged cache."""
     block_size = cache.shape[1]

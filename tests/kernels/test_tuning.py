@@ -10,6 +10,7 @@ from tritonllm.kernels import tuning
 from tritonllm.kernels.decode_attention import decode_attention_bucket
 from tritonllm.kernels.kv_cache import store_kv_cache_bucket
 from tritonllm.kernels.logprobs import compute_logprobs_bucket
+from tritonllm.kernels.moe_routing import moe_route_bucket
 from tritonllm.kernels.norm import rms_norm_bucket
 from tritonllm.kernels.prefill_attention import prefill_attention_bucket
 from tritonllm.kernels.qk_norm_rotary import qk_norm_rotary_store_bucket
@@ -118,6 +119,7 @@ WRAPPERS = {
                sample_bucket(torch.float16, 3, 100)),
     "compute_logprobs": (lambda: kernels.compute_logprobs(zeros(3, 100), index(0, 1, 2)),
                          compute_logprobs_bucket(torch.float16, 100)),
+    "moe_route": (lambda: kernels.moe_route(zeros(3, 60), 4, True), moe_route_bucket(torch.float16, 60, 3)),
 }
 
 

@@ -1,0 +1,106 @@
+"""moe_route (softmax top-k of the router) and moe_align (pairs grouped by expert) against PyTorch
+and a plain-Python construction."""
+import pytest
+import torch
+from kernel_utils import DEVICE, DTYPES, randn
+
+from tritonllm.kernels import moe_align, moe_route, reference
+from tritonllm.kernels.moe_routing import SMALL_PAIRS, moe_align_size
+
+ROUTES = [(1, 4, 1), (3, 8, 2), (17, 60, 8), (17, 8, 8), (5, 512, 8), (33, 128, 8), (2, 60, 60)]
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens, experts, top_k", ROUTES)
+def test_moe_route(tokens, experts, top_k, dtype, renormalize):
+    logits = randn(tokens, experts, dtype=dtype, scale=3.0)
+    weights, ids = moe_route(logits, top_k, renormalize)
+    ref_weights, ref_ids = reference.moe_route(logits.double(), top_k, renormalize)
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int32
+    assert ids.tolist() == ref_ids.tolist()
+    torch.testing.assert_close(weights.double(), ref_weights, rtol=1e-5, atol=1e-7)
+
+
+def test_moe_route_ties_take_the_lower_expert():
+    logits = torch.tensor([[0.0, 2.0, 1.0, 2.0, 1.0, 2.0], [5.0] * 6], device=DEVICE)
+    weights, ids = moe_route(logits, 4, True)
+    assert ids.tolist() == [[1, 3, 5, 2], [0, 1, 2, 3]]
+    assert ids.tolist() == reference.moe_route(logits, 4, True)[1].tolist()
+    torch.testing.assert_close(weights[1], torch.full((4,), 0.25, device=DEVICE))
+
+
+def test_moe_route_strided_rows_and_empty():
+    logits = randn(7, 96)[:, :64]
+    weights, ids = moe_route(logits, 8, False)
+    ref_weights, ref_ids = reference.moe_route(logits, 8, False)
+    assert ids.tolist() == ref_ids.tolist()
+    torch.testing.assert_close(weights, ref_weights)
+    weights, ids = moe_route(randn(0, 64), 8, True)
+    assert weights.shape == (0, 8) and ids.shape == (0, 8)
+    with pytest.raises(ValueError, match="top_k"):
+        moe_route(randn(3, 4), 5, True)
+
+
+def align_by_hand(topk_ids, num_experts, block_m):
+    """moe_align's result built pair by pair in Python."""
+    flat = topk_ids.flatten().tolist()
+    pairs = len(flat)
+    groups = [[] for _ in range(num_experts)]
+    for i, expert in enumerate(flat):
+        groups[expert].append(i)
+    sorted_ids, blocks = [], []
+    for expert, group in enumerate(groups):
+        padded = -(-len(group) // block_m) * block_m
+        sorted_ids += group + [pairs] * (padded - len(group))
+        blocks += [expert] * (padded // block_m)
+    used = len(sorted_ids)
+    size = moe_align_size(pairs, num_experts, block_m)
+    assert used <= size
+    return sorted_ids + [pairs] * (size - used), blocks + [-1] * (size // block_m - len(blocks)), used
+
+
+def check_align(topk_ids, num_experts, block_m):
+    sorted_ids, block_expert, num_padded = moe_align(topk_ids, num_experts, block_m)
+    ref_sorted, ref_blocks, ref_used = align_by_hand(topk_ids, num_experts, block_m)
+    assert sorted_ids.dtype == block_expert.dtype == num_padded.dtype == torch.int32
+    assert num_padded.tolist() == [ref_used]
+    assert block_expert.tolist() == ref_blocks
+    assert sorted_ids.tolist() == ref_sorted
+
+
+def random_ids(tokens, num_experts, top_k, dtype=torch.int32):
+    """Each token's top_k distinct experts, as the router picks them."""
+    return torch.rand(tokens, num_experts, device=DEVICE).topk(top_k, dim=1).indices.to(dtype).contiguous()
+
+
+@pytest.mark.parametrize("block_m", [16, 64])
+@pytest.mark.parametrize("tokens, experts, top_k", ROUTES)
+def test_moe_align(tokens, experts, top_k, block_m):
+    check_align(random_ids(tokens, experts, top_k), experts, block_m)
+
+
+@pytest.mark.parametrize("tokens, experts, top_k, block_m", [
+    (SMALL_PAIRS // 8 + 1, 128, 8, 64),  # just past one program: three launches, three chunks
+    (700, 60, 4, 16),
+    (1500, 512, 8, 128),
+])
+def test_moe_align_many_pairs(tokens, experts, top_k, block_m):
+    check_align(random_ids(tokens, experts, top_k), experts, block_m)
+
+
+@pytest.mark.parametrize("pairs", [1000, 4000])
+def test_moe_align_skewed(pairs):
+    # Most pairs on one expert, a few on the last: groups spanning many chunks and blocks.
+    ids = torch.full((pairs, 1), 3, dtype=torch.int64, device=DEVICE)
+    ids[::97] = 59
+    check_align(ids, 60, 16)
+
+
+def test_moe_align_64k_pairs():
+    check_align(random_ids(8192, 512, 8), 512, 64)
+
+
+def test_moe_align_empty():
+    sorted_ids, block_expert, num_padded = moe_align(torch.zeros(0, 8, dtype=torch.int32, device=DEVICE), 128, 16)
+    assert sorted_ids.numel() == 0 and block_expert.numel() == 0 and num_padded.tolist() == [0]
