@@ -85,7 +85,7 @@ def _worst(top_x, top_i, live, SLOTS: tl.constexpr):
     return worst, worst_i, tl.min(tl.where(at & (top_i == worst_i), tl.arange(0, SLOTS), SLOTS), 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["k"])  # one compile for every k
 def _top_logprobs_kernel(logits_ptr, stride, values_ptr, ids_ptr, V, k, BLOCK: tl.constexpr, SLOTS: tl.constexpr):
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * stride
