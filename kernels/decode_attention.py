@@ -146,12 +146,15 @@ def _decode_space(dtype_name, head_dim, group, num_kv_heads, block_size, batch, 
     base = _decode_default(dtype_name, head_dim, group, num_kv_heads, block_size, batch, context)["NUM_SPLITS"]
     splits = sorted({max(1, base // 2), base, base * 2})
     num_warps = 8 if dtype_name == "float32" else 4
-    # Bandwidth-bound: what matters is bytes in flight per SM (tile size) and the split count; the
-    # stage count barely moves the time (bench/NOTES-attention.md).
-    # An e4m3 tile holds half the bytes of a bfloat16 one: longer tiles keep as many in flight.
-    block_ns = (32, 64, 128) if cache_dtype_name is None else (64, 128, 256)
-    return [{"BLOCK_N": block_n, "NUM_SPLITS": num_splits, "SPLIT_MIN": 256, "num_warps": num_warps, "num_stages": 3}
-            for block_n in block_ns for num_splits in splits]
+    if cache_dtype_name is None:
+        # Bandwidth-bound: what matters is bytes in flight per SM (tile size) and the split count;
+        # the stage count barely moves the time (bench/NOTES-attention.md).
+        return [{"BLOCK_N": block_n, "NUM_SPLITS": num_splits, "SPLIT_MIN": 256, "num_warps": num_warps,
+                 "num_stages": 3} for block_n in (32, 64, 128) for num_splits in splits]
+    # e4m3 tiles are bound by the instructions that feed the converts (NOTES-attention.md): more
+    # warps and fewer stages (more programs an SM) hide their latency.
+    return [{"BLOCK_N": block_n, "NUM_SPLITS": num_splits, "SPLIT_MIN": 256, "num_warps": warps, "num_stages": stages}
+            for block_n in (64, 128) for num_splits in splits[-2:] for warps in (num_warps, 8) for stages in (2, 3)]
 
 
 def _decode_default(dtype_name, head_dim, group, num_kv_heads, block_size, batch, context, cache_dtype_name=None):
