@@ -98,6 +98,21 @@ def test_stream_of_n_samples(llm):
     assert_clean(llm)
 
 
+def test_each_sample_stops_on_its_own(llm):
+    """A stop token ends each sample where it draws it past min_tokens, the others go on: the stopped
+    samples are cuts of the same seeded samples without the stop."""
+    params = dict(temperature=1.0, max_tokens=10, seed=5, n=4, ignore_eos=True)
+    full = [o.token_ids for o in llm.generate([SHORT], SamplingParams(**params), use_tqdm=False)]
+    stop = full[1][3]
+    outputs = llm.generate([SHORT], SamplingParams(**params, stop_token_ids=[stop], min_tokens=2), use_tqdm=False)
+    for tokens, out in zip(full, outputs):
+        cut = next((j for j in range(2, len(tokens)) if tokens[j] == stop), None)
+        assert out.token_ids == tokens[:cut + 1 if cut is not None else None]
+        assert out.finish_reason == ("length" if cut is None else "stop")
+    assert outputs[1].finish_reason == "stop"
+    assert_clean(llm)
+
+
 @pytest.mark.parametrize("steps", [0, 1, 2, 4])
 def test_abort_of_an_n_request_aborts_every_sample_and_frees_all_blocks(llm, steps):
     # Step 1 prefills sample 0, step 2 the other two (from the cache); tokens follow a step later.
