@@ -7,6 +7,7 @@
     GET  /stats, /metrics      running / waiting requests, KV blocks, token counters (JSON, Prometheus)
 """
 import asyncio
+import gc
 import json
 import time
 from contextlib import asynccontextmanager
@@ -99,7 +100,7 @@ async def events(state: ServerState, stream: RequestStream, renderer: Renderer, 
 
 async def generate(state: ServerState, request: Request, parsed: GenerateRequest):
     state.counters["requests"] += 1
-    stream = await state.engine.submit(parsed.prompts, parsed.params, parsed.chat, parsed.fill_max_tokens)
+    stream = await state.engine.submit(parsed.prompts, parsed.params, parsed.chat, parsed.fill_max_tokens, parsed.stream)
     renderer = Renderer(parsed, state.names[0], state.tokenizer, state.token_cache)
     if parsed.stream:
         return StreamingResponse(events(state, stream, renderer, parsed.include_usage), media_type="text/event-stream",
@@ -127,6 +128,9 @@ def create_app(engine: EngineClient, names: tuple[str, ...], tokenizer=None) -> 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.attach(asyncio.get_running_loop())
+        # Everything loaded by now lives as long as the server: out of the collector's way, a full
+        # collection takes ~0.1 ms instead of ~0.4 s over torch's and transformers' objects.
+        gc.freeze()
         yield
         await asyncio.to_thread(engine.shutdown)
 

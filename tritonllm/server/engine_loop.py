@@ -12,14 +12,16 @@ stream's reader. A reader that fell behind takes all its stream holds at once, s
 sends fewer, larger chunks and never slows the engine. Commands go out through a sender thread,
 so the loop never blocks on a full pipe.
 
-The messages are tuples. Server to engine: ("add", key, prompts, params, chat, fill_max_tokens),
+The messages are tuples. Server to engine: ("add", key, prompts, params, chat, fill_max_tokens, stream),
 ("abort", key), ("stats", key), ("stop",). Engine to server: ("ready", info) or ("failed", text)
 once; ("added", key, error, prompt_lengths), ("stats", key, dict), ("out", items) with items
 (key, choice, token_ids, text, logprobs, top_logprobs, final), final None or (finish_reason,
-cached_tokens); ("error", keys, text) when a step failed (those requests are aborted).
+cached_tokens); ("error", keys, text) when a step failed (those requests are aborted). A request
+not streamed gives one item per choice, when it finishes, with all its tokens and text.
 """
 import asyncio
 import dataclasses
+import gc
 import itertools
 import multiprocessing as mp
 import queue
@@ -47,6 +49,7 @@ def engine_main(conn, model: str, options: dict, max_waiting: int) -> None:
     except Exception as error:
         conn.send(("failed", f"{type(error).__name__}: {error}"))
         return
+    gc.freeze()  # the model's objects stay: a full collection would otherwise walk them all (~0.4 s)
     try:
         stats = engine.stats()
         conn.send(("ready", {"model": engine.config.model, "max_model_len": engine.config.max_model_len,
@@ -65,7 +68,7 @@ class EngineWorker:
     def __init__(self, engine, conn, max_waiting: int):
         self.engine, self.conn, self.max_waiting = engine, conn, max_waiting
         self.keys: dict[int, list[int]] = {}  # server key -> its engine request ids
-        self.requests: dict[int, list] = {}  # engine request id -> [key, first choice index, samples left]
+        self.requests: dict[int, list] = {}  # engine request id -> [key, first choice index, samples left, stream]
 
     def run(self) -> None:
         while True:
@@ -93,7 +96,7 @@ class EngineWorker:
             return False
         return True
 
-    def add(self, key: int, prompts: list, params, chat: bool, fill_max_tokens: bool) -> None:
+    def add(self, key: int, prompts: list, params, chat: bool, fill_max_tokens: bool, stream: bool) -> None:
         """Queue every prompt of one API request, or none of them: a bad one is reported for all."""
         waiting = self.engine.stats()["num_waiting_seqs"]
         if waiting + len(prompts) * params.n > self.max_waiting:
@@ -108,9 +111,9 @@ class EngineWorker:
                     config = self.engine.config
                     room = min(config.max_model_len, self.engine.stats()["num_kv_blocks"] * config.kv_block_size)
                     params = dataclasses.replace(params, max_tokens=max(1, room - len(token_ids)))
-                request_id = self.engine.add_request(token_ids, params, stream=True)
+                request_id = self.engine.add_request(token_ids, params, stream=stream)
                 self.keys[key].append(request_id)
-                self.requests[request_id] = [key, i * params.n, params.n]
+                self.requests[request_id] = [key, i * params.n, params.n, stream]
                 lengths.append(len(token_ids))
         except (ValueError, TypeError) as error:
             self.abort(key)
@@ -119,7 +122,10 @@ class EngineWorker:
         self.conn.send(("added", key, None, lengths))
 
     def encode(self, prompt, chat: bool) -> list[int]:
-        """Token ids as LLM.generate (a string or ids) or LLM.chat (a templated text) makes them."""
+        """Token ids as LLM.generate (a string or ids) or LLM.chat (a templated text) makes them;
+        ids are checked when the request is added."""
+        if isinstance(prompt, list):
+            return prompt
         if not chat:
             return self.engine.encode(prompt)
         token_ids = self.engine.tokenizer.encode(prompt, add_special_tokens=False)
@@ -147,9 +153,11 @@ class EngineWorker:
             entry = self.requests.get(out.request_id)
             if entry is None:  # aborted
                 continue
-            final = None
+            final, text = None, out.text_delta
             if out.finished:
                 final = (out.output.finish_reason, out.output.num_cached_tokens)
+                if not entry[3]:  # not streamed: the whole completion in this one output
+                    text = out.output.text or ""
                 entry[2] -= 1
                 if entry[2] == 0:
                     del self.requests[out.request_id]
@@ -157,7 +165,7 @@ class EngineWorker:
                     ids.remove(out.request_id)
                     if not ids:
                         del self.keys[entry[0]]
-            items.append((entry[0], entry[1] + out.index, out.new_token_ids, out.text_delta, out.new_logprobs,
+            items.append((entry[0], entry[1] + out.index, out.new_token_ids, text, out.new_logprobs,
                           out.new_top_logprobs, final))
         if items:
             self.conn.send(("out", items))
@@ -289,12 +297,14 @@ class EngineClient:
         self.outbox.put(command)
         return await future
 
-    async def submit(self, prompts: list, params, chat: bool = False, fill_max_tokens: bool = False) -> RequestStream:
-        """Queue an API request's prompts (n samples each); errors are ApiErrors (400, 503)."""
+    async def submit(self, prompts: list, params, chat: bool = False, fill_max_tokens: bool = False,
+                     stream: bool = True) -> RequestStream:
+        """Queue an API request's prompts (n samples each); errors are ApiErrors (400, 503). Not
+        streamed, each choice comes as one output when it finishes."""
         key = next(self.keys)
         stream = self.streams[key] = RequestStream(key, len(prompts) * params.n)
         try:
-            _, _, error, lengths = await self._ask(("add", key, prompts, params, chat, fill_max_tokens))
+            _, _, error, lengths = await self._ask(("add", key, prompts, params, chat, fill_max_tokens, stream))
         except BaseException:  # cancelled: the client left while the engine was adding it
             self.release(stream)
             raise

@@ -128,12 +128,12 @@ def _prompts(body: dict) -> list:
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         return [prompt]
-    if isinstance(prompt, list) and prompt:
-        if all(as_int(t) is not None for t in prompt):
+    if isinstance(prompt, list) and prompt:  # JSON's integers are ints (and true is a bool, not an int)
+        if all(type(t) is int for t in prompt):
             return [prompt]
         if all(isinstance(p, str) for p in prompt):
             return prompt
-        if all(isinstance(p, list) and p and all(as_int(t) is not None for t in p) for p in prompt):
+        if all(isinstance(p, list) and p and all(type(t) is int for t in p) for p in prompt):
             return prompt
     raise bad("prompt must be a string, an array of strings, an array of token ids or an array of "
               f"token-id arrays (none empty), got {prompt!r:.60}", "prompt")
