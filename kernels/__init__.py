@@ -1,5 +1,6 @@
 """Triton kernels of tritonllm; kernels/reference.py holds the PyTorch reference of each, README.md the contract."""
 from tritonllm.kernels.decode_attention import decode_attention
+from tritonllm.kernels.fused_moe import fused_moe
 from tritonllm.kernels.kv_cache import store_kv_cache
 from tritonllm.kernels.logprobs import compute_logprobs, compute_top_logprobs
 from tritonllm.kernels.moe_routing import moe_align, moe_route

@@ -167,6 +167,17 @@ def cases():
                 lambda q=q, c=cache, s=scales, bs=bs, cfg=split: decode_attention(
                     q(1), c(32768), c(32768), i32(1), i32(1, 32768 // bs), config=cfg, **s(32768)),
             ]
+    from tritonllm.kernels import fused_moe, moe_route
+
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        calls.append(lambda d=dtype: moe_route(torch.zeros(4096, 128, dtype=d), 8, True))
+        # Qwen3-30B-A3B's expert shapes, 8 experts (nothing compiled depends on E): one token (decode
+        # tiles, moe_align in one program), 4096 (wgmma tiles, moe_align's three launches), k = 1.
+        for tokens, top_k in ((1, 8), (4096, 8), (64, 1)):
+            calls.append(lambda d=dtype, t=tokens, k=top_k: fused_moe(
+                torch.zeros(t, 2048, dtype=d), torch.zeros(8, 1536, 2048, dtype=d), torch.zeros(8, 2048, 768, dtype=d),
+                torch.zeros(t, k), torch.zeros(t, k, dtype=torch.int32)))
+    calls.append(lambda: moe_route(torch.zeros(1, 512), 8, False))
     return calls
 
 

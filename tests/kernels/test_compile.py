@@ -86,3 +86,29 @@ def test_prefill_attention_uses_wgmma_on_sm90():
     result = run(["-c", PREFILL_PTX.format(here=str(HERE))])
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().splitlines()[-1] == "True", result.stdout
+
+
+MOE_PTX = '''
+import sys
+sys.path.insert(0, {here!r})
+import sm90_compile
+import torch
+from tritonllm.kernels import fused_moe
+
+def call():
+    bf16 = dict(dtype=torch.bfloat16)
+    fused_moe(torch.zeros(4096, 2048, **bf16), torch.zeros(128, 1536, 2048, **bf16), torch.zeros(128, 2048, 768, **bf16),
+              torch.zeros(4096, 8), torch.zeros(4096, 8, dtype=torch.int32))
+
+for kernel, bound, options in sm90_compile.record_launches([call]):
+    if kernel.__name__ in ("_moe_gate_up_kernel", "_moe_down_kernel"):
+        print(kernel.__name__, "wgmma" in sm90_compile.compile_sm90(kernel, bound, options).asm["ptx"])
+'''
+
+
+def test_fused_moe_gemms_use_wgmma_on_sm90():
+    # A prefill-sized bf16 call (the Qwen3-30B-A3B layer, 4096 tokens): both grouped GEMMs' default
+    # tiles (BLOCK_M 64, 4 warps) run on Hopper's wgmma.
+    result = run(["-c", MOE_PTX.format(here=str(HERE))])
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["_moe_gate_up_kernel", "True", "_moe_down_kernel", "True"], result.stdout

@@ -8,6 +8,7 @@ from kernel_utils import DEVICE
 from tritonllm import kernels
 from tritonllm.kernels import tuning
 from tritonllm.kernels.decode_attention import decode_attention_bucket
+from tritonllm.kernels.fused_moe import fused_moe_bucket
 from tritonllm.kernels.kv_cache import store_kv_cache_bucket
 from tritonllm.kernels.logprobs import compute_logprobs_bucket
 from tritonllm.kernels.moe_routing import moe_route_bucket
@@ -120,6 +121,9 @@ WRAPPERS = {
     "compute_logprobs": (lambda: kernels.compute_logprobs(zeros(3, 100), index(0, 1, 2)),
                          compute_logprobs_bucket(torch.float16, 100)),
     "moe_route": (lambda: kernels.moe_route(zeros(3, 60), 4, True), moe_route_bucket(torch.float16, 60, 3)),
+    "fused_moe": (lambda: kernels.fused_moe(zeros(3, 32), zeros(8, 96, 32), zeros(8, 32, 48),
+                                            zeros(3, 2, dtype=torch.float32), index(0, 1, 2, 3, 4, 5).view(3, 2)),
+                  fused_moe_bucket(torch.float16, 8, 48, 32, 3)),
 }
 
 
