@@ -4,80 +4,10 @@ its answers are compared with. A module's SERVER_ARGS are added to the server's 
 The server and the LLM run the PyTorch reference kernels: on the CPU Triton's interpreter is about
 ten times slower, and these tests check the server, not the kernels (tests/kernels, tests/engine).
 """
-import json
-import os
-import signal
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
-
-import openai
 import pytest
+from server_process import ServerProcess
 
 from tritonllm import LLM, BUNDLED_MODEL
-from tritonllm.distributed import free_port
-
-ENGINE_ARGS = ["--device", "cpu", "--kernels", "reference"]
-STARTUP_TIMEOUT_S = 300
-
-
-class ServerProcess:
-    def __init__(self, args: list[str], log_path):
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self.log = open(log_path, "w")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.process = subprocess.Popen([sys.executable, "-m", "tritonllm", "serve", "--port", str(self.port), *ENGINE_ARGS,
-                                         *args], stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while self.request("GET", "/health", timeout=5)[0] != 200:
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"the server did not start:\n{self.log_text()[-4000:]}")
-            time.sleep(0.5)
-
-    def log_text(self) -> str:
-        self.log.flush()
-        return open(self.log_path).read()
-
-    def request(self, method: str, path: str, body: bytes | dict | None = None, timeout: float = 120) -> tuple[int, dict | str]:
-        """(status, the JSON body or text); status 0 when nothing answers."""
-        data = json.dumps(body).encode() if isinstance(body, dict) else body
-        request = urllib.request.Request(self.base + path, data=data, method=method,
-                                         headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=timeout) as response:
-                status, text = response.status, response.read().decode()
-        except urllib.error.HTTPError as error:
-            status, text = error.code, error.read().decode()
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            return 0, ""
-        try:
-            return status, json.loads(text)
-        except json.JSONDecodeError:
-            return status, text
-
-    def stats(self) -> dict:
-        status, body = self.request("GET", "/stats")
-        assert status == 200, body
-        return body
-
-    def client(self, **options) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0, timeout=300, **options)
-
-    def stop(self, timeout: float = 60) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self.log.close()
-        return self.process.returncode
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
 """The server's limits: a full waiting queue answers 503, SIGTERM ends the server within seconds."""
+import os
 import signal
 import subprocess
 import sys
@@ -7,6 +8,7 @@ from pathlib import Path
 
 import openai
 import pytest
+from server_process import ServerProcess
 
 MODEL = "bundled"
 # One request runs at a time and one may wait; streams still open 1 s after SIGTERM are aborted.
@@ -71,3 +73,15 @@ def test_a_model_that_does_not_load_is_a_clean_error():
     result = subprocess.run([sys.executable, "-m", "tritonllm", "serve", "--model", "Qwen3-0.6B", "--device", "cpu"],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and "does not exist" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_the_server_stops_when_its_engine_dies(tmp_path):
+    server = ServerProcess([], tmp_path / "log.txt")
+    try:
+        engine = [pid for pid in children(server.process.pid) if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert len(engine) == 1
+        os.kill(engine[0], signal.SIGKILL)
+        assert server.process.wait(timeout=60) in (0, -signal.SIGTERM)
+        assert "the engine process exited (exit code -9); stopping the server" in server.log_text()
+    finally:
+        server.stop()

@@ -9,6 +9,7 @@
 import asyncio
 import gc
 import json
+import sys
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -223,7 +224,11 @@ def run_server(model: str, options: dict, host: str = "127.0.0.1", port: int = 8
     engine = EngineClient(model, options, max_waiting)
     try:
         tokenizer = AutoTokenizer.from_pretrained(engine.info["model"]) if engine.info["has_tokenizer"] else None
-        app = create_app(engine, served_names(model, served_model_name), tokenizer)
+        names = served_names(model, served_model_name)
+        app = create_app(engine, names, tokenizer)
+        info = engine.info
+        print(f"tritonllm serve: {names[0]} (max_model_len {info['max_model_len']}, {info['num_kv_blocks']} KV blocks of "
+              f"{info['kv_block_size']}) on http://{host}:{port}/v1", file=sys.stderr, flush=True)
         # uvicorn's own timeout is a backstop: by then the streams have ended themselves.
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                                 timeout_graceful_shutdown=shutdown_timeout + 5)

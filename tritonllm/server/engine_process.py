@@ -1,0 +1,144 @@
+"""The engine's process: load the model, then take the server's commands between steps and send
+each step's outputs as one message (the messages: engine_loop.py)."""
+import dataclasses
+import gc
+import os
+import signal
+import sys
+import traceback
+
+
+def engine_main(conn, model: str, options: dict, max_waiting: int) -> None:
+    """The child process: load the model, report ready, then serve commands and step until stopped
+    or until the server's end of the pipe closes."""
+    # Out of the terminal's process group (with the tensor-parallel workers it spawns): Ctrl-C
+    # reaches the server only, which stops the engine in order.
+    os.setpgrp()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from tritonllm.engine.engine import LLMEngine
+
+    try:
+        engine = LLMEngine(model, **options)
+    except Exception as error:
+        conn.send(("failed", f"{type(error).__name__}: {error}"))
+        return
+    gc.freeze()  # the model's objects stay: a full collection would otherwise walk them all (~0.4 s)
+    try:
+        stats = engine.stats()
+        conn.send(("ready", {"model": engine.config.model, "max_model_len": engine.config.max_model_len,
+                             "vocab_size": engine.hf_config.vocab_size, "has_tokenizer": engine.tokenizer is not None,
+                             "kv_block_size": engine.config.kv_block_size, "num_kv_blocks": stats["num_kv_blocks"]}))
+        EngineWorker(engine, conn, max_waiting).run()
+    except (EOFError, BrokenPipeError, ConnectionResetError):  # the server is gone
+        pass
+    finally:
+        engine.close()
+
+
+class EngineWorker:
+    """The child's loop; requests are known by the server's key, each of one or more engine requests."""
+
+    def __init__(self, engine, conn, max_waiting: int):
+        self.engine, self.conn, self.max_waiting = engine, conn, max_waiting
+        self.keys: dict[int, list[int]] = {}  # server key -> its engine request ids
+        self.requests: dict[int, list] = {}  # engine request id -> [key, first choice index, samples left, stream]
+
+    def run(self) -> None:
+        while True:
+            busy = self.engine.has_unfinished()
+            if self.conn.poll(0 if busy else None):  # idle: sleep until a command comes
+                while True:
+                    if not self.handle(self.conn.recv()):
+                        return
+                    if not self.conn.poll(0):
+                        break
+            if self.engine.has_unfinished():
+                self.step()
+
+    def handle(self, command: tuple) -> bool:
+        kind = command[0]
+        if kind == "add":
+            self.add(*command[1:])
+        elif kind == "abort":
+            self.abort(command[1])
+        elif kind == "stats":
+            self.conn.send(("stats", command[1], self.engine.stats()))
+        elif kind == "stop":
+            for key in list(self.keys):
+                self.abort(key)
+            return False
+        return True
+
+    def add(self, key: int, prompts: list, params, chat: bool, fill_max_tokens: bool, stream: bool) -> None:
+        """Queue every prompt of one API request, or none of them: a bad one is reported for all."""
+        waiting = self.engine.stats()["num_waiting_seqs"]
+        if waiting + len(prompts) * params.n > self.max_waiting:
+            self.conn.send(("added", key, ("queue_full", f"the server's queue is full ({waiting} requests waiting): "
+                                                         "retry later"), None))
+            return
+        self.keys[key], lengths = [], []
+        try:
+            for i, prompt in enumerate(prompts):
+                token_ids = self.encode(prompt, chat)
+                if fill_max_tokens:  # chat without max_tokens: as far as the model's length allows
+                    config = self.engine.config
+                    room = min(config.max_model_len, self.engine.stats()["num_kv_blocks"] * config.kv_block_size)
+                    params = dataclasses.replace(params, max_tokens=max(1, room - len(token_ids)))
+                request_id = self.engine.add_request(token_ids, params, stream=stream)
+                self.keys[key].append(request_id)
+                self.requests[request_id] = [key, i * params.n, params.n, stream]
+                lengths.append(len(token_ids))
+        except (ValueError, TypeError) as error:
+            self.abort(key)
+            self.conn.send(("added", key, ("invalid", str(error)), None))
+            return
+        self.conn.send(("added", key, None, lengths))
+
+    def encode(self, prompt, chat: bool) -> list[int]:
+        """Token ids as LLM.generate (a string or ids) or LLM.chat (a templated text) makes them;
+        ids are checked when the request is added."""
+        if isinstance(prompt, list):
+            return prompt
+        if not chat:
+            return self.engine.encode(prompt)
+        token_ids = self.engine.tokenizer.encode(prompt, add_special_tokens=False)
+        self.engine.check_known_characters(prompt, token_ids)
+        return token_ids
+
+    def abort(self, key: int) -> None:
+        for request_id in self.keys.pop(key, []):
+            if self.requests.pop(request_id, None) is not None:
+                self.engine.abort(request_id)
+
+    def step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception:  # fail the requests, keep serving (the engine recomputes what was in flight)
+            text = traceback.format_exc()
+            print(f"tritonllm serve: a step failed; its requests are aborted:\n{text}", file=sys.stderr, flush=True)
+            keys = list(self.keys)
+            for key in keys:
+                self.abort(key)
+            self.conn.send(("error", keys, text.strip().splitlines()[-1]))
+            return
+        items = []
+        for out in outputs:
+            entry = self.requests.get(out.request_id)
+            if entry is None:  # aborted
+                continue
+            final, text = None, out.text_delta
+            if out.finished:
+                final = (out.output.finish_reason, out.output.num_cached_tokens)
+                if not entry[3]:  # not streamed: the whole completion in this one output
+                    text = out.output.text or ""
+                entry[2] -= 1
+                if entry[2] == 0:
+                    del self.requests[out.request_id]
+                    ids = self.keys[entry[0]]
+                    ids.remove(out.request_id)
+                    if not ids:
+                        del self.keys[entry[0]]
+            items.append((entry[0], entry[1] + out.index, out.new_token_ids, text, out.new_logprobs,
+                          out.new_top_logprobs, final))
+        if items:
+            self.conn.send(("out", items))
