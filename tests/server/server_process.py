@@ -3,6 +3,7 @@ kernels) and the raw HTTP calls the tests make beside the openai client."""
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -53,6 +54,14 @@ class ServerProcess:
             return status, json.loads(text)
         except json.JSONDecodeError:
             return status, text
+
+    def send_only(self, path: str, body: dict) -> socket.socket:
+        """POST body without reading the answer: the caller closes the socket to leave."""
+        sock = socket.create_connection(("127.0.0.1", self.port))
+        data = json.dumps(body).encode()
+        sock.sendall(b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (path.encode(), len(data), data))
+        return sock
 
     def stats(self) -> dict:
         status, body = self.request("GET", "/stats")

@@ -241,3 +241,16 @@ def test_dropped_stream_is_aborted_and_frees_its_blocks(server, client):
     assert after["generation_tokens_total"] - before["generation_tokens_total"] < 40  # stopped early, not at 50
     # The server goes on answering.
     assert client.completions.create(model=MODEL, prompt="1+1=", max_tokens=2, temperature=0).choices[0].text == "2"
+
+
+def test_a_client_leaving_a_request_not_streamed_aborts_it(server, client):
+    before = wait_idle(server)
+    sock = server.send_only("/v1/completions", {"model": MODEL, "prompt": "12+34=", "max_tokens": 50, "ignore_eos": True})
+    deadline = time.monotonic() + 120
+    while server.stats()["generation_tokens_total"] < before["generation_tokens_total"] + 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    sock.close()
+    after = wait_idle(server)
+    assert after["requests_aborted"] == before["requests_aborted"] + 1
+    assert after["num_free_kv_blocks"] == after["num_kv_blocks"]
+    assert after["generation_tokens_total"] - before["generation_tokens_total"] < 40

@@ -53,6 +53,13 @@ async def until_disconnected(request: Request) -> None:
         pass
 
 
+def release(state: ServerState, stream: RequestStream) -> None:
+    """The response is done with its request: one not finished (its client left) is aborted."""
+    if not stream.finished:
+        state.counters["requests_aborted"] += 1
+    state.engine.release(stream)
+
+
 async def collect(state: ServerState, stream: RequestStream, request: Request) -> list[tuple] | None:
     """Every output of a request not streamed; None if the client left first (that aborts it)."""
     async def outputs() -> list[tuple]:
@@ -69,34 +76,42 @@ async def collect(state: ServerState, stream: RequestStream, request: Request) -
         gone.cancel()
         if not done.done():
             done.cancel()
-            state.counters["requests_aborted"] += 1
-        state.engine.release(stream)
+        release(state, stream)
     return done.result() if done.done() and not done.cancelled() else None
 
 
 async def events(state: ServerState, stream: RequestStream, renderer: Renderer, include_usage: bool):
-    """The stream's server-sent events. A client that disconnects cancels this generator (Starlette
-    listens for it), and its finally aborts the request."""
+    """The stream's server-sent events; an error (the engine failed, the server is stopping) is the
+    last event before [DONE]."""
+    yield renderer.stream_start()
     try:
-        yield renderer.stream_start()
         while not stream.finished:
-            try:
-                items = await stream.get()
-            except ApiError as error:
-                yield "data: " + json.dumps(error.body()) + "\n\n"
-                break
-            chunk = renderer.stream_chunks(items)
+            chunk = renderer.stream_chunks(await stream.get())
             if chunk:
                 yield chunk
-        else:
-            if include_usage:
-                yield renderer.stream_usage(stream.prompt_tokens)
-            state.counters["requests_finished"] += 1
-        yield "data: [DONE]\n\n"
-    finally:
-        if not stream.finished:
-            state.counters["requests_aborted"] += 1
-        state.engine.release(stream)
+    except ApiError as error:
+        yield "data: " + json.dumps(error.body()) + "\n\n"
+    else:
+        if include_usage:
+            yield renderer.stream_usage(stream.prompt_tokens)
+        state.counters["requests_finished"] += 1
+    yield "data: [DONE]\n\n"
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events whose request is released however the response ends: finished, or cut
+    short when the client disconnects (Starlette listens for it and cancels the stream, maybe
+    before its generator started) or the server stops."""
+
+    def __init__(self, content, on_close):
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
 
 
 async def generate(state: ServerState, request: Request, parsed: GenerateRequest):
@@ -104,8 +119,7 @@ async def generate(state: ServerState, request: Request, parsed: GenerateRequest
     stream = await state.engine.submit(parsed.prompts, parsed.params, parsed.chat, parsed.fill_max_tokens, parsed.stream)
     renderer = Renderer(parsed, state.names[0], state.tokenizer, state.token_cache)
     if parsed.stream:
-        return StreamingResponse(events(state, stream, renderer, parsed.include_usage), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        return EventStream(events(state, stream, renderer, parsed.include_usage), lambda: release(state, stream))
     items = await collect(state, stream, request)
     if items is None:
         return Response(status_code=499)  # nobody is there to read it

@@ -172,11 +172,11 @@ class EngineClient:
         """Queue an API request's prompts (n samples each); errors are ApiErrors (400, 503). Not
         streamed, each choice comes as one output when it finishes."""
         key = next(self.keys)
-        stream = self.streams[key] = RequestStream(key, len(prompts) * params.n)
+        outputs = self.streams[key] = RequestStream(key, len(prompts) * params.n)
         try:
             _, _, error, lengths = await self._ask(("add", key, prompts, params, chat, fill_max_tokens, stream))
         except BaseException:  # cancelled: the client left while the engine was adding it
-            self.release(stream)
+            self.release(outputs)
             raise
         if error is not None:
             del self.streams[key]
@@ -184,8 +184,8 @@ class EngineClient:
             if kind == "queue_full":
                 raise ApiError(503, message, code="queue_full")
             raise ApiError(400, message, "max_tokens" if "max_tokens" in message else "prompt", "invalid_value")
-        stream.prompt_tokens = sum(lengths)
-        return stream
+        outputs.prompt_tokens = sum(lengths)
+        return outputs
 
     def release(self, stream: RequestStream) -> None:
         """Forget a stream whose reader is done with it or gone. One not finished is aborted: the
