@@ -15,7 +15,7 @@ import triton.language as tl
 
 from tritonllm.kernels.tuning import Tunable, dtype_name, pow2
 
-SMALL_PAIRS = 2048  # up to this many pairs, moe_align is one program
+SMALL_PAIRS = 512  # up to this many pairs, moe_align is one program
 CHUNK = 256  # pairs a histogram / scatter step
 
 
@@ -110,12 +110,15 @@ def _chunk_counts(ids_ptr, chunk, num_pairs, BLOCK: tl.constexpr, BLOCK_E: tl.co
 
 
 @triton.jit
-def _group_bases(counts_ptr, sorted_ptr, ends_ptr, num_padded_ptr, num_chunks, num_pairs,
+def _group_bases(scratch_ptr, sorted_ptr, num_padded_ptr, num_chunks, num_pairs,
                  BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, ROWS: tl.constexpr):
-    """From the chunk histograms counts [num_chunks, BLOCK_E]: each expert's group padded to BLOCK_M
-    and the groups laid end to end; overwrites counts[c, e] with the slot of chunk c's first pair of
-    expert e (its group start plus e's pairs in earlier chunks). Writes the group ends to ends_ptr,
-    num_padded and the padding sentinels inside the groups."""
+    """From the chunk histograms counts [num_chunks, BLOCK_E] (after the group ends in scratch):
+    each expert's group padded to BLOCK_M, the groups laid end to end. Writes bases [num_chunks,
+    BLOCK_E] (after counts; not in place, so no thread overwrites what another still reads): the
+    slot of chunk c's first pair of expert e, its group start plus e's pairs in earlier chunks. Also
+    the group ends, num_padded and the padding sentinels inside the groups."""
+    counts_ptr = scratch_ptr + BLOCK_E
+    bases_ptr = counts_ptr + num_chunks * BLOCK_E
     experts = tl.arange(0, BLOCK_E)
     chunks = tl.arange(0, ROWS)
     totals = tl.zeros([BLOCK_E], tl.int32)
@@ -125,16 +128,16 @@ def _group_bases(counts_ptr, sorted_ptr, ends_ptr, num_padded_ptr, num_chunks, n
     padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, 0)
     running = ends - padded
-    tl.store(ends_ptr + experts, ends)
+    tl.store(scratch_ptr + experts, ends)
     tl.store(num_padded_ptr, tl.sum(padded, 0))
-    pad = tl.arange(0, BLOCK_M)
-    tl.store(sorted_ptr + (running + totals)[:, None] + pad[None, :], num_pairs,
-             mask=pad[None, :] < (padded - totals)[:, None])
+    # Slot j of each group's padding, for all experts at once (a [BLOCK_E, BLOCK_M] tile compiles slowly).
+    for j in range(BLOCK_M - 1):
+        tl.store(sorted_ptr + running + totals + j, num_pairs, mask=j < padded - totals)
     for c0 in range(0, num_chunks, ROWS):
         offsets = (c0 + chunks)[:, None] * BLOCK_E + experts[None, :]
         mask = (c0 + chunks < num_chunks)[:, None]
         counts = tl.load(counts_ptr + offsets, mask=mask, other=0)
-        tl.store(counts_ptr + offsets, running[None, :] + tl.cumsum(counts, 0) - counts, mask=mask)
+        tl.store(bases_ptr + offsets, running[None, :] + tl.cumsum(counts, 0) - counts, mask=mask)
         running += tl.sum(counts, 0)
 
 
@@ -173,44 +176,45 @@ def _block_experts(ends_ptr, num_padded_ptr, block_expert_ptr, sorted_ptr, first
 def _align_small_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, scratch_ptr, num_pairs, num_chunks,
                         num_blocks, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
                         ROWS: tl.constexpr, BLOCK_B: tl.constexpr):
-    # scratch: the group ends, then the chunk histograms turned bases. Barriers: the threads that
-    # read each phase's stores are not those that wrote them.
-    counts_ptr = scratch_ptr + BLOCK_E
+    # scratch: the group ends, the chunk histograms, the bases. Barriers: the threads that read
+    # each phase's stores are not those that wrote them.
     for c in range(num_chunks):
-        tl.store(counts_ptr + c * BLOCK_E + tl.arange(0, BLOCK_E), _chunk_counts(ids_ptr, c, num_pairs, BLOCK, BLOCK_E))
+        tl.store(scratch_ptr + (c + 1) * BLOCK_E + tl.arange(0, BLOCK_E),
+                 _chunk_counts(ids_ptr, c, num_pairs, BLOCK, BLOCK_E))
     tl.debug_barrier()
-    _group_bases(counts_ptr, sorted_ptr, scratch_ptr, num_padded_ptr, num_chunks, num_pairs, BLOCK_M, BLOCK_E, ROWS)
+    _group_bases(scratch_ptr, sorted_ptr, num_padded_ptr, num_chunks, num_pairs, BLOCK_M, BLOCK_E, ROWS)
     tl.debug_barrier()
     for c in range(num_chunks):
-        _scatter_chunk(ids_ptr, counts_ptr + c * BLOCK_E, sorted_ptr, c, num_pairs, BLOCK)
+        _scatter_chunk(ids_ptr, scratch_ptr + (num_chunks + c + 1) * BLOCK_E, sorted_ptr, c, num_pairs, BLOCK)
     _block_experts(scratch_ptr, num_padded_ptr, block_expert_ptr, sorted_ptr, 0, num_blocks, num_pairs,
                    BLOCK_M, BLOCK_E, BLOCK_B)
 
 
 @triton.jit
-def _align_count_kernel(ids_ptr, counts_ptr, num_pairs, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
+def _align_count_kernel(ids_ptr, scratch_ptr, num_pairs, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
     chunk = tl.program_id(0)
     counts = _chunk_counts(ids_ptr, chunk, num_pairs, BLOCK, BLOCK_E)
-    tl.store(counts_ptr + chunk.to(tl.int64) * BLOCK_E + tl.arange(0, BLOCK_E), counts)
+    tl.store(scratch_ptr + (chunk + 1) * BLOCK_E + tl.arange(0, BLOCK_E), counts)
 
 
 @triton.jit
-def _align_bases_kernel(counts_ptr, sorted_ptr, ends_ptr, num_padded_ptr, num_chunks, num_pairs,
+def _align_bases_kernel(scratch_ptr, sorted_ptr, num_padded_ptr, num_chunks, num_pairs,
                         BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, ROWS: tl.constexpr):
-    _group_bases(counts_ptr, sorted_ptr, ends_ptr, num_padded_ptr, num_chunks, num_pairs, BLOCK_M, BLOCK_E, ROWS)
+    _group_bases(scratch_ptr, sorted_ptr, num_padded_ptr, num_chunks, num_pairs, BLOCK_M, BLOCK_E, ROWS)
 
 
 @triton.jit
-def _align_scatter_kernel(ids_ptr, bases_ptr, ends_ptr, num_padded_ptr, sorted_ptr, block_expert_ptr, num_pairs,
+def _align_scatter_kernel(ids_ptr, scratch_ptr, num_padded_ptr, sorted_ptr, block_expert_ptr, num_pairs,
                           num_blocks, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
                           BLOCK_B: tl.constexpr):
     chunk = tl.program_id(0)
-    _scatter_chunk(ids_ptr, bases_ptr + chunk.to(tl.int64) * BLOCK_E, sorted_ptr, chunk, num_pairs, BLOCK)
+    _scatter_chunk(ids_ptr, scratch_ptr + (tl.num_programs(0) + chunk + 1) * BLOCK_E, sorted_ptr, chunk, num_pairs,
+                   BLOCK)
     # Each program also labels its share of the blocks.
     share = tl.cdiv(num_blocks, tl.num_programs(0))
     first = chunk * share
-    _block_experts(ends_ptr, num_padded_ptr, block_expert_ptr, sorted_ptr, first, tl.minimum(first + share, num_blocks),
-                   num_pairs, BLOCK_M, BLOCK_E, BLOCK_B)
+    _block_experts(scratch_ptr, num_padded_ptr, block_expert_ptr, sorted_ptr, first,
+                   tl.minimum(first + share, num_blocks), num_pairs, BLOCK_M, BLOCK_E, BLOCK_B)
 
 
 def moe_align_size(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -244,20 +248,19 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     block_e = pow2(num_experts)
     chunk = min(CHUNK, pow2(num_pairs))
     num_chunks = triton.cdiv(num_pairs, chunk)
-    # _group_bases sums ROWS chunk histograms a step, _block_experts compares BLOCK_B blocks with
-    # every group end: about 8k elements a step either way.
-    rows = max(1, min(pow2(num_chunks), 8192 // block_e))
+    # _group_bases scans ROWS chunk histograms a step (2k elements), _block_experts compares
+    # BLOCK_B blocks with every group end (8k).
+    rows = max(1, min(pow2(num_chunks), 2048 // block_e))
     meta = {"BLOCK_M": block_m, "BLOCK_E": block_e, "num_warps": 4}
     block_b = max(1, min(64, 8192 // block_e))
+    # The group ends, then the histogram and the bases of each chunk.
+    scratch = torch.empty((2 * num_chunks + 1) * block_e, dtype=torch.int32, device=device)
     if num_pairs <= SMALL_PAIRS:
-        scratch = torch.empty((num_chunks + 1) * block_e, dtype=torch.int32, device=device)
         _align_small_kernel[(1,)](topk_ids, sorted_ids, block_expert, num_padded, scratch, num_pairs, num_chunks,
                                   num_blocks, BLOCK=chunk, ROWS=rows, BLOCK_B=block_b, **meta)
         return sorted_ids, block_expert, num_padded
-    bases = torch.empty(num_chunks, block_e, dtype=torch.int32, device=device)  # the counts, then the bases
-    ends = torch.empty(block_e, dtype=torch.int32, device=device)
-    _align_count_kernel[(num_chunks,)](topk_ids, bases, num_pairs, BLOCK=chunk, BLOCK_E=block_e, num_warps=4)
-    _align_bases_kernel[(1,)](bases, sorted_ids, ends, num_padded, num_chunks, num_pairs, ROWS=rows, **meta)
-    _align_scatter_kernel[(num_chunks,)](topk_ids, bases, ends, num_padded, sorted_ids, block_expert, num_pairs,
+    _align_count_kernel[(num_chunks,)](topk_ids, scratch, num_pairs, BLOCK=chunk, BLOCK_E=block_e, num_warps=4)
+    _align_bases_kernel[(1,)](scratch, sorted_ids, num_padded, num_chunks, num_pairs, ROWS=rows, **meta)
+    _align_scatter_kernel[(num_chunks,)](topk_ids, scratch, num_padded, sorted_ids, block_expert, num_pairs,
                                          num_blocks, BLOCK=chunk, BLOCK_B=block_b, **meta)
     return sorted_ids, block_expert, num_padded
