@@ -238,8 +238,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
             x, w13, act, sorted_ids, block_expert, topk_ids.numel(), top_k, inter, hidden,
             x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
             EVEN_K=hidden % up["BLOCK_K"] == 0, DOT_PRECISION=precision, INTERPRET=tuning.INTERPRET, **up)
-        # The weighted rows go to a float32 buffer and are summed in a fixed order by a second
-        # launch (atomics would add them in a different order each run); k == 1 needs no sum.
+        # Float32 rows summed in a fixed order by a second launch: atomics would reorder the adds run to run.
         rows = y if top_k == 1 else torch.empty(topk_ids.numel(), hidden, dtype=torch.float32, device=x.device)
         _moe_down_kernel[(num_blocks * triton.cdiv(hidden, down["BLOCK_N"]),)](
             act, w2, rows, sorted_ids, block_expert, topk_weights, topk_ids.numel(), inter, hidden,
