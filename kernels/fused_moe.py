@@ -183,8 +183,9 @@ def _split(config: dict) -> tuple[dict, dict]:
     """The gate/up and down launch configs of a fused_moe config; DOWN_* default to the gate/up ones."""
     up = {key: config[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")}
     up["GROUP_M"] = config.get("GROUP_M", 8)
-    names = {"BLOCK_N": "DOWN_BLOCK_N", "BLOCK_K": "DOWN_BLOCK_K", "num_warps": "DOWN_WARPS", "num_stages": "DOWN_STAGES"}
-    down = up | {key: config.get(name, up[key]) for key, name in names.items()}
+    down_keys = {"BLOCK_N": "DOWN_BLOCK_N", "BLOCK_K": "DOWN_BLOCK_K", "num_warps": "DOWN_WARPS",
+                 "num_stages": "DOWN_STAGES"}
+    down = up | {key: config.get(name, up[key]) for key, name in down_keys.items()}
     return up, down
 
 

@@ -41,6 +41,7 @@ def _moe_route_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, num_experts,
         best = tl.max(p, 1)
         # Ties: the lowest expert index first.
         pick = tl.min(tl.where(p == best[:, None], experts[None, :], BLOCK_E), 1)
+        pick = tl.minimum(pick, num_experts - 1)  # a NaN row matches nothing: keep its ids in range
         p = tl.where(experts[None, :] == pick[:, None], -1.0, p)
         weights = tl.where(cols[None, :] == j, best[:, None], weights)
         ids = tl.where(cols[None, :] == j, pick[:, None], ids)

@@ -30,6 +30,14 @@ def test_moe_route_ties_take_the_lower_expert():
     torch.testing.assert_close(weights[1], torch.full((4,), 0.25, device=DEVICE))
 
 
+def test_moe_route_nan_rows_keep_ids_in_range():
+    logits = randn(3, 60)
+    logits[1, 7] = float("nan")
+    _, ids = moe_route(logits, 8, True)
+    assert ((ids >= 0) & (ids < 60)).all()
+    assert ids[[0, 2]].tolist() == reference.moe_route(logits[[0, 2]], 8, True)[1].tolist()
+
+
 def test_moe_route_strided_rows_and_empty():
     logits = randn(7, 96)[:, :64]
     weights, ids = moe_route(logits, 8, False)
