@@ -202,19 +202,27 @@ def plot(rows: list[dict], offline: dict | None, path: str, title: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print(f"matplotlib is not installed: no plot (pip install matplotlib); the numbers are above")
+        print("matplotlib is not installed: no plot (pip install matplotlib); the numbers are above")
         return
-    x = [r["requests_per_s"] for r in rows]  # the load each run achieved, the saturated one included
+    poisson = [r for r in rows if math.isfinite(r["rate"])]
+    saturated = [r for r in rows if not math.isfinite(r["rate"])]
     fig, (latency, throughput) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for key, style in (("ttft_p50_ms", "o-"), ("ttft_p99_ms", "o--"), ("itl_p50_ms", "s-"), ("itl_p99_ms", "s--")):
-        latency.plot(x, [r[key] for r in rows], style, label=key.replace("_ms", "").replace("_", " ").upper())
-    latency.set(xlabel="load (requests/s; the last point: all at once)", ylabel="ms", yscale="log", title="latency")
+
+    def draw(axes, key, style, color, label):  # Poisson runs at their offered rate; a star: all at once
+        axes.plot([r["rate"] for r in poisson], [r[key] for r in poisson], style, color=color, label=label)
+        axes.plot([r["requests_per_s"] for r in saturated], [r[key] for r in saturated], "*", color=color, markersize=13)
+
+    for key, style, color in (("ttft_p50_ms", "o-", "C0"), ("ttft_p99_ms", "o--", "C0"), ("itl_p50_ms", "s-", "C1"),
+                              ("itl_p99_ms", "s--", "C1")):
+        draw(latency, key, style, color, key.removesuffix("_ms").replace("_", " ").upper())
+    xlabel = "requests/s offered (star: all at once, at the rate it reached)"
+    latency.set(xlabel=xlabel, ylabel="ms", yscale="log", title="latency")
     latency.legend()
     latency.grid(True, which="both", alpha=0.3)
-    throughput.plot(x, [r["tokens_per_s"] for r in rows], "o-", label="serving (HTTP)")
+    draw(throughput, "tokens_per_s", "o-", "C2", "serving (HTTP)")
     if offline is not None:
         throughput.axhline(offline["tokens_per_s"], color="gray", linestyle="--", label="offline LLM.generate")
-    throughput.set(xlabel="load (requests/s)", ylabel="output tokens/s", title="throughput")
+    throughput.set(xlabel=xlabel, ylabel="output tokens/s", title="throughput")
     throughput.legend()
     throughput.grid(True, alpha=0.3)
     fig.suptitle(title)
