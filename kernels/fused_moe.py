@@ -24,6 +24,9 @@ from tritonllm.kernels.moe_routing import moe_align
 from tritonllm.kernels.paged import dot_precision
 
 
+GRAPH_TUNING_TOKENS = 256  # up to this many tokens a config is timed as a graph replay (each keeps its scratch)
+
+
 @triton.jit
 def _tile(block_expert_ptr, num_n, GROUP_M: tl.constexpr):
     """This program's block, column tile and the block's expert (-1: an unused block)."""
@@ -250,7 +253,21 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
             _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
                 rows, y, top_k, hidden, y.stride(0), BLOCK_H=block_h, num_warps=4)
 
+    graphs = {}
+
+    def replay(cfg):
+        # Decode-sized calls are tuned as CUDA-graph replays, as the engine runs them: the eager
+        # overhead of five launches would hide differences of microseconds.
+        key = repr(sorted(cfg.items()))
+        if key not in graphs:
+            launch(cfg)  # compiles and loads the kernels outside the capture
+            graphs[key] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graphs[key]):
+                launch(cfg)
+        graphs[key].replay()
+
     if config is None:
-        config = _TUNING.config(fused_moe_bucket(x.dtype, experts, inter, hidden, num_tokens), launch)
+        bucket = fused_moe_bucket(x.dtype, experts, inter, hidden, num_tokens)
+        config = _TUNING.config(bucket, replay if x.is_cuda and num_tokens <= GRAPH_TUNING_TOKENS else launch)
     launch(config)
     return y
