@@ -1,4 +1,5 @@
-"""The server's limits: a full waiting queue answers 503, SIGTERM ends the server within seconds."""
+"""The server's limits: a full waiting queue answers 503; SIGTERM lets running requests finish within
+the grace period, aborts the rest and ends the server within seconds; a dead engine stops it."""
 import os
 import signal
 import subprocess
@@ -11,14 +12,14 @@ import pytest
 from server_process import ServerProcess
 
 MODEL = "bundled"
-# One request runs at a time and one may wait; streams still open 1 s after SIGTERM are aborted.
-SERVER_ARGS = ["--max-num-seqs", "1", "--max-waiting", "1", "--shutdown-timeout", "1"]
+# One request runs at a time and one may wait; SIGTERM aborts the streams at once (no grace period).
+SERVER_ARGS = ["--max-num-seqs", "1", "--max-waiting", "1", "--shutdown-timeout", "0"]
 
 
-def long_stream(client):
+def long_stream(client, max_tokens: int = 60):
     """A stream that runs for many steps; returned once its first chunk came (so it is running)."""
-    stream = client.completions.create(model=MODEL, prompt="12+34=", max_tokens=50, stream=True,
-                                       extra_body={"ignore_eos": True})
+    stream = client.completions.create(model=MODEL, prompt="1", max_tokens=max_tokens, stream=True,
+                                       extra_body={"ignore_eos": True, "return_token_ids": True})
     chunks = iter(stream)
     next(chunks)
     return stream, chunks
@@ -49,10 +50,10 @@ def test_full_queue_is_503(server, client):
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process tree from /proc")
-def test_sigterm_exits_within_seconds(server, client):
+def test_sigterm_aborts_what_runs_and_exits_within_seconds(server, client):
     engine = children(server.process.pid)
     assert engine  # the engine's process (and multiprocessing's resource tracker)
-    _, chunks = long_stream(client)
+    _, chunks = long_stream(client)  # 59 tokens to go, and no grace period
     start = time.monotonic()
     server.process.send_signal(signal.SIGTERM)
     with pytest.raises(openai.APIError, match="shutting down"):  # the stream ends with an error event
@@ -83,5 +84,25 @@ def test_the_server_stops_when_its_engine_dies(tmp_path):
         os.kill(engine[0], signal.SIGKILL)
         assert server.process.wait(timeout=60) in (0, -signal.SIGTERM)
         assert "the engine process exited (exit code -9); stopping the server" in server.log_text()
+    finally:
+        server.stop()
+
+
+def test_sigterm_lets_running_requests_finish(tmp_path):
+    server = ServerProcess(["--shutdown-timeout", "120"], tmp_path / "log.txt")
+    try:
+        chunks = iter(server.client().completions.create(model=MODEL, prompt="1", max_tokens=30, stream=True,
+                                                         extra_body={"ignore_eos": True, "return_token_ids": True}))
+        first = next(chunks)
+        server.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while server.request("GET", "/health", timeout=2)[0] != 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.request("GET", "/health", timeout=2)[0] == 0  # no new connections
+        rest = list(chunks)  # while the running stream goes on to its end
+        assert rest[-1].choices[0].finish_reason == "length"
+        assert sum(len(c.choices[0].model_extra["token_ids"]) for c in [first, *rest]) == 30
+        assert server.process.wait(timeout=60) in (0, -signal.SIGTERM)
+        assert "Traceback" not in server.log_text()
     finally:
         server.stop()

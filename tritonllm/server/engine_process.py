@@ -5,7 +5,10 @@ import gc
 import os
 import signal
 import sys
+import time
 import traceback
+
+DRAIN_S = 0.02  # while requests run, at most this long on commands between two steps
 
 
 def engine_main(conn, model: str, options: dict, max_waiting: int) -> None:
@@ -44,13 +47,16 @@ class EngineWorker:
         self.requests: dict[int, list] = {}  # engine request id -> [key, first choice index, samples left, stream]
 
     def run(self) -> None:
+        """Take the commands that came (all of them, or DRAIN_S worth while requests run), then step;
+        with nothing to run, sleep until a command comes."""
         while True:
             busy = self.engine.has_unfinished()
-            if self.conn.poll(0 if busy else None):  # idle: sleep until a command comes
+            if self.conn.poll(0 if busy else None):
+                until = time.perf_counter() + DRAIN_S
                 while True:
                     if not self.handle(self.conn.recv()):
                         return
-                    if not self.conn.poll(0):
+                    if not self.conn.poll(0) or (busy and time.perf_counter() > until):
                         break
             if self.engine.has_unfinished():
                 self.step()
