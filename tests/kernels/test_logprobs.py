@@ -63,7 +63,7 @@ def test_compute_top_logprobs_ties_infinities_and_nan():
     logits[3, :3000] = float("nan")  # NaN counts as -inf
     values, ids = check_top(logits, 6)
     assert ids[0, :3].tolist() == [10, 2100, 4999]
-    assert ids[1].tolist() == [7, 4000, 0, 1, 2, 3] and values[1, 0] == values[1, 1] == pytest.approx(math.log(0.5))
+    assert ids[1].tolist() == [7, 4000, 0, 1, 2, 3] and values[1, 0].item() == values[1, 1].item() == pytest.approx(math.log(0.5))
     assert ids[2].tolist() == list(range(6)) and (values[2] == -math.inf).all()
     assert (ids[3] >= 3000).all()
     check_top(logits[:, :4097], 1)  # k = 1, a one-element last tile
