@@ -232,22 +232,9 @@ def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale=None, *,
                 HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
                 SPLIT_MIN=cfg["SPLIT_MIN"], BLOCK_N=cfg["BLOCK_N"])
 
-    graphs = {}
-
-    def replay(cfg):
-        # Tuning times each config as a CUDA-graph replay, as the engine runs it: eager Python launch
-        # overhead would hide differences of a few microseconds.
-        key = repr(sorted(cfg.items()))
-        if key not in graphs:
-            launch(cfg)  # compiles and loads the kernels outside the capture
-            graphs[key] = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graphs[key]):
-                launch(cfg)
-        graphs[key].replay()
-
     if config is None:
         bucket = decode_attention_bucket(q.dtype, head_dim, group, num_kv_heads, block_size, batch, context,
                                          k_cache.dtype)
-        config = DECODE_TUNABLE.config(bucket, replay if q.is_cuda else launch)
+        config = DECODE_TUNABLE.config(bucket, tuning.graph_replay(launch) if q.is_cuda else launch)
     launch(config)
     return out

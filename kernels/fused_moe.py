@@ -253,21 +253,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
             _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
                 rows, y, top_k, hidden, y.stride(0), BLOCK_H=block_h, num_warps=4)
 
-    graphs = {}
-
-    def replay(cfg):
-        # Decode-sized calls are tuned as CUDA-graph replays, as the engine runs them: the eager
-        # overhead of five launches would hide differences of microseconds.
-        key = repr(sorted(cfg.items()))
-        if key not in graphs:
-            launch(cfg)  # compiles and loads the kernels outside the capture
-            graphs[key] = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graphs[key]):
-                launch(cfg)
-        graphs[key].replay()
-
     if config is None:
         bucket = fused_moe_bucket(x.dtype, experts, inter, hidden, num_tokens)
-        config = _TUNING.config(bucket, replay if x.is_cuda and num_tokens <= GRAPH_TUNING_TOKENS else launch)
+        graphed = x.is_cuda and num_tokens <= GRAPH_TUNING_TOKENS  # decode-sized: five launches' overhead
+        config = _TUNING.config(bucket, tuning.graph_replay(launch) if graphed else launch)
     launch(config)
     return y

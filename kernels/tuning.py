@@ -87,6 +87,23 @@ def autotune_enabled(name: str) -> bool:
     return (name in _tuning or os.environ.get("TRITONLLM_AUTOTUNE") == "1") and not INTERPRET
 
 
+def graph_replay(launch):
+    """launch(config) as a tuning launcher that replays it from a CUDA graph, one graph per config,
+    captured after an eager call that compiles and loads its kernels: the engine replays decode
+    steps so, and eager Python launch overhead would hide differences of a few microseconds."""
+    graphs = {}
+
+    def replay(config):
+        key = repr(sorted(config.items()))
+        if key not in graphs:
+            launch(config)
+            graphs[key] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graphs[key]):
+                launch(config)
+        graphs[key].replay()
+    return replay
+
+
 class Tunable:
     """A kernel's config space and heuristic default, keyed by bucket.
 

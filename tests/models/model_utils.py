@@ -1,10 +1,12 @@
 """Run a tritonllm model on whole sequences without the engine: paged caches, context, forward; the
 same sequences through HF transformers; the TP=2 worker."""
 import torch
+import torch.multiprocessing as mp
+from numerics import rel_err
 from transformers import AutoModelForCausalLM
 
 from tritonllm.context import Context, set_context
-from tritonllm.distributed import close_distributed, init_distributed
+from tritonllm.distributed import close_distributed, free_port, init_distributed
 from tritonllm.layers.attention import allocate_kv_caches
 from tritonllm.loader import build_model, load_config, load_weights
 
@@ -98,3 +100,14 @@ def tp_worker(rank, world_size, port, path, out_file):
     if rank == 0:
         torch.save(logits.cpu(), out_file)
     close_distributed()
+
+
+def tensor_parallel_2_error(path, tmp_path) -> float:
+    """rel_err of the logits of a batched prefill at TP = 2 (two spawned ranks) against TP = 1."""
+    mp.spawn(tp_worker, args=(2, free_port(), path, tmp_path / "tp2.pt"), nprocs=2)
+    model = load(path)
+    sequences = random_sequences(model.config.vocab_size, SEQ_LENS)
+    block_tables, num_blocks = shuffled_block_tables([n + 1 for n in SEQ_LENS])
+    allocate_kv_cache(model, num_blocks, BLOCK_SIZE, torch.float32, DEVICE)
+    single = run_step(model, sequences, [0] * len(sequences), block_tables.to(DEVICE), BLOCK_SIZE, DEVICE)
+    return rel_err(torch.load(tmp_path / "tp2.pt"), single.cpu())

@@ -1,15 +1,14 @@
 """Qwen3 through the kernels equals HF transformers' Qwen3ForCausalLM."""
 import pytest
 import torch
-import torch.multiprocessing as mp
-from model_utils import (BLOCK_SIZE, DEVICE, SEQ_LENS, allocate_kv_cache, hf_logits, load, prefill_then_decode,
-                         random_sequences, run_step, shuffled_block_tables, tp_worker)
+from model_utils import (DEVICE, SEQ_LENS, hf_logits, load, prefill_then_decode, random_sequences,
+                         tensor_parallel_2_error)
 from numerics import rel_err
 from transformers.models.qwen3 import Qwen3ForCausalLM as HFQwen3
 
-from tritonllm.distributed import free_port
 from tritonllm.loader import build_model, init_dummy_weights, load_config
 from tritonllm.models.presets import preset_config
+
 
 @pytest.mark.parametrize("fixture", ["tiny_qwen3", "tiny_qwen3_untied"])
 def test_logits_equal_hf_float32(fixture, request):
@@ -95,10 +94,4 @@ def test_tensor_parallel_2_equals_1(fixture, request, tmp_path):
     if DEVICE == "cuda" and torch.cuda.device_count() < 2:
         pytest.skip("TP=2 on GPUs needs two of them; on CPU it runs under gloo")
     path = request.getfixturevalue(fixture)
-    mp.spawn(tp_worker, args=(2, free_port(), path, tmp_path / "tp2.pt"), nprocs=2)
-    model = load(path)
-    sequences = random_sequences(model.config.vocab_size, SEQ_LENS)
-    block_tables, num_blocks = shuffled_block_tables([n + 1 for n in SEQ_LENS])
-    allocate_kv_cache(model, num_blocks, BLOCK_SIZE, torch.float32, DEVICE)
-    single = run_step(model, sequences, [0] * len(sequences), block_tables.to(DEVICE), BLOCK_SIZE, DEVICE)
-    assert rel_err(torch.load(tmp_path / "tp2.pt"), single.cpu()) < 1e-5
+    assert tensor_parallel_2_error(path, tmp_path) < 1e-5
