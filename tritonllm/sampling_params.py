@@ -1,6 +1,7 @@
 from dataclasses import dataclass
 from functools import partial
 
+from tritonllm.kernels.logprobs import MAX_TOP_LOGPROBS
 from tritonllm.validation import check_field, check_list
 
 
@@ -52,7 +53,7 @@ class SamplingParams:
         field("presence_penalty", float, lambda p: -2 <= p <= 2, "in [-2, 2] (0 = off)")
         field("frequency_penalty", float, lambda p: -2 <= p <= 2, "in [-2, 2] (0 = off)")
         field("repetition_penalty", float, lambda p: p > 0, "> 0 (1 = off)")
-        field("top_logprobs", int, lambda k: 0 <= k <= 20, "in [0, 20] (0 = off)")
+        field("top_logprobs", int, lambda k: 0 <= k <= MAX_TOP_LOGPROBS, f"in [0, {MAX_TOP_LOGPROBS}] (0 = off)")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = check_list("SamplingParams.stop", self.stop, str, bool, "a non-empty string")

@@ -7,10 +7,9 @@ implement (echo, logit_bias, tools, ...) is an error unless it holds its neutral
 import re
 from dataclasses import dataclass
 
-from tritonllm.sampling_params import SamplingParams
+from tritonllm.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from tritonllm.validation import as_int
 
-MAX_TOP_LOGPROBS = 20
 
 # Field -> the values that leave the output as it is (anything else is refused by name).
 NEUTRAL = {
