@@ -3,9 +3,12 @@ import torch
 from numerics import rel_err  # noqa: F401  (re-exported for the kernel tests)
 
 from tritonllm.kernels import reference
+from tritonllm.kernels.kv_cache import empty_kv_cache, is_key_major
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# The memory layouts of a V cache (kernels/kv_cache.py): k_cache's own, or key-major.
+V_LAYOUTS = ["contiguous", "key_major"]
 
 # Relative error ||out - ref|| / ||ref|| allowed against a float64 reference: about one rounding
 # of the output dtype (the interpreter truncates float32 -> bfloat16 instead of rounding).
@@ -61,20 +64,38 @@ def paged_kv(seq_lens, num_kv_heads, head_dim, block_size, dtype, spare_blocks=3
     return k_cache, v_cache, tables.to(torch.int32)
 
 
-def paged_caches(seq_lens, num_kv_heads, head_dim, block_size, dtype, fp8=False, **layout):
+def key_major(cache):
+    """A copy of a [num_blocks, block_size, Hkv, D] cache in the key-major layout (memory [num_blocks,
+    Hkv, D, block_size], kernels/kv_cache.empty_kv_cache): the same values, bit for bit, through indexing."""
+    copy = empty_kv_cache(*cache.shape, cache.dtype, cache.device, key_major=True).copy_(cache)
+    assert is_key_major(copy) and not copy.is_contiguous()
+    assert torch.equal(copy.view(torch.uint8) if copy.element_size() == 1 else copy.nan_to_num(7.0),
+                       cache.view(torch.uint8) if cache.element_size() == 1 else cache.nan_to_num(7.0))
+    return copy
+
+
+def with_v_layout(v_cache, v_layout):
+    """v_cache as it is ("contiguous") or copied key-major ("key_major")."""
+    assert v_layout in V_LAYOUTS, v_layout
+    return key_major(v_cache) if v_layout == "key_major" else v_cache
+
+
+def paged_caches(seq_lens, num_kv_heads, head_dim, block_size, dtype, fp8=False, v_layout="contiguous", **layout):
     """paged_kv's k_cache, v_cache, block_tables, and the scales to pass as keywords to the wrappers
     and references: {} for a cache of `dtype`, {"k_scale", "v_scale"} for an e4m3 cache (fp8).
 
     fp8: the random float32 rows are quantized with reference.quantize_e4m3, so the reference reads
     exactly the values stored; rows no sequence owns are NaN in the caches and the scales.
+    v_layout "key_major": v_cache is a key-major copy of the same values (with_v_layout).
     """
     if not fp8:
-        return *paged_kv(seq_lens, num_kv_heads, head_dim, block_size, dtype, **layout), {}
+        k_cache, v_cache, tables = paged_kv(seq_lens, num_kv_heads, head_dim, block_size, dtype, **layout)
+        return k_cache, with_v_layout(v_cache, v_layout), tables, {}
     k, v, tables = paged_kv(seq_lens, num_kv_heads, head_dim, block_size, torch.float32, **layout)
     (k_cache, k_scale), (v_cache, v_scale) = reference.quantize_e4m3(k), reference.quantize_e4m3(v)
     # NaN rows stay NaN through the quantizer: e4m3 0x7F, and a NaN scale.
     assert (k_cache.view(torch.uint8)[k.isnan()] & 0x7F == 0x7F).all() and k_scale[k[..., 0].isnan()].isnan().all()
-    return k_cache, v_cache, tables, {"k_scale": k_scale, "v_scale": v_scale}
+    return k_cache, with_v_layout(v_cache, v_layout), tables, {"k_scale": k_scale, "v_scale": v_scale}
 
 
 def exact(cache):
@@ -83,11 +104,13 @@ def exact(cache):
     return cache if cache.dtype == torch.float8_e4m3fn else cache.double()
 
 
-def prefill_inputs(context_lens, q_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, fp8=False):
+def prefill_inputs(context_lens, q_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, fp8=False,
+                   v_layout="contiguous"):
     """q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scales for sequences of cached + new
-    tokens; scales ({} unless fp8) as paged_caches gives them."""
+    tokens; scales ({} unless fp8) and v_cache's layout as paged_caches gives them."""
     seq_lens = [c + n for c, n in zip(context_lens, q_lens)]
-    k_cache, v_cache, tables, scales = paged_caches(seq_lens, num_kv_heads, head_dim, block_size, dtype, fp8)
+    k_cache, v_cache, tables, scales = paged_caches(seq_lens, num_kv_heads, head_dim, block_size, dtype, fp8,
+                                                    v_layout)
     cu = torch.tensor([0] + q_lens, device=DEVICE).cumsum(0).to(torch.int32)
     # Scaled queries make the softmax peaked enough that a misplaced key shows.
     q = randn(sum(q_lens), num_q_heads, head_dim, dtype=dtype, scale=2.0)

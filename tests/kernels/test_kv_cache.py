@@ -1,9 +1,10 @@
 import pytest
 import torch
-from kernel_utils import DEVICE, DTYPES, poisoned, randn
+from kernel_utils import DEVICE, DTYPES, V_LAYOUTS, key_major, poisoned, randn, with_v_layout
 from test_fp8 import assert_e4m3_rows_match, e4m3_poisoned
 
 from tritonllm.kernels import reference, store_kv_cache
+from tritonllm.kernels.kv_cache import check_cache_layouts, empty_kv_cache, is_key_major
 
 # tokens, KV heads, head dim, block size
 CASES = [(1, 1, 64, 16), (7, 8, 128, 16), (100, 2, 64, 256), (33, 3, 80, 32)]
@@ -28,6 +29,13 @@ def test_store_kv_cache(tokens, heads, head_dim, block_size, dtype, slot_dtype):
     assert int(torch.isfinite(k_cache).all(-1).all(-1).sum()) == int((slots >= 0).sum())
 
 
+def same_bits(a, b):
+    """Equal values, NaN patterns included, whatever the memory layout."""
+    if a.element_size() == 1:
+        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    return torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+
+
 def fp8_caches(num_blocks, block_size, heads, head_dim):
     """k_cache, v_cache of NaN patterns and k_scale, v_scale of NaN: untouched rows stay NaN."""
     cache = e4m3_poisoned(num_blocks, block_size, heads, head_dim)
@@ -35,17 +43,26 @@ def fp8_caches(num_blocks, block_size, heads, head_dim):
     return cache, cache.clone(), scale, scale.clone()
 
 
-def check_fp8(k, v, slots, block_size):
-    """store_kv_cache of k, v into poisoned e4m3 caches against the reference."""
+def check_fp8(k, v, slots, block_size, v_layout="contiguous"):
+    """store_kv_cache of k, v into poisoned e4m3 caches (V in v_layout) against the reference; a
+    key-major V also against the contiguous one stored by the kernel, bit for bit."""
     tokens, heads, head_dim = k.shape
     num_blocks = (tokens + block_size - 1) // block_size + 3
     k_cache, v_cache, k_scale, v_scale = fp8_caches(num_blocks, block_size, heads, head_dim)
+    v_cache = with_v_layout(v_cache, v_layout)
     ref = [t.clone() for t in (k_cache, v_cache, k_scale, v_scale)]
+    ref[1] = with_v_layout(ref[1].contiguous(), v_layout)  # the reference writes the same layout
     reference.store_kv_cache(k, v, ref[0], ref[1], slots, k_scale=ref[2], v_scale=ref[3])
     store_kv_cache(k, v, k_cache, v_cache, slots, k_scale=k_scale, v_scale=v_scale)
+    assert is_key_major(v_cache) == (v_layout == "key_major") and is_key_major(ref[1]) == is_key_major(v_cache)
     assert_e4m3_rows_match(k_cache, k_scale, ref[0], ref[2])
     assert_e4m3_rows_match(v_cache, v_scale, ref[1], ref[3])
     assert int((~k_scale.isnan()).sum()) == int((slots >= 0).sum()) * heads
+    if v_layout == "key_major":
+        flat = fp8_caches(num_blocks, block_size, heads, head_dim)
+        store_kv_cache(k, v, *flat[:2], slots, k_scale=flat[2], v_scale=flat[3])
+        assert same_bits(v_cache, flat[1]) and same_bits(k_cache, flat[0])
+        assert same_bits(v_scale, flat[3])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -65,12 +82,104 @@ def test_store_kv_cache_fp8(tokens, heads, head_dim, block_size, dtype, slot_dty
     check_fp8(k, v, slots, block_size)
 
 
-def test_store_kv_cache_fp8_strided_rows():
+@pytest.mark.parametrize("v_layout", V_LAYOUTS)
+def test_store_kv_cache_fp8_strided_rows(v_layout):
     # k with a head stride past D (a view of wider rows), v from a packed qkv row.
     tokens, heads, head_dim = 9, 2, 64
     k = randn(tokens, heads, head_dim + 16, dtype=torch.bfloat16)[:, :, :head_dim]
     v = randn(tokens, 8 * head_dim, dtype=torch.bfloat16)[:, 6 * head_dim:].view(tokens, heads, head_dim)
-    check_fp8(k, v, torch.tensor([17, 3, -1, 0, 31, 16, 40, -2, 5], device=DEVICE), 16)
+    check_fp8(k, v, torch.tensor([17, 3, -1, 0, 31, 16, 40, -2, 5], device=DEVICE), 16, v_layout)
+
+
+# A key-major V (kernels/kv_cache.py): memory [num_blocks, Hkv, D, block_size], the same values
+# through indexing. Stored against the reference into the same layout, and against the kernel's
+# own contiguous result; rows of slot < 0 (padding) are not written.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens, heads, head_dim, block_size", CASES)
+def test_store_kv_cache_key_major_v(tokens, heads, head_dim, block_size, dtype):
+    num_blocks = (tokens + block_size - 1) // block_size + 3
+    k, v = randn(tokens, heads, head_dim, dtype=dtype), randn(tokens, heads, head_dim, dtype=dtype)
+    slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:tokens].to(torch.int32)
+    slots[1::5] = -1  # padding rows; row 0 kept, so every case stores something
+    slots[2::7] = -3
+    k_cache = poisoned(num_blocks, block_size, heads, head_dim, dtype=dtype)
+    v_cache = key_major(poisoned(num_blocks, block_size, heads, head_dim, dtype=dtype))
+    ref_k, ref_v = k_cache.clone(), key_major(v_cache)
+    flat_k, flat_v = k_cache.clone(), poisoned(num_blocks, block_size, heads, head_dim, dtype=dtype)
+    reference.store_kv_cache(k, v, ref_k, ref_v, slots)
+    store_kv_cache(k, v, k_cache, v_cache, slots)
+    store_kv_cache(k, v, flat_k, flat_v, slots)
+    assert is_key_major(v_cache) and is_key_major(ref_v) and flat_v.is_contiguous()
+    assert same_bits(k_cache, ref_k) and same_bits(v_cache, ref_v)  # NaN where nothing was stored
+    assert same_bits(k_cache, flat_k) and same_bits(v_cache, flat_v)
+    # Each kept row is v[t] at its slot; every other row of the cache still all NaN.
+    keep = slots >= 0
+    kept = slots[keep].long()
+    assert len(kept)
+    assert torch.equal(v_cache[kept // block_size, kept % block_size], v[keep])
+    written = torch.isfinite(v_cache).all(-1).all(-1)
+    assert int(written.sum()) == int(keep.sum())
+    assert int(torch.isnan(v_cache).all(-1).all(-1).sum()) == num_blocks * block_size - int(keep.sum())
+    # The memory itself is key-major: a head's values of one block run over the block's keys.
+    assert same_bits(v_cache.permute(0, 2, 3, 1).contiguous(), flat_v.permute(0, 2, 3, 1).contiguous())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens, heads, head_dim, block_size", [CASES[1], CASES[2], CASES[3]])
+def test_store_kv_cache_fp8_key_major_v(tokens, heads, head_dim, block_size, dtype):
+    num_blocks = (tokens + block_size - 1) // block_size + 3
+    magnitudes = torch.logspace(-8, 8, tokens * heads, base=2.0, device=DEVICE).view(tokens, heads, 1)
+    k = (torch.randn(tokens, heads, head_dim, device=DEVICE) * magnitudes).to(dtype)
+    v = (torch.randn(tokens, heads, head_dim, device=DEVICE) * magnitudes.flip(0)).to(dtype)
+    v[0, 0, head_dim // 2] = 3e3
+    v[-1, -1] = 0.0
+    slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:tokens]
+    slots[1::5] = -1
+    slots[3::7] = -9
+    check_fp8(k, v, slots, block_size, "key_major")
+
+
+def test_check_cache_layouts():
+    k_cache = empty_kv_cache(3, 16, 2, 64, torch.bfloat16)
+    assert k_cache.is_contiguous() and not is_key_major(k_cache)
+    assert check_cache_layouts(k_cache, torch.empty_like(k_cache)) is False
+    assert check_cache_layouts(k_cache, empty_kv_cache(3, 16, 2, 64, torch.bfloat16, key_major=True)) is True
+    # Both caches with the same (here key-major) strides: V is read as K is.
+    both = empty_kv_cache(3, 16, 2, 64, torch.bfloat16, key_major=True)
+    assert check_cache_layouts(both, both.clone()) is False
+    with pytest.raises(ValueError, match="v_cache"):
+        check_cache_layouts(k_cache, k_cache.transpose(2, 3).contiguous().transpose(2, 3))
+    with pytest.raises(ValueError, match="v_cache"):
+        check_cache_layouts(k_cache, empty_kv_cache(3, 32, 2, 64, torch.bfloat16, key_major=True))
+    padded = torch.empty(3, 16, 2, 80, dtype=torch.bfloat16)[..., :64]
+    with pytest.raises(ValueError, match="v_cache"):  # key-major only beside a contiguous k_cache
+        check_cache_layouts(padded, empty_kv_cache(3, 16, 2, 64, torch.bfloat16, key_major=True))
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_store_kv_cache_rejects_bad_cache_layouts(fp8):
+    k = randn(4, 2, 64)
+    slots = torch.arange(4, device=DEVICE)
+    if fp8:
+        k_cache, _, k_scale, v_scale = fp8_caches(2, 16, 2, 64)
+        scales = {"k_scale": k_scale, "v_scale": v_scale}
+    else:
+        k_cache, scales = poisoned(2, 16, 2, 64, dtype=torch.float32), {}
+    before = k_cache.clone()
+    # V neither with k_cache's strides nor key-major: memory [blocks, block_size, D, Hkv].
+    with pytest.raises(ValueError, match="v_cache"):
+        store_kv_cache(k, k, k_cache, k_cache.transpose(2, 3).contiguous().transpose(2, 3), slots, **scales)
+    with pytest.raises(ValueError, match="v_cache"):
+        store_kv_cache(k, k, k_cache, key_major(k_cache)[:1], slots, **scales)
+    # A non-contiguous k_cache: key-major (with V alike or contiguous), or padded in head_dim.
+    with pytest.raises(ValueError, match="k_cache"):
+        store_kv_cache(k, k, key_major(k_cache), key_major(k_cache), slots, **scales)
+    with pytest.raises(ValueError, match="k_cache"):
+        store_kv_cache(k, k, key_major(k_cache), k_cache.clone(), slots, **scales)
+    padded = torch.cat([k_cache, k_cache[..., :16]], -1)[..., :64]
+    with pytest.raises(ValueError, match="k_cache"):
+        store_kv_cache(k, k, padded, padded.clone(), slots, **scales)
+    assert same_bits(k_cache, before)
 
 
 def test_store_kv_cache_from_packed_qkv():

@@ -6,18 +6,43 @@ it must not, or skips a row, produces NaN and fails. fp8: the same over an e4m3 
 and scales no sequence owns are NaN; the reference dequantizes exactly the values stored, so the
 tolerances are those of the model-dtype cache.
 """
+import importlib
+
 import pytest
 import torch
-from kernel_utils import ATTN, DEVICE, DTYPES, assert_close, exact, poisoned, prefill_inputs, rel_err
+from kernel_utils import ATTN, DEVICE, DTYPES, assert_close, exact, key_major, poisoned, prefill_inputs, rel_err
 
 from tritonllm.kernels import prefill_attention, reference, tuning
+from tritonllm.kernels.kv_cache import is_key_major
 from tritonllm.kernels.prefill_attention import PREFILL_TUNABLE, prefill_attention_bucket
+
+# The package exports the function under the module's name: fetch the module itself.
+prefill_module = importlib.import_module("tritonllm.kernels.prefill_attention")
 
 # Triton 3.6's interpreter converts loop bounds through a NumPy path that NumPy 2.x deprecates.
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
 
 FP8 = pytest.mark.parametrize("fp8", [False, True], ids=["model-cache", "fp8-cache"])
+
+
+def spy_tma(monkeypatch):
+    """A list that gets, per launch, whether prefill_attention took the TMA path (cache descriptors)."""
+    taken, original = [], prefill_module._cache_descriptors
+
+    def spy(*args):
+        descriptors = original(*args)
+        taken.append(descriptors is not None)
+        return descriptors
+
+    monkeypatch.setattr(prefill_module, "_cache_descriptors", spy)
+    return taken
+
+
+def tma_expected(block_n, block_size):
+    """Whether a launch takes the TMA path: tiles inside a block, under the interpreter (CPU tensors)
+    or on a GPU with TMA (fresh caches are 16-byte aligned)."""
+    return block_n <= block_size and (DEVICE == "cpu" or prefill_module._has_tma(torch.cuda.current_device()))
 
 
 def run_prefill(q, k_cache, v_cache, cu, seq_lens, tables, scales, **kwargs):
@@ -63,15 +88,15 @@ def test_prefill_prefix_hits(head_dim, num_q_heads, num_kv_heads, block_size, dt
     assert_close(out, ref, dtype, ATTN)
 
 
-@FP8
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_chunked_prefill_equals_one_shot(dtype, fp8):
+def check_chunked(dtype, fp8, v_layout="contiguous", config=None):
     head_dim, num_q_heads, num_kv_heads, block_size = 128, 4, 2, 32
     # Two sequences, chunked differently; a step holds the sequences that have a chunk in it.
     chunks = [[50, 1, 64, 35], [20, 57, 0, 1]]
     total = [sum(c) for c in chunks]
     q, k_cache, v_cache, cu, seq_lens, tables, scales = prefill_inputs([0, 0], total, num_q_heads, num_kv_heads,
-                                                                       head_dim, block_size, dtype, fp8)
+                                                                       head_dim, block_size, dtype, fp8, v_layout)
+    if config is not None:
+        scales = {**scales, "config": config}
     one_shot = prefill_attention(q, k_cache, v_cache, cu, seq_lens, tables, **scales)
     chunked = poisoned(*q.shape, dtype=dtype)
     done = [0, 0]
@@ -89,10 +114,17 @@ def test_chunked_prefill_equals_one_shot(dtype, fp8):
         step_cu = torch.tensor([0] + q_lens, device=DEVICE).cumsum(0).to(torch.int32)
         step_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
         chunked[rows] = prefill_attention(q[rows], k_cache, v_cache, step_cu, step_lens, tables[seqs], **scales)
+    scales.pop("config", None)
     ref = reference.prefill_attention(q.double(), exact(k_cache), exact(v_cache), cu, seq_lens, tables, **scales)
     assert_close(one_shot, ref, dtype, ATTN)
     assert_close(chunked, ref, dtype, ATTN)
     assert_close(chunked, one_shot.double(), dtype, ATTN)
+
+
+@FP8
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_chunked_prefill_equals_one_shot(dtype, fp8):
+    check_chunked(dtype, fp8)
 
 
 # Tilings the default config does not reach: a tile over several blocks (per-key lookup through
@@ -111,6 +143,61 @@ def test_prefill_tilings(num_q_heads, num_kv_heads, block_size, config, fp8):
     inputs = prefill_inputs([0, 33, 3], [70, 100, 1], num_q_heads, num_kv_heads, 64, block_size, torch.float32, fp8)
     out, ref = run_prefill(*inputs, config=config)
     assert_close(out, ref, torch.float32, ATTN)
+
+
+# A key-major V (kernels/kv_cache.py, the engine's fp8 layout) through both load paths: TMA
+# descriptors where BLOCK_N <= block_size (tiles of D x BLOCK_N in the block's key-major memory, at
+# column offsets 0 or past it), pointers where a tile spans blocks; the tilings of test_prefill_tilings.
+KEY_MAJOR_TILINGS = {
+    "multi-block-tile": (2, 2, 16, {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1}),
+    "tile-in-block": (2, 2, 64, {"BLOCK_M": 64, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}),
+    "gqa4-bq4": (8, 2, 32, {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}),
+    "gqa8-bq16": (8, 1, 256, {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}),
+}
+
+
+@pytest.mark.parametrize("fp8, tiling", [
+    (True, "multi-block-tile"), (True, "tile-in-block"), (True, "gqa4-bq4"), (True, "gqa8-bq16"),
+    (False, "multi-block-tile"), (False, "tile-in-block"),
+], ids=lambda x: {True: "fp8-cache", False: "model-cache"}.get(x, x))
+def test_prefill_tilings_key_major_v(monkeypatch, fp8, tiling):
+    num_q_heads, num_kv_heads, block_size, config = KEY_MAJOR_TILINGS[tiling]
+    inputs = prefill_inputs([0, 33, 3], [70, 100, 1], num_q_heads, num_kv_heads, 64, block_size, torch.float32, fp8,
+                            v_layout="key_major")
+    v_cache = inputs[2]
+    assert is_key_major(v_cache) and inputs[1].is_contiguous()
+    before = v_cache.clone()
+    taken = spy_tma(monkeypatch)
+    out, ref = run_prefill(*inputs, config=config)
+    assert taken == [tma_expected(config["BLOCK_N"], block_size)]
+    assert_close(out, ref, torch.float32, ATTN)
+    assert torch.equal(v_cache.view(torch.uint8) if fp8 else v_cache.nan_to_num(7.0),
+                       before.view(torch.uint8) if fp8 else before.nan_to_num(7.0))  # only read
+
+
+# Prefix-cache hits over a key-major e4m3 V, odd lengths around blocks of 16: the default config
+# (BLOCK_N 64 > block_size, pointer loads) and one of BLOCK_N = block_size (TMA).
+@pytest.mark.parametrize("config", [None, {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}],
+                         ids=["default", "tma"])
+def test_prefill_prefix_hits_key_major_v(monkeypatch, config):
+    pairs = [(1, 1), (15, 2), (16, 30), (37, 64), (33, 3), (200, 1), (0, 19)]
+    context_lens, q_lens = [c for c, _ in pairs], [n for _, n in pairs]
+    inputs = prefill_inputs(context_lens, q_lens, 4, 2, 128, 16, torch.bfloat16, fp8=True, v_layout="key_major")
+    taken = spy_tma(monkeypatch)
+    out, ref = run_prefill(*inputs, config=config)
+    if config is None and tuning.INTERPRET:  # the default (a GPU may have a tuned one): BLOCK_N 64 > 16
+        config = prefill_module._prefill_default("bfloat16", 128, 2, 16, max(q_lens), "float8_e4m3fn")
+        assert config["BLOCK_N"] > 16
+    if config is not None:
+        assert taken == [tma_expected(config["BLOCK_N"], 16)]
+    assert_close(out, ref, torch.bfloat16, ATTN)
+
+
+# Chunked prefill over a key-major e4m3 V (odd chunks: 1, 35, 57), pointer loads and TMA (BLOCK_N 32).
+@pytest.mark.parametrize("config", [None, {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}],
+                         ids=["default", "tma"])
+def test_chunked_prefill_key_major_v(config):
+    check_chunked(torch.bfloat16, True, "key_major", config)
 
 
 @FP8
@@ -165,6 +252,12 @@ def test_prefill_rejects_bad_inputs():
     with pytest.raises(ValueError, match="block_size"):
         odd = k_cache[:, :12]
         prefill_attention(q, odd, odd, cu, seq_lens, tables)
+    # V neither with k_cache's strides nor key-major; a key-major V beside a non-contiguous k_cache.
+    with pytest.raises(ValueError, match="v_cache"):
+        prefill_attention(q, k_cache, v_cache.transpose(2, 3).contiguous().transpose(2, 3), cu, seq_lens, tables)
+    padded = torch.cat([k_cache, k_cache[..., :16]], -1)[..., :64]
+    with pytest.raises(ValueError, match="v_cache"):
+        prefill_attention(q, padded, key_major(v_cache), cu, seq_lens, tables)
 
 
 def test_prefill_rejects_bad_scales():

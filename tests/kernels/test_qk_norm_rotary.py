@@ -1,11 +1,12 @@
 import pytest
 import torch
 import kernel_utils
-from kernel_utils import DEVICE, DTYPES, poisoned, randn
+from kernel_utils import DEVICE, DTYPES, key_major, poisoned, randn, with_v_layout
 from test_fp8 import assert_e4m3_rows_match, e4m3_poisoned
 
 from tritonllm.kernels import qk_norm_rotary_store, reference
 from tritonllm.kernels import qk_norm_rotary as module
+from tritonllm.kernels.kv_cache import is_key_major
 from tritonllm.kernels.tuning import INTERPRET
 from tritonllm.layers import rotary
 
@@ -44,16 +45,17 @@ def make_inputs(tokens, q_heads, kv_heads, head_dim, block_size, dtype, pad=0, i
 
 
 def check(tokens, q_heads, kv_heads, head_dim, block_size, dtype, pad=0, index_dtype=torch.int64, with_out=False,
-          yarn=None, fp8=False):
+          yarn=None, fp8=False, v_layout="contiguous"):
     buffer, qkv, q_weight, k_weight, positions, slots, k_cache, v_cache = make_inputs(
         tokens, q_heads, kv_heads, head_dim, block_size, dtype, pad, index_dtype)
     scales = {}
     if fp8:  # e4m3 caches of NaN patterns, NaN scales
         k_cache, v_cache = e4m3_poisoned(*k_cache.shape), e4m3_poisoned(*k_cache.shape)
         scales = {name: poisoned(*k_cache.shape[:3], dtype=torch.float32) for name in ("k_scale", "v_scale")}
+    v_cache = with_v_layout(v_cache, v_layout)  # "key_major": the reference writes the same layout
     cache = cos_sin_cache(MAX_POS, head_dim, yarn)
     buffer_before = buffer.clone()
-    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    ref_k, ref_v = k_cache.clone(), with_v_layout(v_cache.contiguous(), v_layout)
     ref_scales = {name: scale.clone() for name, scale in scales.items()}
     eps = 1e-6
     ref_q = reference.qk_norm_rotary_store(positions, qkv, q_weight, k_weight, eps, cache, ref_k, ref_v, slots,
@@ -66,6 +68,7 @@ def check(tokens, q_heads, kv_heads, head_dim, block_size, dtype, pad=0, index_d
     if with_out:
         assert q.data_ptr() == out.data_ptr()
     assert_close(q, ref_q, dtype)
+    assert is_key_major(v_cache) == is_key_major(ref_v) == (v_layout == "key_major")
     # Nothing but q and the cache slots is written: qkv (padding included) is untouched.
     assert torch.equal(buffer.nan_to_num(7.0), buffer_before.nan_to_num(7.0))
     written = slots[slots >= 0].long()
@@ -108,6 +111,35 @@ def test_qk_norm_rotary_store(tokens, q_heads, kv_heads, head_dim, block_size, p
 @pytest.mark.parametrize("tokens, q_heads, kv_heads, head_dim, block_size, pad", CASES)
 def test_qk_norm_rotary_store_fp8(tokens, q_heads, kv_heads, head_dim, block_size, pad, dtype):
     check(tokens, q_heads, kv_heads, head_dim, block_size, dtype, pad, fp8=True)
+
+
+# A key-major V (kernels/kv_cache.py): the same checks, the reference storing into the same layout;
+# GQA 4 over blocks of 16, one KV head over blocks of 16 with padded qkv rows, a head dim of 80.
+@pytest.mark.parametrize("fp8", [False, True], ids=["model-cache", "fp8-cache"])
+@pytest.mark.parametrize("tokens, q_heads, kv_heads, head_dim, block_size, pad, dtype", [
+    (100, 8, 2, 64, 16, 0, torch.bfloat16),
+    (7, 8, 1, 128, 256, 24, torch.float32),
+    (5, 6, 2, 80, 16, 8, torch.float16),
+])
+def test_qk_norm_rotary_store_key_major_v(tokens, q_heads, kv_heads, head_dim, block_size, pad, dtype, fp8):
+    check(tokens, q_heads, kv_heads, head_dim, block_size, dtype, pad, fp8=fp8, v_layout="key_major")
+
+
+def test_key_major_v_equals_contiguous_v():
+    # The same inputs into both layouts: the same V values, bit for bit, read through indexing.
+    _, qkv, q_weight, k_weight, positions, slots, k_cache, _ = make_inputs(9, 4, 2, 64, 16, torch.bfloat16, pad=8)
+    scales = [{name: poisoned(*k_cache.shape[:3], dtype=torch.float32) for name in ("k_scale", "v_scale")}
+              for _ in range(2)]
+    caches = [(e4m3_poisoned(*k_cache.shape), e4m3_poisoned(*k_cache.shape)) for _ in range(2)]
+    caches[1] = caches[1][0], key_major(caches[1][1])
+    cache = cos_sin_cache(MAX_POS, 64)
+    for (k, v), scale in zip(caches, scales):
+        qk_norm_rotary_store(positions, qkv, q_weight, k_weight, 1e-6, cache, k, v, slots, 4, 2, **scale)
+    for flat, major in zip(*caches):  # K, then V
+        assert torch.equal(flat.view(torch.uint8), major.view(torch.uint8))
+    assert torch.equal(scales[0]["v_scale"].nan_to_num(7.0), scales[1]["v_scale"].nan_to_num(7.0))
+    written = slots[slots >= 0].long()
+    assert not caches[1][1][written // 16, written % 16].float().isnan().any()
 
 
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
@@ -160,8 +192,16 @@ def test_rejects_bad_shapes():
         qk_norm_rotary_store(index, qkv, randn(64), randn(64), 1e-6, cache, k_cache, k_cache.clone(), index, 4, 3)
     with pytest.raises(ValueError, match="slot_mapping"):
         qk_norm_rotary_store(index, qkv, randn(64), randn(64), 1e-6, cache, k_cache, k_cache.clone(), index[:2], 4, 2)
-    with pytest.raises(ValueError, match="caches"):
+    with pytest.raises(ValueError, match="k_cache"):
         qk_norm_rotary_store(index, qkv, randn(64), randn(64), 1e-6, cache, k_cache[:, :, :1], k_cache.clone(), index, 4, 2)
+    # V neither with k_cache's strides nor key-major; a key-major V beside a non-contiguous k_cache.
+    other = k_cache.transpose(2, 3).contiguous().transpose(2, 3)
+    with pytest.raises(ValueError, match="v_cache"):
+        qk_norm_rotary_store(index, qkv, randn(64), randn(64), 1e-6, cache, k_cache, other, index, 4, 2)
+    with pytest.raises(ValueError, match="k_cache"):
+        qk_norm_rotary_store(index, qkv, randn(64), randn(64), 1e-6, cache, key_major(k_cache), key_major(k_cache),
+                             index, 4, 2)
+    assert torch.isnan(k_cache).all()
 
 
 def test_rejects_bad_scales():
