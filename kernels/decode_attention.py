@@ -38,7 +38,7 @@ def _decode_attention_kernel(
     stride_cache_block, stride_cache_token, stride_cache_head, stride_block_table, stride_scale_token,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_MIN: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr, FP8: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr, FP8: tl.constexpr, V_KEY_MAJOR: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -78,12 +78,12 @@ def _decode_attention_kernel(
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
                                      block_table_row, head_offset, n0, seq_len, pos, qk_scale, stride_cache_block,
                                      stride_cache_token, stride_scale_token, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False,
-                                     DOT_PRECISION, INTERPRET, False, FP8)
+                                     DOT_PRECISION, INTERPRET, False, FP8, V_KEY_MAJOR)
     for n0 in range(full_end, end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
                                      block_table_row, head_offset, n0, seq_len, pos, qk_scale, stride_cache_block,
                                      stride_cache_token, stride_scale_token, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True,
-                                     DOT_PRECISION, INTERPRET, False, FP8)
+                                     DOT_PRECISION, INTERPRET, False, FP8, V_KEY_MAJOR)
 
     if NUM_SPLITS == 1:
         # seq_len 0 (a padding row of a captured batch) leaves l = 0 and acc = 0: write zeros.
@@ -151,10 +151,10 @@ def _decode_space(dtype_name, head_dim, group, num_kv_heads, block_size, batch, 
         # the stage count barely moves the time (bench/NOTES-attention.md).
         return [{"BLOCK_N": block_n, "NUM_SPLITS": num_splits, "SPLIT_MIN": 256, "num_warps": num_warps,
                  "num_stages": 3} for block_n in (32, 64, 128) for num_splits in splits]
-    # e4m3 tiles are bound by the instructions that feed the converts (NOTES-attention.md): more
-    # warps and fewer stages (more programs an SM) hide their latency.
+    # e4m3 tiles carry half the bytes a key, so longer tiles keep as many bytes in flight; from a
+    # key-major V, 256 keys a tile fit in registers and shared memory (NOTES-attention.md).
     return [{"BLOCK_N": block_n, "NUM_SPLITS": num_splits, "SPLIT_MIN": 256, "num_warps": warps, "num_stages": stages}
-            for block_n in (64, 128) for num_splits in splits[-2:] for warps in (num_warps, 8) for stages in (2, 3)]
+            for block_n in (64, 128, 256) for num_splits in splits[-2:] for warps in (num_warps, 8) for stages in (2, 3)]
 
 
 def _decode_default(dtype_name, head_dim, group, num_kv_heads, block_size, batch, context, cache_dtype_name=None):
@@ -184,7 +184,8 @@ def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale=None, *,
     """Attention of one new token per sequence over the paged KV cache; CUDA-graph capturable.
 
     q: [B, Hq, D] float32/float16/bfloat16 (contiguous in D). k_cache, v_cache: [num_blocks,
-    block_size, Hkv, D] of q's dtype, or float8_e4m3fn with k_scale, v_scale: float32 [num_blocks,
+    block_size, Hkv, D] (v_cache with k_cache's strides, or key-major beside a contiguous k_cache:
+    kernels/kv_cache.py) of q's dtype, or float8_e4m3fn with k_scale, v_scale: float32 [num_blocks,
     block_size, Hkv] contiguous, the scale of each stored row (its value is cache_row.float() *
     scale); the new token's K/V already stored; block_size a power of two; D a power of two >= 16;
     Hq a multiple of Hkv. seq_lens: [B] int32, sequence b attends to keys [0, seq_lens[b]); a
@@ -199,7 +200,7 @@ def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale=None, *,
     out: optional [B, Hq, D] output buffer written in place. config: launch config overriding the
     tuned/default one (tests, benchmarks). Returns o [B, Hq, D] in q's dtype (`out` if given).
     """
-    group, block_size, fp8 = check_paged_inputs(q, k_cache, v_cache, seq_lens, block_tables, out, k_scale, v_scale)
+    group, block_size, fp8, v_key_major = check_paged_inputs(q, k_cache, v_cache, seq_lens, block_tables, out, k_scale, v_scale)
     batch, num_q_heads, head_dim = q.shape
     if seq_lens.shape[0] != batch:
         raise ValueError(f"seq_lens must be [B = {batch}], got shape {tuple(seq_lens.shape)}")
@@ -225,7 +226,8 @@ def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale=None, *,
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
             k_scale.stride(1) if fp8 else None,
             GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_H=max(16, triton.next_power_of_2(group)),
-            DOT_PRECISION=dot_precision(q.dtype), INTERPRET=tuning.INTERPRET, FP8=fp8, **cfg)
+            DOT_PRECISION=dot_precision(q.dtype), INTERPRET=tuning.INTERPRET, FP8=fp8,
+            V_KEY_MAJOR=v_key_major, **cfg)
         if num_splits > 1:
             _merge_splits_kernel[(batch, num_q_heads)](
                 scratch, m, l, seq_lens, out, num_q_heads, out.stride(0), out.stride(1),

@@ -1,10 +1,54 @@
-"""Store new K/V rows into the paged KV cache."""
+"""Store new K/V rows into the paged KV cache, and the cache layouts the kernels take.
+
+A cache is [num_blocks, block_size, Hkv, D]; slot = block * block_size + offset. In memory it is
+either contiguous (a cache row of Hkv * D values per slot) or, for V, key-major: each block laid
+out as [Hkv, D, block_size], so a head's values run over the block's keys. Indexing means the same
+in both. The PV dot reduces over keys: from a key-major V an e4m3 tile reaches the tensor cores
+without a byte-wise transpose (sm_90 has no 8-bit ldmatrix.trans; bench/NOTES-attention.md).
+"""
 import torch
 import triton
 import triton.language as tl
 
 from tritonllm.kernels.fp8 import check_kv_scales, e4m3_scale, to_e4m3
 from tritonllm.kernels.tuning import INTERPRET, Tunable, dtype_name, pow2
+
+
+def empty_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                   device=None, *, key_major: bool = False) -> torch.Tensor:
+    """An uninitialized cache [num_blocks, block_size, Hkv, D]: contiguous, or key-major (memory
+    [num_blocks, Hkv, D, block_size], the same shape through permuted strides)."""
+    if not key_major:
+        return torch.empty(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    return torch.empty(num_blocks, num_kv_heads, head_dim, block_size, dtype=dtype, device=device).permute(0, 3, 1, 2)
+
+
+def is_key_major(cache: torch.Tensor) -> bool:
+    """Whether a [num_blocks, block_size, Hkv, D] cache has empty_kv_cache's key-major strides."""
+    _, block_size, num_kv_heads, head_dim = cache.shape
+    return cache.stride() == (num_kv_heads * head_dim * block_size, 1, head_dim * block_size, block_size)
+
+
+def check_cache_layouts(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Check that v_cache has k_cache's shape and either its strides or, beside a contiguous k_cache,
+    the key-major ones; returns whether v_cache is key-major. Raises ValueError naming v_cache."""
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache must have k_cache's shape {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
+    if v_cache.stride() == k_cache.stride():
+        return False
+    if is_key_major(v_cache) and k_cache.is_contiguous():
+        return True
+    raise ValueError(f"v_cache must have the strides of k_cache {k_cache.stride()}, or be key-major "
+                     f"(kernels/kv_cache.empty_kv_cache) beside a contiguous k_cache; got {v_cache.stride()}")
+
+
+@triton.jit
+def slot_offsets(slots, cols, ROW: tl.constexpr, BLOCK_SIZE: tl.constexpr, KEY_MAJOR: tl.constexpr):
+    """int64 element offsets of column `cols` (head * D + d, < ROW = Hkv * D) of cache slots `slots`
+    (int64, broadcast against cols) in a contiguous or (KEY_MAJOR, blocks of BLOCK_SIZE) key-major cache."""
+    if KEY_MAJOR:
+        return (slots // BLOCK_SIZE) * (ROW * BLOCK_SIZE) + cols * BLOCK_SIZE + slots % BLOCK_SIZE
+    return slots * ROW + cols
 
 
 @triton.jit
@@ -22,6 +66,7 @@ def _store_kv_cache_kernel(
     k_token_stride, k_head_stride, v_token_stride, v_head_stride,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_ROW: tl.constexpr, TOKENS: tl.constexpr,
     FP8: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr,
+    V_BLOCK_SIZE: tl.constexpr, V_KEY_MAJOR: tl.constexpr,
 ):
     # Each program copies TOKENS rows of Hkv * D elements; a cache row is contiguous.
     tokens = (tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)).to(tl.int64)
@@ -34,13 +79,15 @@ def _store_kv_cache_kernel(
         in_row = (heads3 < NUM_HEADS) & (dims3 < HEAD_DIM)
         load_mask = (tokens < n_tokens)[:, None, None] & in_row
         store_mask = (slots >= 0)[:, None, None] & in_row
-        cache_offsets = slots[:, None, None] * (NUM_HEADS * HEAD_DIM) + heads3 * HEAD_DIM + dims3
+        cols3 = heads3 * HEAD_DIM + dims3
+        k_offsets = slot_offsets(slots[:, None, None], cols3, NUM_HEADS * HEAD_DIM, 1, False)
+        v_offsets = slot_offsets(slots[:, None, None], cols3, NUM_HEADS * HEAD_DIM, V_BLOCK_SIZE, V_KEY_MAJOR)
         scale_offsets = slots[:, None] * NUM_HEADS + heads[None, :]
         scale_mask = (slots >= 0)[:, None] & (heads < NUM_HEADS)[None, :]
         _store_e4m3_rows(k_ptr + tokens[:, None, None] * k_token_stride + heads3 * k_head_stride + dims3, load_mask,
-                         k_cache_ptr + cache_offsets, store_mask, k_scale_ptr + scale_offsets, scale_mask, INTERPRET)
+                         k_cache_ptr + k_offsets, store_mask, k_scale_ptr + scale_offsets, scale_mask, INTERPRET)
         _store_e4m3_rows(v_ptr + tokens[:, None, None] * v_token_stride + heads3 * v_head_stride + dims3, load_mask,
-                         v_cache_ptr + cache_offsets, store_mask, v_scale_ptr + scale_offsets, scale_mask, INTERPRET)
+                         v_cache_ptr + v_offsets, store_mask, v_scale_ptr + scale_offsets, scale_mask, INTERPRET)
         return
     cols = tl.arange(0, BLOCK_ROW)
     heads, dims = cols // HEAD_DIM, cols % HEAD_DIM
@@ -51,9 +98,10 @@ def _store_kv_cache_kernel(
     v = tl.load(v_ptr + tokens[:, None] * v_token_stride + (heads * v_head_stride + dims)[None, :], mask=load_mask, other=0.0)
     # slot < 0 marks a row that must not be stored (padding).
     store_mask = (slots >= 0)[:, None] & in_row
-    cache_offsets = slots[:, None] * (NUM_HEADS * HEAD_DIM) + cols[None, :]
-    tl.store(k_cache_ptr + cache_offsets, k.to(k_cache_ptr.dtype.element_ty), mask=store_mask)
-    tl.store(v_cache_ptr + cache_offsets, v.to(v_cache_ptr.dtype.element_ty), mask=store_mask)
+    k_offsets = slot_offsets(slots[:, None], cols[None, :], NUM_HEADS * HEAD_DIM, 1, False)
+    v_offsets = slot_offsets(slots[:, None], cols[None, :], NUM_HEADS * HEAD_DIM, V_BLOCK_SIZE, V_KEY_MAJOR)
+    tl.store(k_cache_ptr + k_offsets, k.to(k_cache_ptr.dtype.element_ty), mask=store_mask)
+    tl.store(v_cache_ptr + v_offsets, v.to(v_cache_ptr.dtype.element_ty), mask=store_mask)
 
 
 def _space(dtype, block_row, tokens_bucket):
@@ -82,8 +130,8 @@ def store_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scal
     """Write k[t], v[t] into slot slot_mapping[t] of k_cache, v_cache; a slot < 0 skips row t.
 
     k, v [T, Hkv, D] float32/float16/bfloat16 (last dim contiguous, token and head strides free);
-    k_cache, v_cache [num_blocks, block_size, Hkv, D] contiguous, slot = block * block_size +
-    offset; slot_mapping [T] int32 or int64. Modifies the caches in place; values are cast to the
+    k_cache, v_cache [num_blocks, block_size, Hkv, D], slot = block * block_size + offset; k_cache
+    contiguous, v_cache contiguous or key-major (empty_kv_cache); slot_mapping [T] int32 or int64. Modifies the caches in place; values are cast to the
     cache dtype. A torch.float8_e4m3fn cache needs k_scale, v_scale [num_blocks, block_size, Hkv]
     float32 contiguous: each (token, head) row is stored as e4m3(row / scale), scale = max|row| / 448
     (1.0 for a zero row), and its scale is written at [slot, head] (kernels/fp8.py).
@@ -91,8 +139,10 @@ def store_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scal
     n_tokens, num_heads, head_dim = k.shape
     if v.shape != k.shape or k.stride(2) != 1 or v.stride(2) != 1:
         raise ValueError(f"k and v must both be [T, Hkv, D] with contiguous rows, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if k_cache.shape[2:] != (num_heads, head_dim) or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError(f"caches must be contiguous [num_blocks, block_size, {num_heads}, {head_dim}], got {tuple(k_cache.shape)}")
+    if k_cache.dim() != 4 or k_cache.shape[2:] != (num_heads, head_dim) or not k_cache.is_contiguous():
+        raise ValueError(f"k_cache must be a contiguous [num_blocks, block_size, {num_heads}, {head_dim}], "
+                         f"got {tuple(k_cache.shape)} strides {k_cache.stride()}")
+    v_key_major = check_cache_layouts(k_cache, v_cache)
     if slot_mapping.shape != (n_tokens,):
         raise ValueError(f"slot_mapping must have shape ({n_tokens},), got {tuple(slot_mapping.shape)}")
     fp8 = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
@@ -106,7 +156,9 @@ def store_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scal
             k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale, n_tokens,
             k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_ROW=block_row, FP8=fp8, BLOCK_H=block_h, BLOCK_D=block_d,
-            INTERPRET=INTERPRET, **config,
+            # V_BLOCK_SIZE only shapes key-major addresses: 1 otherwise, so block sizes share a compile.
+            INTERPRET=INTERPRET, V_BLOCK_SIZE=k_cache.shape[1] if v_key_major else 1, V_KEY_MAJOR=v_key_major,
+            **config,
         )
 
     launch(_TUNING.config(store_kv_cache_bucket(k.dtype, num_heads, head_dim, n_tokens), launch))

@@ -2,8 +2,8 @@
 
 A paged KV cache is [num_blocks, block_size, Hkv, D]; a sequence's block table maps its logical
 blocks to physical ones. `_attend_tile` is one online-softmax step of a tile of query rows over
-BLOCK_N keys read through the table (or through TMA descriptors); `_cache_offsets` the addresses
-of those keys; `check_paged_inputs` the shape checks of both wrappers.
+BLOCK_N keys read through the table (or through TMA descriptors); `_key_blocks` where those keys
+lie; `check_paged_inputs` the shape checks of both wrappers. V may be key-major (kernels/kv_cache.py).
 
 An e4m3 cache (torch.float8_e4m3fn, kernels/fp8.py) holds K/V rows with a float32 scale per
 (slot, KV head) in k_scale / v_scale [num_blocks, block_size, Hkv]: the fp8 tile is converted to
@@ -17,26 +17,27 @@ import triton.language as tl
 
 from tritonllm.kernels import tuning
 from tritonllm.kernels.fp8 import check_kv_scales, from_e4m3
+from tritonllm.kernels.kv_cache import check_cache_layouts
 
 LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _cache_offsets(block_table_row, n0, seq_len, stride_cache_block, stride_cache_token,
-                   BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """int64 element offsets of cache rows n0 .. n0 + BLOCK_N - 1 (n0 a multiple of BLOCK_N)."""
+def _key_blocks(block_table_row, n0, seq_len, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(physical block, offset in it) of keys n0 .. n0 + BLOCK_N - 1 (n0 a multiple of BLOCK_N):
+    the block an int64 scalar where the tile lies in one block, else [BLOCK_N]; offsets [BLOCK_N]."""
     offs_n = tl.arange(0, BLOCK_N)
     if BLOCK_N <= BLOCK_SIZE:
         # The tile lies inside one cache block: one block-table lookup per tile.
         block = tl.load(block_table_row + n0 // BLOCK_SIZE).to(tl.int64)
-        offsets = block * stride_cache_block + (n0 % BLOCK_SIZE + offs_n) * stride_cache_token
+        in_block = n0 % BLOCK_SIZE + offs_n
     else:
-        # The tile spans several blocks: one lookup per key; table entries past the sequence
-        # may be padding, so they are never read.
+        # The tile spans several blocks: one lookup per key; table entries past the sequence may
+        # be padding, so they are never read.
         keys = n0 + offs_n
         block = tl.load(block_table_row + keys // BLOCK_SIZE, mask=keys < seq_len, other=0).to(tl.int64)
-        offsets = block * stride_cache_block + (keys % BLOCK_SIZE) * stride_cache_token
-    return offsets
+        in_block = keys % BLOCK_SIZE
+    return block, in_block
 
 
 @triton.jit
@@ -54,7 +55,7 @@ def _attend_tile(acc, m_i, l_i, q, k_cache, v_cache, k_scale_ptr, v_scale_ptr, b
                  n0, seq_len, pos, qk_scale, stride_cache_block, stride_cache_token, stride_scale_token,
                  HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                  MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
-                 TMA: tl.constexpr, FP8: tl.constexpr):
+                 TMA: tl.constexpr, FP8: tl.constexpr, V_KEY_MAJOR: tl.constexpr):
     """One online-softmax step of the rows of q over keys n0 .. n0 + BLOCK_N - 1.
 
     m_i is the running row max in log2 units (scores times qk_scale = scale * log2(e)), l_i the
@@ -64,7 +65,8 @@ def _attend_tile(acc, m_i, l_i, q, k_cache, v_cache, k_scale_ptr, v_scale_ptr, b
     descriptors over the cache as [cache rows, Hkv * D] with BLOCK_N <= BLOCK_SIZE, head_offset
     the head's first column; otherwise pointers, head_offset an element offset. FP8: the cache is
     e4m3 and k_scale_ptr / v_scale_ptr point at the KV head's scales, stride_scale_token apart
-    per cache slot (unused otherwise).
+    per cache slot (unused otherwise). V_KEY_MAJOR: v_cache is key-major (kernels/kv_cache.py; the
+    caches contiguous), a TMA descriptor over it [blocks * Hkv * D, BLOCK_SIZE] of D x BLOCK_N tiles.
     """
     keys = n0 + tl.arange(0, BLOCK_N)
     in_seq = (keys < seq_len)[:, None]
@@ -76,17 +78,16 @@ def _attend_tile(acc, m_i, l_i, q, k_cache, v_cache, k_scale_ptr, v_scale_ptr, b
         if FP8:
             scale_offsets = (row + tl.arange(0, BLOCK_N)).to(tl.int64) * stride_scale_token
     else:
-        rows = _cache_offsets(block_table_row, n0, seq_len, stride_cache_block, stride_cache_token,
-                              BLOCK_SIZE, BLOCK_N)
-        offsets = rows[:, None] + head_offset + tl.arange(0, HEAD_DIM)[None, :]
+        block, in_block = _key_blocks(block_table_row, n0, seq_len, BLOCK_SIZE, BLOCK_N)
+        offsets = (block * stride_cache_block + in_block * stride_cache_token)[:, None] + head_offset \
+            + tl.arange(0, HEAD_DIM)[None, :]
         if MASKED:
             k = tl.load(k_cache + offsets, mask=in_seq, other=0.0)
         else:
             k = tl.load(k_cache + offsets)
         if FP8:
-            # The scales are a contiguous [blocks, BLOCK_SIZE, Hkv]: the same lookup with their strides.
-            scale_offsets = _cache_offsets(block_table_row, n0, seq_len, BLOCK_SIZE * stride_scale_token,
-                                           stride_scale_token, BLOCK_SIZE, BLOCK_N)
+            # The scales are a contiguous [blocks, BLOCK_SIZE, Hkv].
+            scale_offsets = (block * BLOCK_SIZE + in_block) * stride_scale_token
     col_scale = qk_scale
     if FP8:
         # e4m3 converts exactly to q's dtype; each key's scale goes on its column of scores.
@@ -103,8 +104,21 @@ def _attend_tile(acc, m_i, l_i, q, k_cache, v_cache, k_scale_ptr, v_scale_ptr, b
     m_new = tl.maximum(m_i, tl.max(scores, 1))
     p = tl.math.exp2(scores - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
-    if TMA:
+    if TMA and V_KEY_MAJOR:
+        # The head's D x BLOCK_N tile of its block: rows (block * Hkv + head) * D, Hkv * D = stride_cache_token.
+        v = tl.trans(v_cache.load([block * stride_cache_token + head_offset, n0 % BLOCK_SIZE]))
+    elif TMA:
         v = v_cache.load([row, head_offset])
+    elif V_KEY_MAJOR:
+        # A key's D values lie BLOCK_SIZE apart; keys of one block are adjacent. The compiler cannot
+        # see that through the block-table gather: it is told, so the loads are vectors of keys.
+        run: tl.constexpr = min(BLOCK_N, BLOCK_SIZE)
+        key_offsets = tl.max_contiguous(tl.multiple_of(block * stride_cache_block + in_block, run), run)
+        v_offsets = key_offsets[:, None] + head_offset * BLOCK_SIZE + (tl.arange(0, HEAD_DIM) * BLOCK_SIZE)[None, :]
+        if MASKED:
+            v = tl.load(v_cache + v_offsets, mask=in_seq, other=0.0)
+        else:
+            v = tl.load(v_cache + v_offsets)
     elif MASKED:
         v = tl.load(v_cache + offsets, mask=in_seq, other=0.0)
     else:
@@ -143,16 +157,16 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 def check_paged_inputs(q, k_cache, v_cache, seq_lens, block_tables, out, k_scale=None, v_scale=None):
-    """Cheap shape checks shared by the attention wrappers; returns (group, block_size, fp8).
+    """Cheap shape checks shared by the attention wrappers; returns (group, block_size, fp8, v_key_major).
 
-    fp8: the caches are float8_e4m3fn with their k_scale / v_scale (kernels/fp8.check_kv_scales).
+    fp8: the caches are float8_e4m3fn with their k_scale / v_scale (kernels/fp8.check_kv_scales);
+    v_key_major: v_cache is key-major (kernels/kv_cache.check_cache_layouts).
     """
     if q.dim() != 3:
         raise ValueError(f"q must be [tokens, Hq, D], got shape {tuple(q.shape)}")
     if k_cache.dim() != 4:
         raise ValueError(f"k_cache must be [num_blocks, block_size, Hkv, D], got shape {tuple(k_cache.shape)}")
-    if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
-        raise ValueError("v_cache must have the shape and strides of k_cache")
+    v_key_major = check_cache_layouts(k_cache, v_cache)
     fp8 = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
     if fp8 and q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"q must be float32/float16/bfloat16 with a float8_e4m3fn cache, got {q.dtype}")
@@ -176,4 +190,4 @@ def check_paged_inputs(q, k_cache, v_cache, seq_lens, block_tables, out, k_scale
         raise ValueError(f"block_tables must be [B={batch}, max_blocks], got shape {tuple(block_tables.shape)}")
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1):
         raise ValueError(f"out must be a {q.dtype} tensor of q's shape {tuple(q.shape)}, contiguous in head_dim")
-    return q.shape[1] // num_kv_heads, block_size, fp8
+    return q.shape[1] // num_kv_heads, block_size, fp8, v_key_major

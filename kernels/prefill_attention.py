@@ -37,6 +37,7 @@ def _prefill_attention_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr, TMA: tl.constexpr, FP8: tl.constexpr,
+    V_KEY_MAJOR: tl.constexpr,
 ):
     kv_head = tl.program_id(0)
     seq = tl.program_id(1)
@@ -80,14 +81,14 @@ def _prefill_attention_kernel(
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache, v_cache, k_scale_ptr, v_scale_ptr, block_table_row,
                                      head_offset, n0, seq_len, pos, qk_scale, stride_cache_block, stride_cache_token,
                                      stride_scale_token, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION,
-                                     INTERPRET, TMA, FP8)
+                                     INTERPRET, TMA, FP8, V_KEY_MAJOR)
     # The diagonal: up to the last row's position (rows past q_len are idle, hence the clamp).
     diag_end = tl.minimum(seq_len, context + q0 + BLOCK_Q)
     for n0 in range(full_end, diag_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache, v_cache, k_scale_ptr, v_scale_ptr, block_table_row,
                                      head_offset, n0, seq_len, pos, qk_scale, stride_cache_block, stride_cache_token,
                                      stride_scale_token, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION,
-                                     INTERPRET, TMA, FP8)
+                                     INTERPRET, TMA, FP8, V_KEY_MAJOR)
     out = acc / l_i[:, None]
     o_rows = (q_start + token).to(tl.int64) * stride_o_token + head * stride_o_head
     tl.store(o_ptr + o_rows[:, None] + offs_d[None, :], out.to(o_ptr.dtype.element_ty), mask=row_mask[:, None])
@@ -133,23 +134,28 @@ def _has_tma(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
-def _cache_descriptors(k_cache, v_cache, block_n):
-    """TMA descriptors for BLOCK_N x D tiles of K and V viewed as [cache rows, Hkv * D], or None.
+def _cache_descriptors(k_cache, v_cache, block_n, v_key_major):
+    """TMA descriptors for BLOCK_N x D tiles of K (and V) viewed as [cache rows, Hkv * D], or None.
+    A key-major V is viewed as [num_blocks * Hkv * D, block_size], its tiles D x BLOCK_N.
 
     None where a tile may span cache blocks (BLOCK_N > block_size), the caches are not contiguous
-    or not 16-byte aligned, or the GPU has no TMA (before Hopper); the kernel then loads through
-    pointers. CPU tensors (the interpreter, sm_90 compile checks) take the TMA path.
+    (or key-major) or not 16-byte aligned, or the GPU has no TMA (before Hopper); the kernel then
+    loads through pointers. CPU tensors (the interpreter, sm_90 compile checks) take the TMA path.
     """
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    if block_n > block_size or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+    if block_n > block_size or not (k_cache.is_contiguous() and (v_key_major or v_cache.is_contiguous())):
         return None
     if k_cache.data_ptr() % 16 or v_cache.data_ptr() % 16:
         return None
     if k_cache.is_cuda and not _has_tma(k_cache.device.index):
         return None
     shape = [num_blocks * block_size, num_kv_heads * head_dim]
-    return tuple(TensorDescriptor(cache.view(shape), shape, [shape[1], 1], [block_n, head_dim])
-                 for cache in (k_cache, v_cache))
+    k_desc = TensorDescriptor(k_cache.view(shape), shape, [shape[1], 1], [block_n, head_dim])
+    if not v_key_major:
+        return k_desc, TensorDescriptor(v_cache.view(shape), shape, [shape[1], 1], [block_n, head_dim])
+    v_shape = [num_blocks * num_kv_heads * head_dim, block_size]
+    v_rows = v_cache.permute(0, 2, 3, 1).reshape(v_shape)  # the key-major memory itself, no copy
+    return k_desc, TensorDescriptor(v_rows, v_shape, [block_size, 1], [head_dim, block_n])
 
 
 def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale=None, *,
@@ -158,7 +164,8 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
     """Causal attention of the new tokens of B sequences over the paged KV cache.
 
     q: [T, Hq, D] float32/float16/bfloat16, the new tokens of the B sequences packed one after the
-    other (contiguous in D). k_cache, v_cache: [num_blocks, block_size, Hkv, D] of q's dtype, or
+    other (contiguous in D). k_cache, v_cache: [num_blocks, block_size, Hkv, D] (v_cache with
+    k_cache's strides, or key-major beside a contiguous k_cache: kernels/kv_cache.py) of q's dtype, or
     float8_e4m3fn with k_scale, v_scale: float32 [num_blocks, block_size, Hkv] contiguous, the
     scale of each stored row (its value is cache_row.float() * scale); the new tokens' K/V already
     stored; block_size a power of two; D a power of two >= 16; Hq a multiple of Hkv.
@@ -174,7 +181,7 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
     place. config: launch config overriding the tuned/default one (tests, benchmarks).
     Returns o [T, Hq, D] in q's dtype (`out` if given); nothing else is modified.
     """
-    group, block_size, fp8 = check_paged_inputs(q, k_cache, v_cache, seq_lens, block_tables, out, k_scale, v_scale)
+    group, block_size, fp8, v_key_major = check_paged_inputs(q, k_cache, v_cache, seq_lens, block_tables, out, k_scale, v_scale)
     batch = seq_lens.shape[0]
     if cu_seqlens_q.shape != (batch + 1,):
         raise ValueError(f"cu_seqlens_q must be [B + 1 = {batch + 1}], got shape {tuple(cu_seqlens_q.shape)}")
@@ -193,7 +200,7 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
         cfg = dict(cfg)
         block_q = cfg["BLOCK_M"] // group
         grid = (num_kv_heads, batch, triton.cdiv(max_q_len, block_q))
-        descriptors = _cache_descriptors(k_cache, v_cache, cfg["BLOCK_N"])
+        descriptors = _cache_descriptors(k_cache, v_cache, cfg["BLOCK_N"], v_key_major)
         _prefill_attention_kernel[grid](
             q, *(descriptors or (k_cache, v_cache)), k_scale, v_scale, out, cu_seqlens_q, seq_lens, block_tables,
             qk_scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -201,7 +208,7 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
             k_scale.stride(1) if fp8 else None,
             GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_Q=block_q,
             DOT_PRECISION=dot_precision(q.dtype), INTERPRET=tuning.INTERPRET, TMA=descriptors is not None,
-            FP8=fp8, **cfg)
+            FP8=fp8, V_KEY_MAJOR=v_key_major, **cfg)
 
     if config is None:
         bucket = prefill_attention_bucket(q.dtype, head_dim, group, block_size, max_q_len, k_cache.dtype)

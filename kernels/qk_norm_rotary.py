@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from tritonllm.kernels.fp8 import check_kv_scales, e4m3_scale, to_e4m3
+from tritonllm.kernels.kv_cache import check_cache_layouts, slot_offsets
 from tritonllm.kernels.tuning import INTERPRET, Tunable, dtype_name, pow2
 
 
@@ -37,12 +38,12 @@ def _norm_rotate(x_ptrs, mask, weight_ptr, cos, sin, eps,
 
 
 @triton.jit
-def _store_e4m3_heads(x1, x2, cache_ptrs, mask, scale_ptrs, scale_mask, HALF: tl.constexpr, INTERPRET: tl.constexpr):
+def _store_e4m3_heads(x1, x2, ptrs1, ptrs2, mask, scale_ptrs, scale_mask, INTERPRET: tl.constexpr):
     """Heads given as float32 halves [TOKENS, H, BLOCK_HALF] (0 where masked) quantized per (token,
-    head) into the cache at cache_ptrs (first halves), their scales [TOKENS, H] at scale_ptrs."""
+    head) into the cache at ptrs1 / ptrs2 (first / second halves), their scales [TOKENS, H] at scale_ptrs."""
     scale = e4m3_scale(tl.maximum(tl.max(tl.abs(x1), axis=2), tl.max(tl.abs(x2), axis=2)))
-    tl.store(cache_ptrs, to_e4m3(x1, scale[:, :, None], INTERPRET), mask=mask)
-    tl.store(cache_ptrs + HALF, to_e4m3(x2, scale[:, :, None], INTERPRET), mask=mask)
+    tl.store(ptrs1, to_e4m3(x1, scale[:, :, None], INTERPRET), mask=mask)
+    tl.store(ptrs2, to_e4m3(x2, scale[:, :, None], INTERPRET), mask=mask)
     tl.store(scale_ptrs, scale, mask=scale_mask)
 
 
@@ -53,7 +54,7 @@ def _qk_norm_rotary_store_kernel(
     n_tokens, qkv_token_stride, cos_sin_stride, q_out_token_stride, q_out_head_stride, eps,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr, TOKENS: tl.constexpr,
-    FP8: tl.constexpr, INTERPRET: tl.constexpr,
+    FP8: tl.constexpr, INTERPRET: tl.constexpr, V_BLOCK_SIZE: tl.constexpr, V_KEY_MAJOR: tl.constexpr,
 ):
     # Each program handles TOKENS tokens: all their q, k and v heads. Tensors are
     # [TOKENS, heads, BLOCK_HALF]; a head is processed as its two rotary halves.
@@ -87,7 +88,8 @@ def _qk_norm_rotary_store_kernel(
     # k (normed + roped) and v (as is) into their cache slot; rows with slot < 0 are not even read.
     kv_heads = tl.arange(0, BLOCK_KH)[None, :, None]
     kv_mask = token_mask3 & (slots >= 0)[:, None, None] & (kv_heads < NUM_KV_HEADS) & dim_mask3
-    cache_offsets = slots[:, None, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_heads * HEAD_DIM + dims3
+    cols = kv_heads * HEAD_DIM + dims3
+    k_offsets = slot_offsets(slots[:, None, None], cols, NUM_KV_HEADS * HEAD_DIM, 1, False)
     k1, k2 = _norm_rotate(rows + (NUM_Q_HEADS + kv_heads) * HEAD_DIM + dims3, kv_mask, k_weight_ptr, cos, sin, eps,
                           HEAD_DIM, HALF, BLOCK_HALF, not FP8)
     if FP8:
@@ -95,20 +97,23 @@ def _qk_norm_rotary_store_kernel(
         heads = tl.arange(0, BLOCK_KH)[None, :]
         scale_offsets = slots[:, None] * NUM_KV_HEADS + heads
         scale_mask = (token_mask & (slots >= 0))[:, None] & (heads < NUM_KV_HEADS)
-        _store_e4m3_heads(k1, k2, k_cache_ptr + cache_offsets, kv_mask, k_scale_ptr + scale_offsets, scale_mask,
-                          HALF, INTERPRET)
+        _store_e4m3_heads(k1, k2, k_cache_ptr + k_offsets, k_cache_ptr + k_offsets + HALF, kv_mask,
+                          k_scale_ptr + scale_offsets, scale_mask, INTERPRET)
     else:
-        tl.store(k_cache_ptr + cache_offsets, k1.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
-        tl.store(k_cache_ptr + cache_offsets + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
+        tl.store(k_cache_ptr + k_offsets, k1.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
+        tl.store(k_cache_ptr + k_offsets + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
     v_ptrs = rows + (NUM_Q_HEADS + NUM_KV_HEADS + kv_heads) * HEAD_DIM + dims3
     v1 = tl.load(v_ptrs, mask=kv_mask, other=0.0)
     v2 = tl.load(v_ptrs + HALF, mask=kv_mask, other=0.0)
+    v_ptrs1 = v_cache_ptr + slot_offsets(slots[:, None, None], cols, NUM_KV_HEADS * HEAD_DIM, V_BLOCK_SIZE, V_KEY_MAJOR)
+    v_ptrs2 = v_cache_ptr + slot_offsets(slots[:, None, None], cols + HALF, NUM_KV_HEADS * HEAD_DIM, V_BLOCK_SIZE,
+                                         V_KEY_MAJOR)
     if FP8:
-        _store_e4m3_heads(v1.to(tl.float32), v2.to(tl.float32), v_cache_ptr + cache_offsets, kv_mask,
-                          v_scale_ptr + scale_offsets, scale_mask, HALF, INTERPRET)
+        _store_e4m3_heads(v1.to(tl.float32), v2.to(tl.float32), v_ptrs1, v_ptrs2, kv_mask,
+                          v_scale_ptr + scale_offsets, scale_mask, INTERPRET)
     else:
-        tl.store(v_cache_ptr + cache_offsets, v1.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
-        tl.store(v_cache_ptr + cache_offsets + HALF, v2.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
+        tl.store(v_ptrs1, v1.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
+        tl.store(v_ptrs2, v2.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
 
 
 def _space(dtype, row_bucket, tokens_bucket):
@@ -147,7 +152,7 @@ def qk_norm_rotary_store(positions, qkv, q_weight, k_weight, eps, cos_sin_cache,
     heads, then the Hkv v heads; any row stride, last dim contiguous. q_weight, k_weight [D] (any
     float dtype); eps float; positions [T] int32/int64; cos_sin_cache [max_pos, D] float32 (cos in
     [:, :D/2], sin in [:, D/2:], rows contiguous); k_cache, v_cache [num_blocks, block_size, Hkv, D]
-    contiguous; slot_mapping [T] int32/int64 (slot = block * block_size + offset); num_heads = Hq,
+    (k_cache contiguous, v_cache contiguous or key-major: kernels/kv_cache.py); slot_mapping [T] int32/int64 (slot = block * block_size + offset); num_heads = Hq,
     num_kv_heads = Hkv. D even (a power of two, 64 or 128, for Qwen3).
 
     Per token t, exactly as reference.rms_norm then reference.rotary_embedding then
@@ -175,10 +180,10 @@ def qk_norm_rotary_store(positions, qkv, q_weight, k_weight, eps, cos_sin_cache,
         raise ValueError(f"q_weight and k_weight must have shape ({head_dim},), got {tuple(q_weight.shape)}, {tuple(k_weight.shape)}")
     if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != head_dim or cos_sin_cache.stride(1) != 1:
         raise ValueError(f"cos_sin_cache must be [max_pos, {head_dim}] with contiguous rows, got {tuple(cos_sin_cache.shape)}")
-    if (k_cache.dim() != 4 or k_cache.shape[2:] != (num_kv_heads, head_dim) or v_cache.shape != k_cache.shape
-            or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
-        raise ValueError(f"caches must be contiguous [num_blocks, block_size, {num_kv_heads}, {head_dim}], "
-                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if k_cache.dim() != 4 or k_cache.shape[2:] != (num_kv_heads, head_dim) or not k_cache.is_contiguous():
+        raise ValueError(f"k_cache must be a contiguous [num_blocks, block_size, {num_kv_heads}, {head_dim}], "
+                         f"got {tuple(k_cache.shape)} strides {k_cache.stride()}")
+    v_key_major = check_cache_layouts(k_cache, v_cache)
     if positions.shape != (n_tokens,) or slot_mapping.shape != (n_tokens,):
         raise ValueError(f"positions and slot_mapping must have shape ({n_tokens},), got {tuple(positions.shape)}, {tuple(slot_mapping.shape)}")
     fp8 = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
@@ -198,7 +203,8 @@ def qk_norm_rotary_store(positions, qkv, q_weight, k_weight, eps, cos_sin_cache,
             positions, qkv, q_weight, k_weight, cos_sin_cache, k_cache, v_cache, slot_mapping, out, k_scale, v_scale,
             n_tokens, qkv.stride(0), cos_sin_cache.stride(0), out.stride(0), out.stride(1), eps,
             NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
-            BLOCK_QH=block_qh, BLOCK_KH=block_kh, BLOCK_HALF=block_half, FP8=fp8, INTERPRET=INTERPRET, **config,
+            BLOCK_QH=block_qh, BLOCK_KH=block_kh, BLOCK_HALF=block_half, FP8=fp8, INTERPRET=INTERPRET,
+            V_BLOCK_SIZE=k_cache.shape[1] if v_key_major else 1, V_KEY_MAJOR=v_key_major, **config,
         )
 
     # The launch only writes q_out and cache slots it fully determines: repeating it is harmless.

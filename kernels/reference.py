@@ -36,7 +36,8 @@ def store_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scal
         if fp8:
             rows, row_scales = quantize_e4m3(rows)
             scale.view(-1, scale.shape[2])[slots] = row_scales
-        cache.view(-1, *cache.shape[2:])[slots] = rows.to(cache.dtype)
+        # Indexed by (block, offset) rather than through a flat view: a key-major V has no flat view.
+        cache[slots // cache.shape[1], slots % cache.shape[1]] = rows.to(cache.dtype)
 
 
 def rms_norm(x, weight, eps):

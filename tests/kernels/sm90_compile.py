@@ -82,6 +82,11 @@ def cases():
     """Calls that reach every kernel with its default config, in realistic shapes and every dtype."""
     from tritonllm.kernels import (fused_add_rms_norm, qk_norm_rotary_store, rms_norm, rotary_embedding, silu_and_mul,
                                   store_kv_cache)
+    from tritonllm.kernels.kv_cache import empty_kv_cache
+
+    def key_major_e4m3(num_blocks, block_size, heads, head_dim):
+        """A zero e4m3 V cache in the engine's key-major layout."""
+        return empty_kv_cache(num_blocks, block_size, heads, head_dim, torch.float8_e4m3fn, key_major=True).zero_()
 
     calls = []
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
@@ -97,9 +102,9 @@ def cases():
                                          t(40960, 128, dtype=torch.float32)),
             lambda t=t: store_kv_cache(t(8192, 8, 128), t(8192, 8, 128), t(600, 16, 8, 128), t(600, 16, 8, 128),
                                        t(8192, dtype=torch.int32)),
-            # An fp8 (e4m3) cache with its per-(slot, head) scales.
+            # An fp8 (e4m3) cache with its per-(slot, head) scales, V key-major as the engine keeps it.
             lambda t=t: store_kv_cache(t(8192, 8, 128), t(8192, 8, 128), t(600, 16, 8, 128, dtype=torch.float8_e4m3fn),
-                                       t(600, 16, 8, 128, dtype=torch.float8_e4m3fn), t(8192, dtype=torch.int32),
+                                       key_major_e4m3(600, 16, 8, 128), t(8192, dtype=torch.int32),
                                        k_scale=t(600, 16, 8, dtype=torch.float32),
                                        v_scale=t(600, 16, 8, dtype=torch.float32)),
         ]
@@ -109,7 +114,7 @@ def cases():
                 t(600, 16, hk, 128), t(600, 16, hk, 128), t(n, dtype=torch.int32), hq, hk))
             calls.append(lambda t=t, n=tokens, hq=q_heads, hk=kv_heads: qk_norm_rotary_store(
                 t(n, dtype=torch.int64), t(n, (hq + 2 * hk) * 128), t(128), t(128), 1e-6, t(40960, 128, dtype=torch.float32),
-                t(600, 16, hk, 128, dtype=torch.float8_e4m3fn), t(600, 16, hk, 128, dtype=torch.float8_e4m3fn),
+                t(600, 16, hk, 128, dtype=torch.float8_e4m3fn), key_major_e4m3(600, 16, hk, 128),
                 t(n, dtype=torch.int32), hq, hk, k_scale=t(600, 16, hk, dtype=torch.float32),
                 v_scale=t(600, 16, hk, dtype=torch.float32)))
     from tritonllm.kernels import compute_logprobs, sample
@@ -148,6 +153,9 @@ def cases():
             def cache(tokens, d=cache_dtype or dtype, bs=bs):
                 return torch.zeros(tokens // bs, bs, 8, 128, dtype=d)
 
+            def v_cache(tokens, d=cache_dtype or dtype, bs=bs):  # e4m3: key-major, as the engine keeps it
+                return key_major_e4m3(tokens // bs, bs, 8, 128) if d == torch.float8_e4m3fn else cache(tokens, d, bs)
+
             def scales(tokens, fp8=cache_dtype is not None, bs=bs):
                 return {name: torch.zeros(tokens // bs, bs, 8) for name in ("k_scale", "v_scale")} if fp8 else {}
 
@@ -159,13 +167,13 @@ def cases():
             split = DECODE_TUNABLE.default(*bucket) | {"NUM_SPLITS": 50}
             cu = torch.arange(0, 8193, 1024, dtype=torch.int32)  # 8 sequences: 1024 cached + 1024 new tokens
             calls += [
-                lambda q=q, c=cache, s=scales, cu=cu, bs=bs: prefill_attention(
-                    q(8192), c(16384), c(16384), cu, torch.full((8,), 2048, dtype=torch.int32), i32(8, 2048 // bs),
+                lambda q=q, c=cache, v=v_cache, s=scales, cu=cu, bs=bs: prefill_attention(
+                    q(8192), c(16384), v(16384), cu, torch.full((8,), 2048, dtype=torch.int32), i32(8, 2048 // bs),
                     max_q_len=1024, **s(16384)),
-                lambda q=q, c=cache, s=scales, bs=bs: decode_attention(
-                    q(256), c(65536), c(65536), i32(256), i32(256, 4096 // bs), **s(65536)),
-                lambda q=q, c=cache, s=scales, bs=bs, cfg=split: decode_attention(
-                    q(1), c(32768), c(32768), i32(1), i32(1, 32768 // bs), config=cfg, **s(32768)),
+                lambda q=q, c=cache, v=v_cache, s=scales, bs=bs: decode_attention(
+                    q(256), c(65536), v(65536), i32(256), i32(256, 4096 // bs), **s(65536)),
+                lambda q=q, c=cache, v=v_cache, s=scales, bs=bs, cfg=split: decode_attention(
+                    q(1), c(32768), v(32768), i32(1), i32(1, 32768 // bs), config=cfg, **s(32768)),
             ]
     from tritonllm.kernels import fused_moe, moe_route
 

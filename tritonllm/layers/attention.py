@@ -4,6 +4,7 @@ import torch
 from torch import nn
 
 from tritonllm.context import get_context
+from tritonllm.kernels.kv_cache import empty_kv_cache
 from tritonllm.layers.norm import RMSNorm
 from tritonllm.layers.rotary import RotaryEmbedding
 
@@ -53,16 +54,20 @@ def kv_bytes_per_token(model: nn.Module, dtype: torch.dtype) -> int:
 def allocate_kv_caches(model: nn.Module, num_blocks: int, block_size: int, dtype, device, fill: float | None = None):
     """Give every attention layer of model its [num_blocks, block_size, Hkv, D] caches of `dtype`
     and, for float8_e4m3fn, their [num_blocks, block_size, Hkv] float32 scales (uninitialized, or
-    filled with `fill`)."""
-    def tensor(shape, dtype):
-        t = torch.empty(shape, dtype=dtype, device=device)
+    filled with `fill`). An fp8 V cache is key-major (kernels/kv_cache.py): its e4m3 tiles then
+    reach the PV dot without a byte-wise transpose."""
+    fp8 = dtype == torch.float8_e4m3fn
+
+    def filled(t):
         return t if fill is None else t.fill_(fill)
 
     for module in model.modules():
         if isinstance(module, Attention):
             shape = (num_blocks, block_size, module.num_kv_heads, module.head_dim)
-            module.k_cache, module.v_cache = tensor(shape, dtype), tensor(shape, dtype)
-            if dtype == torch.float8_e4m3fn:
-                module.k_scale, module.v_scale = tensor(shape[:3], torch.float32), tensor(shape[:3], torch.float32)
+            module.k_cache = filled(empty_kv_cache(*shape, dtype, device))
+            module.v_cache = filled(empty_kv_cache(*shape, dtype, device, key_major=fp8))
+            if fp8:
+                module.k_scale = filled(torch.empty(shape[:3], dtype=torch.float32, device=device))
+                module.v_scale = filled(torch.empty(shape[:3], dtype=torch.float32, device=device))
             else:
                 module.k_scale = module.v_scale = None
