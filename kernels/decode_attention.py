@@ -154,7 +154,8 @@ def _decode_space(dtype_name, head_dim, group, num_kv_heads, block_size, batch, 
     # e4m3 tiles carry half the bytes a key, so longer tiles keep as many bytes in flight; from a
     # key-major V, 256 keys a tile fit in registers and shared memory (NOTES-attention.md).
     return [{"BLOCK_N": block_n, "NUM_SPLITS": num_splits, "SPLIT_MIN": 256, "num_warps": warps, "num_stages": stages}
-            for block_n in (64, 128, 256) for num_splits in splits[-2:] for warps in (num_warps, 8) for stages in (2, 3)]
+            for block_n in (64, 128, 256) for num_splits in splits[-2:] for warps in (num_warps, 8)
+            for stages in (2, 3)]
 
 
 def _decode_default(dtype_name, head_dim, group, num_kv_heads, block_size, batch, context, cache_dtype_name=None):
@@ -200,7 +201,8 @@ def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale=None, *,
     out: optional [B, Hq, D] output buffer written in place. config: launch config overriding the
     tuned/default one (tests, benchmarks). Returns o [B, Hq, D] in q's dtype (`out` if given).
     """
-    group, block_size, fp8, v_key_major = check_paged_inputs(q, k_cache, v_cache, seq_lens, block_tables, out, k_scale, v_scale)
+    group, block_size, fp8, v_key_major = check_paged_inputs(q, k_cache, v_cache, seq_lens, block_tables, out,
+                                                             k_scale, v_scale)
     batch, num_q_heads, head_dim = q.shape
     if seq_lens.shape[0] != batch:
         raise ValueError(f"seq_lens must be [B = {batch}], got shape {tuple(seq_lens.shape)}")
