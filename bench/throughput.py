@@ -1,6 +1,6 @@
 """End-to-end throughput on the nano-vllm benchmark workload (bench/NOTES-engine.md).
 
-    python bench/throughput.py [--model qwen3-0.6b] [--tp 1] [--kernels triton reference]
+    python bench/throughput.py [--model qwen3-0.6b] [--tp 1] [--dp 1] [--kernels triton reference]
                                [--kv-cache-dtype fp8 auto] [--num-seqs 256]
 
 256 requests (seed 0): prompts of randint(100, 1024) tokens drawn from [0, 10000], outputs of
@@ -73,11 +73,12 @@ def warm_up(llm, prompts) -> None:
 def run(args, kernels: str, kv_cache_dtype: str, prompts, params) -> dict:
     # The references (run eagerly) gather whole block tables in float32: gigabytes of scratch at
     # batch 256 that need room beside the KV cache.
-    llm = LLM(args.model, tensor_parallel_size=args.tp, max_model_len=args.max_model_len, kernels=kernels,
-              kv_cache_dtype=kv_cache_dtype, enforce_eager=args.enforce_eager,
+    llm = LLM(args.model, tensor_parallel_size=args.tp, data_parallel_size=args.dp, max_model_len=args.max_model_len,
+              kernels=kernels, kv_cache_dtype=kv_cache_dtype, enforce_eager=args.enforce_eager,
               gpu_memory_utilization=0.5 if kernels == "reference" else 0.9)
-    floor = decode_floor(llm.runner.model, llm.config.cache_dtype, [len(p) for p in prompts],
-                         [p.max_tokens for p in params])
+    # D replicas, each with the whole model, share the workload: D times one replica's floor.
+    floor = args.dp * decode_floor(llm.runner.model, llm.config.cache_dtype, [len(p) for p in prompts],
+                                   [p.max_tokens for p in params])
     warm_up(llm, prompts)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -100,6 +101,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen3-0.6b", help="preset name (dummy weights) or checkpoint folder")
     parser.add_argument("--tp", type=int_at_least(1), default=1, help="tensor-parallel size")
+    parser.add_argument("--dp", type=int_at_least(1), default=1, help="data-parallel replicas (each --tp GPUs)")
     parser.add_argument("--kernels", nargs="+", default=["triton"], choices=KERNEL_BACKENDS)
     parser.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=list(KV_CACHE_DTYPES),
                         help="several: each runs in turn (with each of --kernels)")
@@ -120,7 +122,7 @@ def main():
     except ValueError as error:  # no such folder or preset
         parser.error(str(error))
     prompts, params = workload(args.num_seqs, args.max_input_len, args.max_output_len, min(10000, vocab - 1))
-    print(f"{args.model}, TP {args.tp}: {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, "
+    print(f"{args.model}, TP {args.tp}, DP {args.dp}: {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, "
           f"{sum(p.max_tokens for p in params)} output tokens")
     print("\n| kernels | output tokens | time (s) | tokens/s | decode floor (tokens/s) | of floor | preemptions "
           "| KV blocks |\n|---|---|---|---|---|---|---|---|")

@@ -29,6 +29,8 @@ def int_at_least(low: int):
 def engine_options(args) -> dict:
     options = {"tensor_parallel_size": args.tp, "seed": args.seed, "kernels": args.kernels,
                "kv_cache_dtype": args.kv_cache_dtype}
+    if getattr(args, "dp", None) is not None:  # generate and chat: serve runs one replica
+        options["data_parallel_size"] = args.dp
     for name in ("device", "dtype", "max_model_len", *SERVE_ENGINE_OPTIONS):  # the latter: serve only
         if getattr(args, name, None) is not None:
             options[name] = getattr(args, name)
@@ -126,6 +128,8 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
         p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off)")
         p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p * p_max (0 = off)")
+        p.add_argument("--dp", type=int_at_least(1), default=1,
+                       help="data-parallel replicas, each --tp GPUs wide (prompts are dealt out round-robin)")
         add_engine_options(p)
 
     def add_engine_options(p):

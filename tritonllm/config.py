@@ -25,6 +25,7 @@ KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn}
 class EngineConfig:
     model: str  # a checkpoint folder, or a preset name: that shape with random weights
     tensor_parallel_size: int = 1
+    data_parallel_size: int = 1  # engine replicas, each tensor_parallel_size ranks wide (LLM.generate splits prompts)
     dtype: str | torch.dtype | None = None  # None: the checkpoint's dtype (bfloat16 for presets; float32 on CPU)
     device: str | None = None  # None: "cuda" when available, else "cpu" (Triton's interpreter)
     max_model_len: int | None = None  # None: the positions the model's rotary table covers
@@ -69,9 +70,16 @@ class EngineConfig:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         field("device", str, lambda d: d == "cpu" or torch.cuda.is_available(), "'cpu' without a CUDA GPU")
         field("tensor_parallel_size", int, lambda n: n >= 1, ">= 1")
-        if self.device == "cuda":
+        field("data_parallel_size", int, lambda n: n >= 1, ">= 1")
+        if self.device == "cuda" and "WORLD_SIZE" not in os.environ:  # under torchrun the ranks span hosts
             gpus = torch.cuda.device_count()
             field("tensor_parallel_size", int, lambda n: n <= gpus, f"<= the {gpus} visible GPU(s)")
+            field("data_parallel_size", int, lambda n: n * self.tensor_parallel_size <= gpus,
+                  f"<= the {gpus} visible GPU(s) / tensor_parallel_size {self.tensor_parallel_size}")
+        if "WORLD_SIZE" in os.environ:
+            world = self.tensor_parallel_size * self.data_parallel_size
+            field("data_parallel_size", int, lambda n: world == int(os.environ["WORLD_SIZE"]),
+                  f"such that data_parallel_size * tensor_parallel_size = WORLD_SIZE ({os.environ['WORLD_SIZE']})")
         if isinstance(self.dtype, torch.dtype):  # checked by its name
             self.dtype = {v: k for k, v in DTYPES.items()}.get(self.dtype, str(self.dtype))
         field("dtype", str, *one_of(DTYPES), optional=True)

@@ -7,6 +7,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from tritonllm.distributed import collect, hand_out
 from tritonllm.engine.engine import LLMEngine
 from tritonllm.engine.output import GenerationOutput, RequestOutput
 from tritonllm.sampling_params import SamplingParams
@@ -27,9 +28,14 @@ class StreamOutput:
 class LLM(LLMEngine):
     """An offline engine for one model. `model`: a checkpoint folder or a preset name (random weights).
 
-    Options (all named; see EngineConfig): tensor_parallel_size, dtype, device, max_model_len,
-    max_num_seqs, max_num_batched_tokens, kv_block_size, num_kv_blocks, gpu_memory_utilization,
-    enforce_eager, load_format, seed, kernels.
+    Options (all named; see EngineConfig): tensor_parallel_size, data_parallel_size, dtype, device,
+    max_model_len, max_num_seqs, max_num_batched_tokens, kv_block_size, num_kv_blocks,
+    gpu_memory_utilization, enforce_eager, load_format, seed, kernels, kv_cache_dtype.
+
+    With data_parallel_size D > 1 the engine runs D replicas, each tensor_parallel_size ranks wide:
+    generate (and chat) deal the prompts out round-robin and return the outputs in input order;
+    stream and the step API run on replica 0. The other replicas' leaders serve rank 0 inside
+    LLM(...) until it closes (under torchrun too).
 
     generate, stream and chat may be nested (a generate inside a stream loop) and called from
     several threads: each loop gets its own requests' outputs. A loop left early (a break, an
@@ -39,18 +45,26 @@ class LLM(LLMEngine):
     def __init__(self, model: str, **options):
         super().__init__(model, **options)
         self._owners: dict[int, deque] = {}  # request id -> the output queue of the loop that follows it
+        if getattr(self, "dp_rank", 0) > 0:
+            self._serve_replica()
+
+    def _serve_replica(self) -> None:
+        """A replica leader other than rank 0: generate the prompts rank 0 hands out, send back the
+        outputs (or the error), until it says stop; then close."""
+        while (work := hand_out()) is not None:
+            try:
+                result = self._generate(*work, use_tqdm=False)
+            except Exception as error:  # rank 0 raises it; this replica keeps serving
+                result = error
+            collect(result)
+        self.close()
 
     def _add(self, prompts, sampling_params, stream: bool) -> tuple[dict[int, tuple[int, int]], deque]:
         """Check every prompt and params, then queue them all (nothing is queued if one is bad).
         Returns request id -> (the position of its sample 0 in the flat, prompt-major list of every
         prompt's n outputs, n), and the queue that gets their outputs."""
         prompts = _prompt_list(prompts)
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
-        for p in params:
-            if p is not None and not isinstance(p, SamplingParams):
-                raise TypeError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
+        params = _params_list(sampling_params, len(prompts))
         seqs = [self.make_sequence(prompt, p) for prompt, p in zip(prompts, params)]
         requests, queue, total = {}, deque(), 0
         with self._lock:  # owned before any step (of another thread) can make an output
@@ -94,7 +108,30 @@ class LLM(LLMEngine):
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[GenerationOutput]:
         """Complete every prompt (strings or token-id lists); outputs in the order of the prompts, a
-        prompt's n samples (SamplingParams.n) one after another, in the order of their index."""
+        prompt's n samples (SamplingParams.n) one after another, in the order of their index. With
+        data parallelism prompt i goes to replica i % D; the bar follows replica 0's share."""
+        if self.dp_size == 1:
+            return self._generate(prompts, sampling_params, use_tqdm)
+        prompts = _prompt_list(prompts)
+        params = _params_list(sampling_params, len(prompts))
+        for prompt, p in zip(prompts, params):  # every error here, before any replica starts
+            self.make_sequence(prompt, p)
+        shares = [(prompts[r::self.dp_size], params[r::self.dp_size]) for r in range(self.dp_size)]
+        hand_out(shares)
+        try:
+            mine = self._generate(*shares[0], use_tqdm)
+        finally:
+            results = collect(None)
+        results[0] = mine
+        for result in results:
+            if isinstance(result, Exception):
+                raise result
+        queues = [deque(result) for result in results]
+        samples = [(p or SamplingParams()).n for p in params]
+        return [queues[i % self.dp_size].popleft() for i, n in enumerate(samples) for _ in range(n)]
+
+    def _generate(self, prompts, sampling_params, use_tqdm: bool) -> list[GenerationOutput]:
+        """generate on this replica alone."""
         requests, queue = self._add(prompts, sampling_params, stream=False)
         outputs: dict[int, GenerationOutput] = {}
         rates = {True: 0.0, False: 0.0}
@@ -128,6 +165,17 @@ class LLM(LLMEngine):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _params_list(sampling_params, count: int) -> list:
+    """sampling_params as one entry (SamplingParams or None) per prompt, checked."""
+    params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * count
+    if len(params) != count:
+        raise ValueError(f"sampling_params has {len(params)} entries for {count} prompts")
+    for p in params:
+        if p is not None and not isinstance(p, SamplingParams):
+            raise TypeError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
+    return params
 
 
 def _prompt_list(prompts) -> list:

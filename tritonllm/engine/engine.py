@@ -13,11 +13,12 @@ import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 import torch.multiprocessing as mp
 from transformers import AutoTokenizer, GenerationConfig
 
 from tritonllm.config import EngineConfig
-from tritonllm.distributed import free_port
+from tritonllm.distributed import dp_group, free_port, release_replicas
 from tritonllm.engine.block_manager import BlockManager
 from tritonllm.engine.model_runner import ModelRunner, SampledTokens
 from tritonllm.engine.output import RequestOutput
@@ -45,9 +46,24 @@ def _worker(config: EngineConfig, hf_config, rank: int, init_method: str, starte
     ModelRunner(config, hf_config, rank, init_method).worker_loop()
 
 
-def _shut_down(runner: ModelRunner, workers: list) -> None:
-    """Stop the workers (killed if they do not exit within 30 s) and leave the process group."""
-    runner.shutdown(peers_alive=all(p.is_alive() for p in workers))
+def _replica(model: str, options: dict, rank: int, world_size: int, port: int, started) -> None:
+    """The leader of data-parallel replica rank // TP: joins the group as torchrun would start it,
+    then serves rank 0 inside LLM(...) (tritonllm/llm.py)."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    started.set()
+    from tritonllm.llm import LLM
+
+    LLM(model, **options)
+
+
+def _shut_down(runner: ModelRunner, workers: list, replicas: bool) -> None:
+    """Stop the data-parallel replicas and the workers (killed if they do not exit within 30 s),
+    then leave the process group."""
+    alive = all(p.is_alive() for p in workers)
+    if replicas and alive:
+        release_replicas()
+    runner.shutdown(peers_alive=alive)
     for process in workers:
         process.join(timeout=30)
         if process.is_alive():
@@ -59,6 +75,7 @@ class LLMEngine:
 
     def __init__(self, model: str, **options):
         self.config = config = EngineConfig.from_options(model, **options)
+        world_size = config.tensor_parallel_size * config.data_parallel_size
         self.hf_config = hf_config = load_config(config.model)
         config.resolve(hf_config)
         self.tokenizer = None
@@ -68,17 +85,22 @@ class LLMEngine:
         self._workers = []
         rank, init_method = int(os.environ.get("RANK", 0)), None
         try:
-            if config.tensor_parallel_size > 1 and "RANK" not in os.environ:
-                init_method = f"tcp://127.0.0.1:{free_port()}"
-                self._start_workers(init_method)
+            if world_size > 1 and "RANK" not in os.environ:
+                port = free_port()
+                init_method = f"tcp://127.0.0.1:{port}"
+                self._start_workers(model, options, init_method, port)
             self.runner = ModelRunner(config, hf_config, rank, init_method)
         except BaseException:  # the workers would wait for rank 0 forever
             for process in self._workers:
                 process.kill()
             raise
-        if rank > 0:  # under torchrun: serve rank 0 until it shuts down
+        if self.runner.rank > 0:  # a spawned or torchrun worker: serve its replica's rank 0 until it shuts down
             self.runner.worker_loop()
             return
+        # Data-parallel replicas: rank 0 hands out prompts, the other leaders serve it (LLM).
+        group = dp_group()
+        self.dp_rank = 0 if group is None else torch.distributed.get_rank(group)
+        self.dp_size = config.data_parallel_size
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.kv_block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.rng = random.Random(config.seed)
@@ -91,24 +113,32 @@ class LLMEngine:
         self.last_step = None  # the last step's (tokens computed, is_prefill, seconds); None if it launched nothing
         # Runs on close(), when the engine is garbage-collected, or at interpreter exit, whichever is
         # first; it holds the runner and workers, not the engine, so `del llm` frees it.
-        self._finalizer = weakref.finalize(self, _shut_down, self.runner, self._workers)
+        self._finalizer = weakref.finalize(self, _shut_down, self.runner, self._workers,
+                                           self.dp_rank == 0 and self.dp_size > 1)
 
-    def _start_workers(self, init_method: str) -> None:
-        """Spawn ranks 1..N-1 and wait until each runs: a rank that dies while starting (as when the
-        script lacks its main guard and the spawned rank re-runs it) is an error, not a hang."""
+    def _start_workers(self, model: str, options: dict, init_method: str, port: int) -> None:
+        """Spawn ranks 1..N-1 (replica leaders as LLMs, the other ranks as workers) and wait until each
+        runs: a rank that dies while starting (as when the script lacks its main guard and the
+        spawned rank re-runs it) is an error, not a hang."""
         context = mp.get_context("spawn")
-        started = [context.Event() for _ in range(1, self.config.tensor_parallel_size)]
+        tp = self.config.tensor_parallel_size
+        world_size = tp * self.config.data_parallel_size
+        started = [context.Event() for _ in range(1, world_size)]
         for rank, event in enumerate(started, start=1):
-            process = context.Process(target=_worker, args=(self.config, self.hf_config, rank, init_method, event), daemon=True)
+            if rank % tp:
+                target, args = _worker, (self.config, self.hf_config, rank, init_method, event)
+            else:
+                target, args = _replica, (model, options, rank, world_size, port, event)
+            process = context.Process(target=target, args=args, daemon=True)
             process.start()
             self._workers.append(process)
         for rank, (event, process) in enumerate(zip(started, self._workers), start=1):
             while not event.wait(0.05):
                 if not process.is_alive():
                     raise RuntimeError(
-                        f"tensor-parallel worker rank {rank} exited while starting (exit code {process.exitcode}). "
+                        f"parallel worker rank {rank} exited while starting (exit code {process.exitcode}). "
                         "Workers are spawned and import the main module again: a script that makes a "
-                        "tensor-parallel LLM must do so under `if __name__ == \"__main__\":`.")
+                        "tensor- or data-parallel LLM must do so under `if __name__ == \"__main__\":`.")
 
     def _eos_ids(self) -> set[int]:
         ids = set()

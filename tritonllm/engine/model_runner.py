@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 from tritonllm.config import EngineConfig
 from tritonllm.context import Context, set_context
-from tritonllm.distributed import broadcast_object, close_distributed, init_distributed
+from tritonllm.distributed import (all_reduce, broadcast, broadcast_object, close_distributed, init_distributed,
+                                   tp_rank)
 from tritonllm.engine.penalties import PenaltyRows
 from tritonllm.engine.sequence import Sequence
 from tritonllm.engine.step_inputs import StepInputs
@@ -57,9 +58,11 @@ class SampledTokens:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, hf_config, rank: int, init_method: str | None):
-        self.config, self.hf_config, self.rank = config, hf_config, rank
+        self.config, self.hf_config = config, hf_config
         self.world_size = config.tensor_parallel_size
-        self.device = init_distributed(rank, self.world_size, config.device, init_method)
+        self.device = init_distributed(rank, self.world_size * config.data_parallel_size, config.device, init_method,
+                                       self.world_size)
+        self.rank = tp_rank()  # within the replica: rank 0 samples and drives the others
         self.ops = backend(config.kernels)
         torch.manual_seed(config.seed)
         self.model = build_model(hf_config, config.dtype, self.device, config.kernels)
@@ -95,8 +98,7 @@ class ModelRunner:
             num_blocks = min(int(budget // block_bytes), self.config.max_num_seqs * self.max_blocks_per_seq)
             if self.world_size > 1:  # every rank must agree on the smallest
                 count = torch.tensor([num_blocks], device=self.device)
-                dist.all_reduce(count, op=dist.ReduceOp.MIN)
-                num_blocks = int(count.item())
+                num_blocks = int(all_reduce(count, op=dist.ReduceOp.MIN).item())
         if num_blocks < 1:
             raise ValueError("no memory left for the KV cache: lower max_num_batched_tokens or raise gpu_memory_utilization")
         allocate_kv_caches(self.model, num_blocks, self.block_size, self.config.cache_dtype, self.device)
@@ -137,7 +139,7 @@ class ModelRunner:
         if self.world_size > 1:  # rank 0 sampled them; the other ranks receive them here
             if self.rank > 0:
                 previous_ids = torch.empty(inputs.num_previous_samples, dtype=torch.long, device=self.device)
-            dist.broadcast(previous_ids, src=0)
+            broadcast(previous_ids)
         rows = self._to_device(inputs.pending_rows)
         return torch.where(rows >= 0, previous_ids[rows.clamp(min=0)], token_ids)
 
