@@ -23,7 +23,7 @@ from collections import defaultdict
 
 import torch
 
-from kernel_cases import key_major, paged_cache, randn
+from kernel_cases import paged_cache, randn
 from throughput import workload
 from timing import COPY_BYTES_PER_S, graph_time_ms
 from tritonllm import kernels
@@ -31,6 +31,7 @@ from tritonllm.kernels import reference
 from tritonllm.engine.model_runner import graph_batch_sizes
 from tritonllm.kernels import tuning
 from tritonllm.kernels.decode_attention import DECODE_TUNABLE, decode_attention_bucket
+from tritonllm.kernels.kv_cache import key_major_copy
 
 LAYERS, BLOCK_SIZE, MAX_MODEL_LEN = 28, 16, 4096
 
@@ -67,7 +68,7 @@ def main():
     scales = {}
     if fp8:
         (k_cache, k_scale), (v_cache, v_scale) = reference.quantize_e4m3(k_cache), reference.quantize_e4m3(v_cache)
-        v_cache = key_major(v_cache)  # as the engine keeps an e4m3 V
+        v_cache = key_major_copy(v_cache)  # as the engine keeps an e4m3 V
         scales = {"k_scale": k_scale, "v_scale": v_scale}
     num_blocks = k_cache.shape[0]
     token_bytes = 8 * (128 + 4) * 2 if fp8 else 8 * 128 * 2 * 2  # K and V (and their float32 scales)

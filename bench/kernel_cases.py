@@ -6,7 +6,7 @@ import torch
 
 from tritonllm import kernels
 from tritonllm.kernels import reference
-from tritonllm.kernels.kv_cache import empty_kv_cache
+from tritonllm.kernels.kv_cache import key_major_copy
 from tritonllm.layers import rotary
 
 
@@ -173,12 +173,6 @@ def paged_cache(tokens_per_seq, batch, block_size, num_kv_heads=8, head_dim=128)
     return randn(*shape), randn(*shape), tables
 
 
-def key_major(cache):
-    """A copy of a [num_blocks, block_size, Hkv, D] cache in the key-major layout the engine keeps an
-    e4m3 V in (kernels/kv_cache.py)."""
-    return empty_kv_cache(*cache.shape, cache.dtype, cache.device, key_major=True).copy_(cache)
-
-
 def dense(cache, tables, length):
     """[B, H, length, D] contiguous copy of the paged sequences (for the dense anchors)."""
     return cache[tables.long()].flatten(1, 2)[:, :length].transpose(1, 2).contiguous()
@@ -243,7 +237,7 @@ def prefill_attention_cases(quick):
         def make(s=seq, b=batch, bs=block_size):
             k_cache, v_cache, tables = paged_cache(s, b, bs)
             (k8, k_scale), (v8, v_scale) = reference.quantize_e4m3(k_cache), reference.quantize_e4m3(v_cache)
-            v8 = key_major(v8)
+            v8 = key_major_copy(v8)  # as the engine keeps an e4m3 V
             q = randn(b * s, 16, 128)
             cu = torch.arange(0, b * s + 1, s, device="cuda", dtype=torch.int32)
             seq_lens = torch.full((b,), s, device="cuda", dtype=torch.int32)
@@ -293,7 +287,7 @@ def decode_attention_cases(quick):
         def make(b=batch, c=context, bs=block_size):
             k_cache, v_cache, tables = paged_cache(c, b, bs)
             (k8, k_scale), (v8, v_scale) = reference.quantize_e4m3(k_cache), reference.quantize_e4m3(v_cache)
-            v8 = key_major(v8)
+            v8 = key_major_copy(v8)  # as the engine keeps an e4m3 V
             seq_lens = torch.full((b,), c, device="cuda", dtype=torch.int32)
             return randn(b, 16, 128), k8, v8, seq_lens, tables, k_scale, v_scale, k_cache, v_cache
 

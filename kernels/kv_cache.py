@@ -42,6 +42,20 @@ def check_cache_layouts(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
                      f"(kernels/kv_cache.empty_kv_cache) beside a contiguous k_cache; got {v_cache.stride()}")
 
 
+def key_major_copy(cache: torch.Tensor) -> torch.Tensor:
+    """A copy of a [num_blocks, block_size, Hkv, D] cache in the key-major layout (same values)."""
+    return empty_kv_cache(*cache.shape, cache.dtype, cache.device, key_major=True).copy_(cache)
+
+
+def check_store_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, head_dim: int) -> bool:
+    """The cache checks of the kernels that store rows: k_cache a contiguous [num_blocks, block_size,
+    num_heads, head_dim], v_cache as check_cache_layouts takes it; returns whether v_cache is key-major."""
+    if k_cache.dim() != 4 or k_cache.shape[2:] != (num_heads, head_dim) or not k_cache.is_contiguous():
+        raise ValueError(f"k_cache must be a contiguous [num_blocks, block_size, {num_heads}, {head_dim}], "
+                         f"got {tuple(k_cache.shape)} strides {k_cache.stride()}")
+    return check_cache_layouts(k_cache, v_cache)
+
+
 @triton.jit
 def slot_offsets(slots, cols, ROW: tl.constexpr, BLOCK_SIZE: tl.constexpr, KEY_MAJOR: tl.constexpr):
     """int64 element offsets of column `cols` (head * D + d, < ROW = Hkv * D) of cache slots `slots`
@@ -139,10 +153,7 @@ def store_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scal
     n_tokens, num_heads, head_dim = k.shape
     if v.shape != k.shape or k.stride(2) != 1 or v.stride(2) != 1:
         raise ValueError(f"k and v must both be [T, Hkv, D] with contiguous rows, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if k_cache.dim() != 4 or k_cache.shape[2:] != (num_heads, head_dim) or not k_cache.is_contiguous():
-        raise ValueError(f"k_cache must be a contiguous [num_blocks, block_size, {num_heads}, {head_dim}], "
-                         f"got {tuple(k_cache.shape)} strides {k_cache.stride()}")
-    v_key_major = check_cache_layouts(k_cache, v_cache)
+    v_key_major = check_store_caches(k_cache, v_cache, num_heads, head_dim)
     if slot_mapping.shape != (n_tokens,):
         raise ValueError(f"slot_mapping must have shape ({n_tokens},), got {tuple(slot_mapping.shape)}")
     fp8 = check_kv_scales(k_cache, v_cache, k_scale, v_scale)

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from tritonllm.kernels.fp8 import check_kv_scales, e4m3_scale, to_e4m3
-from tritonllm.kernels.kv_cache import check_cache_layouts, slot_offsets
+from tritonllm.kernels.kv_cache import check_store_caches, slot_offsets
 from tritonllm.kernels.tuning import INTERPRET, Tunable, dtype_name, pow2
 
 
@@ -180,10 +180,7 @@ def qk_norm_rotary_store(positions, qkv, q_weight, k_weight, eps, cos_sin_cache,
         raise ValueError(f"q_weight and k_weight must have shape ({head_dim},), got {tuple(q_weight.shape)}, {tuple(k_weight.shape)}")
     if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != head_dim or cos_sin_cache.stride(1) != 1:
         raise ValueError(f"cos_sin_cache must be [max_pos, {head_dim}] with contiguous rows, got {tuple(cos_sin_cache.shape)}")
-    if k_cache.dim() != 4 or k_cache.shape[2:] != (num_kv_heads, head_dim) or not k_cache.is_contiguous():
-        raise ValueError(f"k_cache must be a contiguous [num_blocks, block_size, {num_kv_heads}, {head_dim}], "
-                         f"got {tuple(k_cache.shape)} strides {k_cache.stride()}")
-    v_key_major = check_cache_layouts(k_cache, v_cache)
+    v_key_major = check_store_caches(k_cache, v_cache, num_kv_heads, head_dim)
     if positions.shape != (n_tokens,) or slot_mapping.shape != (n_tokens,):
         raise ValueError(f"positions and slot_mapping must have shape ({n_tokens},), got {tuple(positions.shape)}, {tuple(slot_mapping.shape)}")
     fp8 = check_kv_scales(k_cache, v_cache, k_scale, v_scale)

@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 from tritonllm.distributed import collect, hand_out
 from tritonllm.engine.engine import LLMEngine
 from tritonllm.engine.output import GenerationOutput, RequestOutput
+from tritonllm.engine.sequence import Sequence
 from tritonllm.sampling_params import SamplingParams
 from tritonllm.validation import as_int
 
@@ -53,19 +54,21 @@ class LLM(LLMEngine):
         outputs (or the error), until it says stop; then close."""
         while (work := hand_out()) is not None:
             try:
-                result = self._generate(*work, use_tqdm=False)
+                result = self._generate(self._sequences(*work), use_tqdm=False)
             except Exception as error:  # rank 0 raises it; this replica keeps serving
                 result = error
             collect(result)
         self.close()
 
-    def _add(self, prompts, sampling_params, stream: bool) -> tuple[dict[int, tuple[int, int]], deque]:
-        """Check every prompt and params, then queue them all (nothing is queued if one is bad).
-        Returns request id -> (the position of its sample 0 in the flat, prompt-major list of every
-        prompt's n outputs, n), and the queue that gets their outputs."""
+    def _sequences(self, prompts, sampling_params) -> list[Sequence]:
+        """Every prompt with its params, checked (make_sequence), not yet queued."""
         prompts = _prompt_list(prompts)
         params = _params_list(sampling_params, len(prompts))
-        seqs = [self.make_sequence(prompt, p) for prompt, p in zip(prompts, params)]
+        return [self.make_sequence(prompt, p) for prompt, p in zip(prompts, params)]
+
+    def _add(self, seqs: list[Sequence], stream: bool) -> tuple[dict[int, tuple[int, int]], deque]:
+        """Queue the sequences from _sequences. Returns request id -> (the position of its sample 0 in
+        the flat, prompt-major list of every prompt's n outputs, n), and the queue that gets their outputs."""
         requests, queue, total = {}, deque(), 0
         with self._lock:  # owned before any step (of another thread) can make an output
             for seq in seqs:
@@ -101,7 +104,7 @@ class LLM(LLMEngine):
 
     def stream(self, prompts, sampling_params=None) -> Iterator[StreamOutput]:
         """Yield each request's new tokens and text as they are generated; the last yield has the output."""
-        requests, queue = self._add(prompts, sampling_params, stream=True)
+        requests, queue = self._add(self._sequences(prompts, sampling_params), stream=True)
         for out in self._follow(requests, queue):
             yield StreamOutput(requests[out.request_id][0] + out.index, out.new_token_ids, out.text_delta, out.finished,
                                out.output, out.new_logprobs, out.new_top_logprobs)
@@ -111,15 +114,14 @@ class LLM(LLMEngine):
         prompt's n samples (SamplingParams.n) one after another, in the order of their index. With
         data parallelism prompt i goes to replica i % D; the bar follows replica 0's share."""
         if self.dp_size == 1:
-            return self._generate(prompts, sampling_params, use_tqdm)
+            return self._generate(self._sequences(prompts, sampling_params), use_tqdm)
         prompts = _prompt_list(prompts)
         params = _params_list(sampling_params, len(prompts))
-        for prompt, p in zip(prompts, params):  # every error here, before any replica starts
-            self.make_sequence(prompt, p)
-        shares = [(prompts[r::self.dp_size], params[r::self.dp_size]) for r in range(self.dp_size)]
-        hand_out(shares)
+        seqs = self._sequences(prompts, params)  # every error here, before any replica starts
+        dealt = self.dp_size
+        hand_out([None] + [(prompts[r::dealt], params[r::dealt]) for r in range(1, dealt)])
         try:
-            mine = self._generate(*shares[0], use_tqdm)
+            mine = self._generate(seqs[::dealt], use_tqdm)
         finally:
             results = collect(None)
         results[0] = mine
@@ -127,12 +129,11 @@ class LLM(LLMEngine):
             if isinstance(result, Exception):
                 raise result
         queues = [deque(result) for result in results]
-        samples = [(p or SamplingParams()).n for p in params]
-        return [queues[i % self.dp_size].popleft() for i, n in enumerate(samples) for _ in range(n)]
+        return [queues[i % dealt].popleft() for i, seq in enumerate(seqs) for _ in range(seq.params.n)]
 
-    def _generate(self, prompts, sampling_params, use_tqdm: bool) -> list[GenerationOutput]:
-        """generate on this replica alone."""
-        requests, queue = self._add(prompts, sampling_params, stream=False)
+    def _generate(self, seqs: list[Sequence], use_tqdm: bool) -> list[GenerationOutput]:
+        """generate on this replica alone, of the sequences from _sequences."""
+        requests, queue = self._add(seqs, stream=False)
         outputs: dict[int, GenerationOutput] = {}
         rates = {True: 0.0, False: 0.0}
         total = sum(n for _, n in requests.values())

@@ -3,7 +3,7 @@ import torch
 from numerics import rel_err  # noqa: F401  (re-exported for the kernel tests)
 
 from tritonllm.kernels import reference
-from tritonllm.kernels.kv_cache import empty_kv_cache, is_key_major
+from tritonllm.kernels.kv_cache import is_key_major, key_major_copy
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -67,7 +67,7 @@ def paged_kv(seq_lens, num_kv_heads, head_dim, block_size, dtype, spare_blocks=3
 def key_major(cache):
     """A copy of a [num_blocks, block_size, Hkv, D] cache in the key-major layout (memory [num_blocks,
     Hkv, D, block_size], kernels/kv_cache.empty_kv_cache): the same values, bit for bit, through indexing."""
-    copy = empty_kv_cache(*cache.shape, cache.dtype, cache.device, key_major=True).copy_(cache)
+    copy = key_major_copy(cache)
     assert is_key_major(copy) and not copy.is_contiguous()
     assert torch.equal(copy.view(torch.uint8) if copy.element_size() == 1 else copy.nan_to_num(7.0),
                        cache.view(torch.uint8) if cache.element_size() == 1 else cache.nan_to_num(7.0))
