@@ -7,9 +7,9 @@
    into two float32 accumulators); SiLU-and-mul in the epilogue, with HF's roundings, writes the
    intermediate [P, N] in slot order (padding slots hold x[0]'s, never read back into a result).
 3. `_moe_down_kernel`: a program per (block, BLOCK_N columns of H) multiplies the intermediate
-   rows with the expert's w2, scales each row by its pair's routing weight in float32 and writes it
-   to the pair's row of a float32 [T*k, H] buffer (to y directly when k == 1).
-4. `_moe_sum_kernel` adds each token's k rows in order j = 0..k-1 and rounds once.
+   rows with the expert's w2, scales each row by its pair's routing weight in float32 and writes it,
+   rounded to x's dtype, to the pair's row of a [T*k, H] buffer (to y directly when k == 1).
+4. `_moe_sum_kernel` adds each token's k rows in float32 in order j = 0..k-1 and rounds once.
 
 Grids depend on the shapes only (P // BLOCK_M blocks; those past the used ones exit at once), so
 decode steps can be captured in CUDA graphs. Programs walk GROUP_M blocks down a column of tiles
@@ -142,8 +142,8 @@ def _rows_per_expert(experts, tokens):
 # weights (narrow, deep tiles: enough programs to fill the SMs); prefill tiles feed wgmma.
 _SMALL_UP = [(16, 256, 4, 3), (32, 128, 4, 4), (32, 256, 4, 3), (64, 128, 4, 4)]
 _SMALL_DOWN = [(32, 128, 4, 4), (64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 3)]
-_LARGE_UP = [(64, 64, 4, 4), (128, 64, 4, 3), (128, 64, 8, 3), (64, 128, 8, 3)]
-_LARGE_DOWN = [(128, 64, 4, 4), (128, 64, 8, 3), (256, 64, 8, 3), (128, 128, 8, 3)]
+_LARGE_UP = [(64, 64, 4, 4), (128, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), (64, 128, 8, 3)]
+_LARGE_DOWN = [(128, 64, 4, 4), (128, 64, 8, 3), (256, 64, 8, 3), (256, 64, 8, 4), (128, 128, 8, 3)]
 
 
 def _config(block_m, up, down, group_m=8):
@@ -171,7 +171,7 @@ def _default(dtype, experts, inter, hidden, tokens):
         return _config(block_m, (32, 128, 4, 4), (64, 128, 4, 4))
     if block_m == 64:
         return _config(block_m, (64, 64, 4, 4), (128, 64, 4, 4))
-    return _config(block_m, (128, 64, 8, 3), (256, 64, 8, 3))
+    return _config(block_m, (128, 64, 8, 4), (256, 64, 8, 4))
 
 
 _TUNING = tuning.Tunable("fused_moe", _space, _default)
@@ -201,10 +201,11 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     contiguous in the last dim). topk_weights: [T, k] float32, topk_ids: [T, k] int32 in [0, E),
     both contiguous (moe_route's). Gate and up are rounded to x's dtype, silu(gate) rounded, the
     product rounded (as HF and silu_and_mul); the down projection accumulates in float32, is
-    multiplied by the float32 weight, and the k terms are summed in float32 in order j = 0..k-1 and
-    rounded once, so the result is the same on every run.
+    multiplied by the float32 weight and rounded to x's dtype (as HF rounds each expert's term), and
+    the k terms are summed in float32 in order j = 0..k-1 and rounded once, so the result is the
+    same on every run.
 
-    No host sync; the grids and the scratch (the [P, N] intermediate, a float32 [T*k, H] when
+    No host sync; the grids and the scratch (the [P, N] intermediate, a [T*k, H] of x's dtype when
     k > 1) are fixed by the shapes and the config. out: optional [T, H] output written in place.
     config: overrides the tuned config (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages
     of the gate/up GEMM; DOWN_BLOCK_N, DOWN_BLOCK_K, DOWN_WARPS, DOWN_STAGES of the down GEMM,
@@ -242,8 +243,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
             x, w13, act, sorted_ids, block_expert, topk_ids.numel(), top_k, inter, hidden,
             x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
             EVEN_K=hidden % up["BLOCK_K"] == 0, DOT_PRECISION=precision, INTERPRET=tuning.INTERPRET, **up)
-        # Float32 rows summed in a fixed order by a second launch: atomics would reorder the adds run to run.
-        rows = y if top_k == 1 else torch.empty(topk_ids.numel(), hidden, dtype=torch.float32, device=x.device)
+        # Rows summed in a fixed order by a second launch: atomics would reorder the adds run to run.
+        rows = y if top_k == 1 else torch.empty(topk_ids.numel(), hidden, dtype=x.dtype, device=x.device)
         _moe_down_kernel[(num_blocks * triton.cdiv(hidden, down["BLOCK_N"]),)](
             act, w2, rows, sorted_ids, block_expert, topk_weights, topk_ids.numel(), inter, hidden,
             act.stride(0), w2.stride(0), w2.stride(1), rows.stride(0),

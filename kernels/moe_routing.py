@@ -6,8 +6,8 @@ captured in CUDA graphs). Pairs keep their flat-index order inside an expert's g
 is the same on every run: a histogram of each chunk of CHUNK pairs; a prefix sum over experts (the
 padded group starts) and over chunks (where each chunk's pairs of an expert begin); then a pair's
 slot is that base plus the pairs of its expert before it in its chunk (a CHUNK x CHUNK compare).
-Up to SMALL_PAIRS pairs (decode) one program does it all; past that three launches: histograms,
-bases (one program), scatter.
+Up to SMALL_PAIRS pairs (decode) one program does it all; past that three launches: histograms
+(which also add up each expert's total), bases (a program per expert), scatter.
 """
 import torch
 import triton
@@ -111,6 +111,17 @@ def _chunk_counts(ids_ptr, chunk, num_pairs, BLOCK: tl.constexpr, BLOCK_E: tl.co
 
 
 @triton.jit
+def _group_starts(totals, ends_ptr, num_padded_ptr, BLOCK_M: tl.constexpr):
+    """Each expert's group (totals [BLOCK_E] pairs) padded to BLOCK_M, the groups laid end to end:
+    stores the group ends and num_padded; returns (padded sizes, group starts)."""
+    padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    tl.store(ends_ptr + tl.arange(0, totals.shape[0]), ends)
+    tl.store(num_padded_ptr, tl.sum(padded, 0))
+    return padded, ends - padded
+
+
+@triton.jit
 def _group_bases(scratch_ptr, sorted_ptr, num_padded_ptr, num_chunks, num_pairs,
                  BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, ROWS: tl.constexpr):
     """From the chunk histograms counts [num_chunks, BLOCK_E] (after the group ends in scratch):
@@ -126,11 +137,7 @@ def _group_bases(scratch_ptr, sorted_ptr, num_padded_ptr, num_chunks, num_pairs,
     for c0 in range(0, num_chunks, ROWS):  # ROWS chunks a step
         offsets = (c0 + chunks)[:, None] * BLOCK_E + experts[None, :]
         totals += tl.sum(tl.load(counts_ptr + offsets, mask=(c0 + chunks < num_chunks)[:, None], other=0), 0)
-    padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, 0)
-    running = ends - padded
-    tl.store(scratch_ptr + experts, ends)
-    tl.store(num_padded_ptr, tl.sum(padded, 0))
+    padded, running = _group_starts(totals, scratch_ptr, num_padded_ptr, BLOCK_M)
     # Slot j of each group's padding, for all experts at once (a [BLOCK_E, BLOCK_M] tile compiles slowly).
     for j in range(BLOCK_M - 1):
         tl.store(sorted_ptr + running + totals + j, num_pairs, mask=j < padded - totals)
@@ -192,16 +199,36 @@ def _align_small_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, s
 
 
 @triton.jit
-def _align_count_kernel(ids_ptr, scratch_ptr, num_pairs, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
+def _align_count_kernel(ids_ptr, scratch_ptr, totals_ptr, num_pairs, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
     chunk = tl.program_id(0)
     counts = _chunk_counts(ids_ptr, chunk, num_pairs, BLOCK, BLOCK_E)
     tl.store(scratch_ptr + (chunk + 1) * BLOCK_E + tl.arange(0, BLOCK_E), counts)
+    # Integer adds: the totals are the same whatever order the chunks arrive in.
+    tl.atomic_add(totals_ptr + tl.arange(0, BLOCK_E), counts, sem="relaxed")
 
 
 @triton.jit
-def _align_bases_kernel(scratch_ptr, sorted_ptr, num_padded_ptr, num_chunks, num_pairs,
-                        BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, ROWS: tl.constexpr):
-    _group_bases(scratch_ptr, sorted_ptr, num_padded_ptr, num_chunks, num_pairs, BLOCK_M, BLOCK_E, ROWS)
+def _align_bases_kernel(scratch_ptr, totals_ptr, sorted_ptr, num_padded_ptr, num_chunks, num_pairs,
+                        BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr):
+    # One program an expert: its group's start from all the totals, its padding sentinels, then the
+    # prefix of its column of chunk histograms (bases, after the histograms in scratch).
+    expert = tl.program_id(0)
+    experts = tl.arange(0, BLOCK_E)
+    totals = tl.load(totals_ptr + experts)
+    padded, starts = _group_starts(totals, scratch_ptr, num_padded_ptr, BLOCK_M)
+    mine = experts == expert
+    total = tl.sum(tl.where(mine, totals, 0), 0)
+    running = tl.sum(tl.where(mine, starts, 0), 0)
+    pad = tl.arange(0, BLOCK_M)
+    tl.store(sorted_ptr + running + total + pad, num_pairs, mask=pad < tl.sum(tl.where(mine, padded, 0), 0) - total)
+    counts_ptr = scratch_ptr + BLOCK_E + expert
+    bases_ptr = counts_ptr + num_chunks * BLOCK_E
+    for c0 in range(0, num_chunks, BLOCK_C):
+        chunks = c0 + tl.arange(0, BLOCK_C)
+        mask = chunks < num_chunks
+        counts = tl.load(counts_ptr + chunks * BLOCK_E, mask=mask, other=0)
+        tl.store(bases_ptr + chunks * BLOCK_E, running + tl.cumsum(counts, 0) - counts, mask=mask)
+        running += tl.sum(counts, 0)
 
 
 @triton.jit
@@ -260,8 +287,10 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
         _align_small_kernel[(1,)](topk_ids, sorted_ids, block_expert, num_padded, scratch, num_pairs, num_chunks,
                                   num_blocks, BLOCK=chunk, ROWS=rows, BLOCK_B=block_b, **meta)
         return sorted_ids, block_expert, num_padded
-    _align_count_kernel[(num_chunks,)](topk_ids, scratch, num_pairs, BLOCK=chunk, BLOCK_E=block_e, num_warps=4)
-    _align_bases_kernel[(1,)](scratch, sorted_ids, num_padded, num_chunks, num_pairs, ROWS=rows, **meta)
+    totals = torch.zeros(block_e, dtype=torch.int32, device=device)
+    _align_count_kernel[(num_chunks,)](topk_ids, scratch, totals, num_pairs, BLOCK=chunk, BLOCK_E=block_e, num_warps=4)
+    _align_bases_kernel[(num_experts,)](scratch, totals, sorted_ids, num_padded, num_chunks, num_pairs,
+                                        BLOCK_C=min(pow2(num_chunks), 1024), **meta)
     _align_scatter_kernel[(num_chunks,)](topk_ids, scratch, num_padded, sorted_ids, block_expert, num_pairs,
                                          num_blocks, BLOCK=chunk, BLOCK_B=block_b, **meta)
     return sorted_ids, block_expert, num_padded

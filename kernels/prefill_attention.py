@@ -112,6 +112,9 @@ def _prefill_default(dtype_name, head_dim, group, block_size, q_len, cache_dtype
     # One warpgroup (4 warps) per tile of 128 rows for wgmma; at about 98 KB of shared memory two
     # programs share an SM and overlap each other's softmax and dots (8 warps lost in tuning, with
     # and without TMA: bench/NOTES-attention.md). Short queries and big heads take BLOCK_M 64.
+    if cache_dtype_name is not None:
+        # Over an e4m3 cache, 128 rows on 4 warps spill the converted K/V tiles; 64 rows do not.
+        return {"BLOCK_M": max(64, triton.next_power_of_2(group)), "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
     block_m = max(64 if head_dim > 128 or q_len * group <= 64 else 128, triton.next_power_of_2(group))
     return {"BLOCK_M": block_m, "BLOCK_N": 128 if head_dim <= 64 else 64,
             "num_warps": 4 if block_m <= 128 else 8, "num_stages": 2 if head_dim > 128 else 3}

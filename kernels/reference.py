@@ -109,15 +109,16 @@ def moe_route(router_logits, top_k, renormalize):
 
 def fused_moe(x, w13, w2, topk_weights, topk_ids):
     """Qwen3-MoE experts, a loop over them: y[t] = sum_j topk_weights[t, j] * w2[e] @ act(w13[e] @ x[t])
-    for e = topk_ids[t, j], act = silu_and_mul (gate/up rounded to x.dtype first); the down product,
-    weights and sum in float32 (float64 for float64 x), rounded once."""
+    for e = topk_ids[t, j], act = silu_and_mul (gate/up rounded to x.dtype first); the down product
+    and weight in float32 (float64 for float64 x), each weighted term rounded to x.dtype, the sum in
+    float32, rounded once."""
     dtype = _compute_dtype(x.dtype)
     y = torch.zeros(x.shape, dtype=dtype, device=x.device)
     for expert in topk_ids.unique().tolist():
         tokens, slots = (topk_ids == expert).nonzero(as_tuple=True)
         gate_up = (x[tokens].to(dtype) @ w13[expert].to(dtype).T).to(x.dtype)
         down = silu_and_mul(gate_up).to(dtype) @ w2[expert].to(dtype).T
-        y.index_add_(0, tokens, down * topk_weights[tokens, slots, None].to(dtype))
+        y.index_add_(0, tokens, (down * topk_weights[tokens, slots, None].to(dtype)).to(x.dtype).to(dtype))
     return y.to(x.dtype)
 
 
