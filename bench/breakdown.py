@@ -1,9 +1,9 @@
 """Where the time of the nano-vllm workload goes: GPU kernels by kind, and the host's share (not named profile.py: that would shadow the standard library module cProfile imports).
 
-    python bench/breakdown.py [--model qwen3-0.6b] [--num-seqs 64] [--trace PATH]
+    python bench/breakdown.py [--model qwen3-0.6b] [--num-seqs 64] [--kv-cache-dtype auto] [--trace PATH]
 
 Runs bench/throughput.py's workload (fewer requests by default, to keep the trace small) under
-torch.profiler and sums the CUDA kernel time by kind: attention, GEMM, norms, other elementwise
+torch.profiler and sums the CUDA kernel time by kind: prefill and decode attention, GEMM, norms, other elementwise
 kernels (rotary, SiLU-and-mul, KV store), sampler, MoE, communication, the rest. Host overhead is the
 wall time the GPU sat idle: wall time minus the summed kernel time (one stream, no overlap).
 Also counts kernel launches per step and layer, and splits the idle time by gap length from the
@@ -23,10 +23,12 @@ from torch.profiler import ProfilerActivity, profile
 
 from throughput import warm_up, workload
 from tritonllm import LLM
+from tritonllm.config import KV_CACHE_DTYPES
 from tritonllm.loader import load_config
 
 KINDS = [  # first match wins, on the kernel's name
-    ("attention", r"prefill_attention|decode_attention|merge_splits|flash|fmha"),
+    ("prefill attention", r"prefill_attention|flash|fmha"),
+    ("decode attention", r"decode_attention|merge_splits"),
     ("MoE", r"moe"),  # router, alignment, the grouped GEMMs and the combine
     ("GEMM", r"gemm|nvjet|cutlass|xmma|sm90_|splitK|cublas"),
     ("norms", r"rms_norm"),
@@ -71,13 +73,14 @@ def main():
     parser.add_argument("--model", default="qwen3-0.6b", help="preset name (dummy weights) or checkpoint folder")
     parser.add_argument("--num-seqs", type=int, default=64)
     parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto")
     parser.add_argument("--trace", type=Path, help="also write a Chrome trace here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/profile.py needs a CUDA GPU")
     config = load_config(args.model)
     prompts, params = workload(args.num_seqs, 1024, 1024, min(10000, config.vocab_size - 1))
-    llm = LLM(args.model, max_model_len=args.max_model_len)
+    llm = LLM(args.model, max_model_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype)
     warm_up(llm, prompts)
 
     steps, outputs = Counter(), []
@@ -103,7 +106,7 @@ def main():
             names[kind].append((event.self_device_time_total / 1e6, event.count, event.key))
     gpu = sum(by_kind.values())
     tokens = sum(len(o.token_ids) for o in outputs)
-    print(f"{args.model}: {args.num_seqs} requests, {tokens} output tokens in {wall:.2f} s = {tokens / wall:.0f} tok/s "
+    print(f"{args.model}, KV {args.kv_cache_dtype}: {args.num_seqs} requests, {tokens} output tokens in {wall:.2f} s = {tokens / wall:.0f} tok/s "
           f"(under the profiler); {steps[True]} prefill and {steps[False]} decode steps")
     print("\n| part | seconds | % of wall | kernel launches |\n|---|---|---|---|")
     for kind, seconds in sorted(by_kind.items(), key=lambda item: -item[1]):
