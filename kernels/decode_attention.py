@@ -72,18 +72,22 @@ def _decode_attention_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    v_ref = tl.full([], 1.0, tl.float32)  # acc's unit (kernels/paged.py)
     # start and split_len are multiples of BLOCK_N, so only the sequence's last tile is partial.
     full_end = start + (end - start) // BLOCK_N * BLOCK_N
     for n0 in range(start, full_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-                                     block_table_row, head_offset, n0, seq_len, pos, qk_scale, stride_cache_block,
-                                     stride_cache_token, stride_scale_token, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False,
-                                     DOT_PRECISION, INTERPRET, False, FP8, V_KEY_MAJOR)
+        acc, m_i, l_i, v_ref = _attend_tile(acc, m_i, l_i, v_ref, q, k_cache_ptr, v_cache_ptr, k_scale_ptr,
+                                            v_scale_ptr, block_table_row, head_offset, n0, seq_len, pos, qk_scale,
+                                            stride_cache_block, stride_cache_token, stride_scale_token, HEAD_DIM,
+                                            BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, INTERPRET, False, FP8,
+                                            V_KEY_MAJOR)
     for n0 in range(full_end, end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-                                     block_table_row, head_offset, n0, seq_len, pos, qk_scale, stride_cache_block,
-                                     stride_cache_token, stride_scale_token, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True,
-                                     DOT_PRECISION, INTERPRET, False, FP8, V_KEY_MAJOR)
+        acc, m_i, l_i, v_ref = _attend_tile(acc, m_i, l_i, v_ref, q, k_cache_ptr, v_cache_ptr, k_scale_ptr,
+                                            v_scale_ptr, block_table_row, head_offset, n0, seq_len, pos, qk_scale,
+                                            stride_cache_block, stride_cache_token, stride_scale_token, HEAD_DIM,
+                                            BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, INTERPRET, False, FP8,
+                                            V_KEY_MAJOR)
+    acc = acc * v_ref
 
     if NUM_SPLITS == 1:
         # seq_len 0 (a padding row of a captured batch) leaves l = 0 and acc = 0: write zeros.

@@ -51,7 +51,7 @@ def _load_scales(scale_ptr, offsets, in_seq, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _attend_tile(acc, m_i, l_i, q, k_cache, v_cache, k_scale_ptr, v_scale_ptr, block_table_row, head_offset,
+def _attend_tile(acc, m_i, l_i, v_ref, q, k_cache, v_cache, k_scale_ptr, v_scale_ptr, block_table_row, head_offset,
                  n0, seq_len, pos, qk_scale, stride_cache_block, stride_cache_token, stride_scale_token,
                  HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                  MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
@@ -59,7 +59,8 @@ def _attend_tile(acc, m_i, l_i, q, k_cache, v_cache, k_scale_ptr, v_scale_ptr, b
     """One online-softmax step of the rows of q over keys n0 .. n0 + BLOCK_N - 1.
 
     m_i is the running row max in log2 units (scores times qk_scale = scale * log2(e)), l_i the
-    running sum of exp2(score - m_i), acc the unnormalized output. MASKED: key j counts for a row
+    running sum of exp2(score - m_i), acc the unnormalized output in units of the scalar v_ref
+    (1.0 throughout unless FP8; returned updated: the caller multiplies acc by it at the end). MASKED: key j counts for a row
     only if j <= pos[row] (pos < seq_len), and keys at or past seq_len are not loaded; unmasked
     tiles must lie entirely inside every row's visible range. TMA: k_cache/v_cache are tensor
     descriptors over the cache as [cache rows, Hkv * D] with BLOCK_N <= BLOCK_SIZE, head_offset
@@ -132,17 +133,19 @@ def _attend_tile(acc, m_i, l_i, q, k_cache, v_cache, k_scale_ptr, v_scale_ptr, b
         v = tl.where(in_seq, v, 0.0)
     if FP8:
         # sum_j p_j * v_scale_j * v_j: the V scales go on p's columns, relative to the tile's largest
-        # (multiplied back after the dot) so that a float16 p keeps small scales out of subnormals.
+        # so that a float16 p keeps small scales out of subnormals. acc moves to units of that
+        # largest scale (v_ref) and the dot accumulates into it in place: no second [rows, D] tile.
         v_scales = _load_scales(v_scale_ptr, scale_offsets, keys < seq_len, MASKED)
         v_max = tl.max(v_scales, 0)
         v_max = tl.where(v_max == 0.0, 1.0, v_max)
         p_v = p * (v_scales / v_max)[None, :]
-        acc = acc * alpha[:, None] + tl.dot(p_v.to(v.dtype), v, input_precision=DOT_PRECISION) * v_max
+        acc = tl.dot(p_v.to(v.dtype), v, acc * (alpha * (v_ref / v_max))[:, None], input_precision=DOT_PRECISION)
+        v_ref = v_max
     else:
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     # l after the PV dot keeps fewer values live across it (Triton tutorial 06).
     l_i = l_i * alpha + tl.sum(p, 1)
-    return acc, m_new, l_i
+    return acc, m_new, l_i, v_ref
 
 
 def cache_bucket(dtype: torch.dtype, cache_dtype: torch.dtype | None) -> tuple:

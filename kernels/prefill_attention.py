@@ -75,21 +75,24 @@ def _prefill_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    v_ref = tl.full([], 1.0, tl.float32)  # acc's unit (kernels/paged.py)
     # Keys [0, full_end) are visible to every row: the first row sits at position context + q0.
     full_end = (context + q0 + 1) // BLOCK_N * BLOCK_N
     for n0 in range(0, full_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache, v_cache, k_scale_ptr, v_scale_ptr, block_table_row,
-                                     head_offset, n0, seq_len, pos, qk_scale, stride_cache_block, stride_cache_token,
-                                     stride_scale_token, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION,
-                                     INTERPRET, TMA, FP8, V_KEY_MAJOR)
+        acc, m_i, l_i, v_ref = _attend_tile(acc, m_i, l_i, v_ref, q, k_cache, v_cache, k_scale_ptr, v_scale_ptr,
+                                            block_table_row, head_offset, n0, seq_len, pos, qk_scale,
+                                            stride_cache_block, stride_cache_token, stride_scale_token, HEAD_DIM,
+                                            BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, INTERPRET, TMA, FP8,
+                                            V_KEY_MAJOR)
     # The diagonal: up to the last row's position (rows past q_len are idle, hence the clamp).
     diag_end = tl.minimum(seq_len, context + q0 + BLOCK_Q)
     for n0 in range(full_end, diag_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache, v_cache, k_scale_ptr, v_scale_ptr, block_table_row,
-                                     head_offset, n0, seq_len, pos, qk_scale, stride_cache_block, stride_cache_token,
-                                     stride_scale_token, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION,
-                                     INTERPRET, TMA, FP8, V_KEY_MAJOR)
-    out = acc / l_i[:, None]
+        acc, m_i, l_i, v_ref = _attend_tile(acc, m_i, l_i, v_ref, q, k_cache, v_cache, k_scale_ptr, v_scale_ptr,
+                                            block_table_row, head_offset, n0, seq_len, pos, qk_scale,
+                                            stride_cache_block, stride_cache_token, stride_scale_token, HEAD_DIM,
+                                            BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, INTERPRET, TMA, FP8,
+                                            V_KEY_MAJOR)
+    out = acc * (v_ref / l_i)[:, None]
     o_rows = (q_start + token).to(tl.int64) * stride_o_token + head * stride_o_head
     tl.store(o_ptr + o_rows[:, None] + offs_d[None, :], out.to(o_ptr.dtype.element_ty), mask=row_mask[:, None])
 
