@@ -14,14 +14,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 from transformers import AutoTokenizer, GenerationConfig
 
 from tritonllm.config import EngineConfig
-from tritonllm.distributed import dp_group, free_port, release_replicas
+from tritonllm.distributed import dp_group, free_port
 from tritonllm.engine.block_manager import BlockManager
 from tritonllm.engine.model_runner import ModelRunner, SampledTokens
 from tritonllm.engine.output import RequestOutput
+from tritonllm.engine.ranks import check_ranks, shut_down, start_ranks
 from tritonllm.engine.requests import Request, Sample, final_output, make_request, step_output
 from tritonllm.engine.scheduler import ScheduledBatch, Scheduler
 from tritonllm.engine.sequence import Sequence, SequenceStatus
@@ -39,35 +39,6 @@ class InFlight:
 
     def rows(self) -> dict[int, int]:
         return {seq.seq_id: row for row, seq in enumerate(self.seqs)}
-
-
-def _worker(config: EngineConfig, hf_config, rank: int, init_method: str, started) -> None:
-    started.set()
-    ModelRunner(config, hf_config, rank, init_method).worker_loop()
-
-
-def _replica(model: str, options: dict, rank: int, world_size: int, port: int, started) -> None:
-    """The leader of data-parallel replica rank // TP: joins the group as torchrun would start it,
-    then serves rank 0 inside LLM(...) (tritonllm/llm.py)."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    started.set()
-    from tritonllm.llm import LLM
-
-    LLM(model, **options)
-
-
-def _shut_down(runner: ModelRunner, workers: list, replicas: bool) -> None:
-    """Stop the data-parallel replicas and the workers (killed if they do not exit within 30 s),
-    then leave the process group."""
-    alive = all(p.is_alive() for p in workers)
-    if replicas and alive:
-        release_replicas()
-    runner.shutdown(peers_alive=alive)
-    for process in workers:
-        process.join(timeout=30)
-        if process.is_alive():
-            process.kill()
 
 
 class LLMEngine:
@@ -88,7 +59,7 @@ class LLMEngine:
             if world_size > 1 and "RANK" not in os.environ:
                 port = free_port()
                 init_method = f"tcp://127.0.0.1:{port}"
-                self._start_workers(model, options, init_method, port)
+                self._workers += start_ranks(type(self), model, options, config, hf_config, init_method, port)
             self.runner = ModelRunner(config, hf_config, rank, init_method)
         except BaseException:  # the workers would wait for rank 0 forever
             for process in self._workers:
@@ -113,32 +84,8 @@ class LLMEngine:
         self.last_step = None  # the last step's (tokens computed, is_prefill, seconds); None if it launched nothing
         # Runs on close(), when the engine is garbage-collected, or at interpreter exit, whichever is
         # first; it holds the runner and workers, not the engine, so `del llm` frees it.
-        self._finalizer = weakref.finalize(self, _shut_down, self.runner, self._workers,
+        self._finalizer = weakref.finalize(self, shut_down, self.runner, self._workers,
                                            self.dp_rank == 0 and self.dp_size > 1)
-
-    def _start_workers(self, model: str, options: dict, init_method: str, port: int) -> None:
-        """Spawn ranks 1..N-1 (replica leaders as LLMs, the other ranks as workers) and wait until each
-        runs: a rank that dies while starting (as when the script lacks its main guard and the
-        spawned rank re-runs it) is an error, not a hang."""
-        context = mp.get_context("spawn")
-        tp = self.config.tensor_parallel_size
-        world_size = tp * self.config.data_parallel_size
-        started = [context.Event() for _ in range(1, world_size)]
-        for rank, event in enumerate(started, start=1):
-            if rank % tp:
-                target, args = _worker, (self.config, self.hf_config, rank, init_method, event)
-            else:
-                target, args = _replica, (model, options, rank, world_size, port, event)
-            process = context.Process(target=target, args=args, daemon=True)
-            process.start()
-            self._workers.append(process)
-        for rank, (event, process) in enumerate(zip(started, self._workers), start=1):
-            while not event.wait(0.05):
-                if not process.is_alive():
-                    raise RuntimeError(
-                        f"parallel worker rank {rank} exited while starting (exit code {process.exitcode}). "
-                        "Workers are spawned and import the main module again: a script that makes a "
-                        "tensor- or data-parallel LLM must do so under `if __name__ == \"__main__\":`.")
 
     def _eos_ids(self) -> set[int]:
         ids = set()
@@ -317,13 +264,7 @@ class LLMEngine:
         return InFlight(seqs, samples) if samples is not None else None
 
     def _check_workers(self, wait: float = 0.0) -> None:
-        """Raise if a tensor-parallel worker has exited (within `wait` seconds each): a collective with
-        a dead rank would wait forever."""
-        for process in self._workers if wait else ():
-            process.join(wait)
-        dead = [(rank, p.exitcode) for rank, p in enumerate(self._workers, start=1) if not p.is_alive()]
-        if dead:
-            raise RuntimeError(f"tensor-parallel worker(s) exited: {', '.join(f'rank {r} (exit code {c})' for r, c in dead)}")
+        check_ranks(self._workers, wait)
 
     def _resolve(self, in_flight: InFlight | None) -> list[RequestOutput]:
         """Bring in a launched step's sampled tokens; rows of sequences that finished since are dropped."""

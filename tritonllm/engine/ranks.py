@@ -1,0 +1,84 @@
+"""The processes of a tensor- or data-parallel engine: rank 0 starts ranks 1..N-1, checks they live,
+and stops them.
+
+Of D replicas of TP ranks each, rank r is a replica leader when r % TP == 0: it runs the engine
+class itself (an LLM, which serves rank 0's share of the prompts); every other rank runs a model
+runner's worker loop for its leader. Ranks started by torchrun instead never come through here.
+"""
+import os
+
+import torch.multiprocessing as mp
+
+from tritonllm.config import EngineConfig
+from tritonllm.distributed import release_replicas
+from tritonllm.engine.model_runner import ModelRunner
+
+
+def _worker(config: EngineConfig, hf_config, rank: int, init_method: str, started) -> None:
+    started.set()
+    ModelRunner(config, hf_config, rank, init_method).worker_loop()
+
+
+def _replica(engine_class, model: str, options: dict, rank: int, world_size: int, port: int, started) -> None:
+    """The leader of data-parallel replica rank // TP: joins the group as torchrun would start it,
+    then runs engine_class(model, **options), which serves rank 0 (tritonllm/llm.py)."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    started.set()
+    engine_class(model, **options)
+
+
+def start_ranks(engine_class, model: str, options: dict, config: EngineConfig, hf_config, init_method: str,
+                port: int) -> list:
+    """Spawn ranks 1..N-1 and wait until each runs; returns their processes in rank order. A rank
+    that dies while starting (as when the script lacks its main guard and the spawned rank re-runs
+    it) is an error, not a hang; the ranks already started are killed then."""
+    context = mp.get_context("spawn")
+    tp = config.tensor_parallel_size
+    world_size = tp * config.data_parallel_size
+    started = [context.Event() for _ in range(1, world_size)]
+    processes = []
+    try:
+        for rank, event in enumerate(started, start=1):
+            if rank % tp:
+                target, args = _worker, (config, hf_config, rank, init_method, event)
+            else:
+                target, args = _replica, (engine_class, model, options, rank, world_size, port, event)
+            process = context.Process(target=target, args=args, daemon=True)
+            process.start()
+            processes.append(process)
+        for rank, (event, process) in enumerate(zip(started, processes), start=1):
+            while not event.wait(0.05):
+                if not process.is_alive():
+                    raise RuntimeError(
+                        f"parallel worker rank {rank} exited while starting (exit code {process.exitcode}). "
+                        "Workers are spawned and import the main module again: a script that makes a "
+                        "tensor- or data-parallel LLM must do so under `if __name__ == \"__main__\":`.")
+    except BaseException:
+        for process in processes:
+            process.kill()
+        raise
+    return processes
+
+
+def check_ranks(processes: list, wait: float = 0.0) -> None:
+    """Raise if a rank has exited (within `wait` seconds each): a collective with a dead rank would
+    wait forever."""
+    for process in processes if wait else ():
+        process.join(wait)
+    dead = [(rank, p.exitcode) for rank, p in enumerate(processes, start=1) if not p.is_alive()]
+    if dead:
+        raise RuntimeError(f"tensor-parallel worker(s) exited: {', '.join(f'rank {r} (exit code {c})' for r, c in dead)}")
+
+
+def shut_down(runner: ModelRunner, processes: list, replicas: bool) -> None:
+    """Stop the data-parallel replicas and the workers (killed if they do not exit within 30 s),
+    then leave the process group."""
+    alive = all(p.is_alive() for p in processes)
+    if replicas and alive:
+        release_replicas()
+    runner.shutdown(peers_alive=alive)
+    for process in processes:
+        process.join(timeout=30)
+        if process.is_alive():
+            process.kill()
