@@ -111,14 +111,17 @@ def _chunk_counts(ids_ptr, chunk, num_pairs, BLOCK: tl.constexpr, BLOCK_E: tl.co
 
 
 @triton.jit
-def _group_starts(totals, ends_ptr, num_padded_ptr, BLOCK_M: tl.constexpr):
+def _group_ends(totals, BLOCK_M: tl.constexpr):
     """Each expert's group (totals [BLOCK_E] pairs) padded to BLOCK_M, the groups laid end to end:
-    stores the group ends and num_padded; returns (padded sizes, group starts)."""
+    (padded sizes, group ends)."""
     padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, 0)
-    tl.store(ends_ptr + tl.arange(0, totals.shape[0]), ends)
+    return padded, tl.cumsum(padded, 0)
+
+
+@triton.jit
+def _store_group_ends(ends_ptr, num_padded_ptr, padded, ends):
+    tl.store(ends_ptr + tl.arange(0, ends.shape[0]), ends)
     tl.store(num_padded_ptr, tl.sum(padded, 0))
-    return padded, ends - padded
 
 
 @triton.jit
@@ -137,7 +140,9 @@ def _group_bases(scratch_ptr, sorted_ptr, num_padded_ptr, num_chunks, num_pairs,
     for c0 in range(0, num_chunks, ROWS):  # ROWS chunks a step
         offsets = (c0 + chunks)[:, None] * BLOCK_E + experts[None, :]
         totals += tl.sum(tl.load(counts_ptr + offsets, mask=(c0 + chunks < num_chunks)[:, None], other=0), 0)
-    padded, running = _group_starts(totals, scratch_ptr, num_padded_ptr, BLOCK_M)
+    padded, ends = _group_ends(totals, BLOCK_M)
+    _store_group_ends(scratch_ptr, num_padded_ptr, padded, ends)
+    running = ends - padded
     # Slot j of each group's padding, for all experts at once (a [BLOCK_E, BLOCK_M] tile compiles slowly).
     for j in range(BLOCK_M - 1):
         tl.store(sorted_ptr + running + totals + j, num_pairs, mask=j < padded - totals)
@@ -215,10 +220,12 @@ def _align_bases_kernel(scratch_ptr, totals_ptr, sorted_ptr, num_padded_ptr, num
     expert = tl.program_id(0)
     experts = tl.arange(0, BLOCK_E)
     totals = tl.load(totals_ptr + experts)
-    padded, starts = _group_starts(totals, scratch_ptr, num_padded_ptr, BLOCK_M)
+    padded, ends = _group_ends(totals, BLOCK_M)
+    if expert == 0:
+        _store_group_ends(scratch_ptr, num_padded_ptr, padded, ends)
     mine = experts == expert
     total = tl.sum(tl.where(mine, totals, 0), 0)
-    running = tl.sum(tl.where(mine, starts, 0), 0)
+    running = tl.sum(tl.where(mine, ends - padded, 0), 0)
     pad = tl.arange(0, BLOCK_M)
     tl.store(sorted_ptr + running + total + pad, num_pairs, mask=pad < tl.sum(tl.where(mine, padded, 0), 0) - total)
     counts_ptr = scratch_ptr + BLOCK_E + expert
