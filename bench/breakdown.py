@@ -106,8 +106,8 @@ def main():
             names[kind].append((event.self_device_time_total / 1e6, event.count, event.key))
     gpu = sum(by_kind.values())
     tokens = sum(len(o.token_ids) for o in outputs)
-    print(f"{args.model}, KV {args.kv_cache_dtype}: {args.num_seqs} requests, {tokens} output tokens in {wall:.2f} s = {tokens / wall:.0f} tok/s "
-          f"(under the profiler); {steps[True]} prefill and {steps[False]} decode steps")
+    print(f"{args.model}, KV {args.kv_cache_dtype}: {args.num_seqs} requests, {tokens} output tokens in {wall:.2f} s "
+          f"= {tokens / wall:.0f} tok/s (under the profiler); {steps[True]} prefill and {steps[False]} decode steps")
     print("\n| part | seconds | % of wall | kernel launches |\n|---|---|---|---|")
     for kind, seconds in sorted(by_kind.items(), key=lambda item: -item[1]):
         print(f"| {kind} | {seconds:.3f} | {100 * seconds / wall:.1f}% | {launches[kind]} |")

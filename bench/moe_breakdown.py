@@ -69,8 +69,8 @@ def main():
                 def call():
                     return kernels.fused_moe(x, w13, w2, weights, topk_ids, config=cfg)
                 ms = time_ms(call)
-                parts = ", ".join(f"{key.removesuffix('_kernel').lstrip('_')} {us:.0f}"
-                                  for key, us in sorted(kernel_times(call).items(), key=lambda kv: -kv[1]) if us > 2)
+                times = sorted(kernel_times(call).items(), key=lambda kv: -kv[1])
+                parts = ", ".join(f"{key.removesuffix('_kernel').lstrip('_')} {us:.0f}" for key, us in times if us > 2)
                 print(f"| {label} | {routing} | {ms * 1e3:.0f} | {flops / ms / 1e9:.0f} | {cublas / ms:.2f}x | {parts} |")
 
 

@@ -60,8 +60,9 @@ def _attend_tile(acc, m_i, l_i, v_ref, q, k_cache, v_cache, k_scale_ptr, v_scale
 
     m_i is the running row max in log2 units (scores times qk_scale = scale * log2(e)), l_i the
     running sum of exp2(score - m_i), acc the unnormalized output in units of the scalar v_ref
-    (1.0 throughout unless FP8; returned updated: the caller multiplies acc by it at the end). MASKED: key j counts for a row
-    only if j <= pos[row] (pos < seq_len), and keys at or past seq_len are not loaded; unmasked
+    (1.0 throughout unless FP8; returned updated: the caller multiplies acc by it at the end).
+    MASKED: key j counts for a row only if j <= pos[row] (pos < seq_len), and keys at or past
+    seq_len are not loaded; unmasked
     tiles must lie entirely inside every row's visible range. TMA: k_cache/v_cache are tensor
     descriptors over the cache as [cache rows, Hkv * D] with BLOCK_N <= BLOCK_SIZE, head_offset
     the head's first column; otherwise pointers, head_offset an element offset. FP8: the cache is

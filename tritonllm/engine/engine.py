@@ -59,7 +59,7 @@ class LLMEngine:
             if world_size > 1 and "RANK" not in os.environ:
                 port = free_port()
                 init_method = f"tcp://127.0.0.1:{port}"
-                self._workers += start_ranks(type(self), model, options, config, hf_config, init_method, port)
+                start_ranks(self._workers, type(self), model, options, config, hf_config, init_method, port)
             self.runner = ModelRunner(config, hf_config, rank, init_method)
         except BaseException:  # the workers would wait for rank 0 forever
             for process in self._workers:

@@ -28,37 +28,30 @@ def _replica(engine_class, model: str, options: dict, rank: int, world_size: int
     engine_class(model, **options)
 
 
-def start_ranks(engine_class, model: str, options: dict, config: EngineConfig, hf_config, init_method: str,
-                port: int) -> list:
-    """Spawn ranks 1..N-1 and wait until each runs; returns their processes in rank order. A rank
-    that dies while starting (as when the script lacks its main guard and the spawned rank re-runs
-    it) is an error, not a hang; the ranks already started are killed then."""
+def start_ranks(processes: list, engine_class, model: str, options: dict, config: EngineConfig, hf_config,
+                init_method: str, port: int) -> None:
+    """Spawn ranks 1..N-1, appending each process to `processes` as it starts (the caller kills
+    them if anything fails), and wait until each runs. A rank that dies while starting (as when the
+    script lacks its main guard and the spawned rank re-runs it) is an error, not a hang."""
     context = mp.get_context("spawn")
     tp = config.tensor_parallel_size
     world_size = tp * config.data_parallel_size
     started = [context.Event() for _ in range(1, world_size)]
-    processes = []
-    try:
-        for rank, event in enumerate(started, start=1):
-            if rank % tp:
-                target, args = _worker, (config, hf_config, rank, init_method, event)
-            else:
-                target, args = _replica, (engine_class, model, options, rank, world_size, port, event)
-            process = context.Process(target=target, args=args, daemon=True)
-            process.start()
-            processes.append(process)
-        for rank, (event, process) in enumerate(zip(started, processes), start=1):
-            while not event.wait(0.05):
-                if not process.is_alive():
-                    raise RuntimeError(
-                        f"parallel worker rank {rank} exited while starting (exit code {process.exitcode}). "
-                        "Workers are spawned and import the main module again: a script that makes a "
-                        "tensor- or data-parallel LLM must do so under `if __name__ == \"__main__\":`.")
-    except BaseException:
-        for process in processes:
-            process.kill()
-        raise
-    return processes
+    for rank, event in enumerate(started, start=1):
+        if rank % tp:
+            target, args = _worker, (config, hf_config, rank, init_method, event)
+        else:
+            target, args = _replica, (engine_class, model, options, rank, world_size, port, event)
+        process = context.Process(target=target, args=args, daemon=True)
+        process.start()
+        processes.append(process)
+    for rank, (event, process) in enumerate(zip(started, processes), start=1):
+        while not event.wait(0.05):
+            if not process.is_alive():
+                raise RuntimeError(
+                    f"parallel worker rank {rank} exited while starting (exit code {process.exitcode}). "
+                    "Workers are spawned and import the main module again: a script that makes a "
+                    "tensor- or data-parallel LLM must do so under `if __name__ == \"__main__\":`.")
 
 
 def check_ranks(processes: list, wait: float = 0.0) -> None:
