@@ -187,71 +187,6 @@ def sdpa(backend, **kwargs):
     return run
 
 
-def varlen_causal(q, k, v, cu, max_len):
-    import inspect
-
-    from torch.nn.attention.varlen import varlen_attn
-    # torch 2.11 takes is_causal; later versions a (left, right) window.
-    params = inspect.signature(varlen_attn).parameters
-    causal = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
-    return varlen_attn(q, k, v, cu, cu, max_len, max_len, **causal)
-
-
-def prefill_attention_cases(quick):
-    """Causal prefill, 16 q / 8 kv heads, D 128, bf16, B * S = 16k tokens, block 256 (block 16 once).
-
-    The dense anchors get K/V expanded to 16 heads (cuDNN has no GQA): it changes little for a
-    compute-bound kernel. TFLOP/s counts the causal half: 2 * 2 * B * Hq * D * S * (S + 1) / 2.
-    """
-    from torch.nn.attention import SDPBackend
-
-    shapes = [(4096, 256)] if quick else [(1024, 256), (2048, 256), (4096, 256), (8192, 256), (16384, 256), (4096, 16)]
-    cases = []
-    for seq, block_size in shapes:
-        batch = 16384 // seq
-
-        def make(s=seq, b=batch, bs=block_size):
-            k_cache, v_cache, tables = paged_cache(s, b, bs)
-            q = randn(b * s, 16, 128)
-            cu = torch.arange(0, b * s + 1, s, device="cuda", dtype=torch.int32)
-            seq_lens = torch.full((b,), s, device="cuda", dtype=torch.int32)
-            k = dense(k_cache, tables, s).repeat_interleave(2, dim=1)
-            v = dense(v_cache, tables, s).repeat_interleave(2, dim=1)
-            q_dense = q.view(b, s, 16, 128).transpose(1, 2).contiguous()
-            k_packed, v_packed = k.transpose(1, 2).flatten(0, 1), v.transpose(1, 2).flatten(0, 1)
-            return q, k_cache, v_cache, cu, seq_lens, tables, s, q_dense, k, v, k_packed, v_packed
-
-        flash = sdpa(SDPBackend.FLASH_ATTENTION, is_causal=True)
-        cudnn = sdpa(SDPBackend.CUDNN_ATTENTION, is_causal=True)
-        cases.append(Case(
-            "prefill_attention", f"B{batch} x S{seq} causal 16/8 heads D128 block {block_size} bf16", make,
-            lambda *a: kernels.prefill_attention(*a[:6], max_q_len=a[6]),
-            {"sdpa flash": lambda *a, f=flash: f(*a[7:10]), "sdpa cudnn": lambda *a, f=cudnn: f(*a[7:10]),
-             "varlen_attn": lambda *a: varlen_causal(a[0], a[10], a[11], a[3], a[6])},
-            flops=2 * 2 * batch * 16 * 128 * seq * (seq + 1) // 2,
-        ))
-    # Over an e4m3 cache with its scales (kv_cache_dtype="fp8"); the anchor: the bf16 cache quantized.
-    for seq, block_size in [(4096, 256)] if quick else [(1024, 256), (4096, 256), (16384, 256), (1024, 16), (4096, 16)]:
-        batch = 16384 // seq
-
-        def make(s=seq, b=batch, bs=block_size):
-            k_cache, v_cache, tables = paged_cache(s, b, bs)
-            (k8, k_scale), (v8, v_scale) = reference.quantize_e4m3(k_cache), reference.quantize_e4m3(v_cache)
-            v8 = key_major_copy(v8)  # as the engine keeps an e4m3 V
-            q = randn(b * s, 16, 128)
-            cu = torch.arange(0, b * s + 1, s, device="cuda", dtype=torch.int32)
-            seq_lens = torch.full((b,), s, device="cuda", dtype=torch.int32)
-            return q, k8, v8, cu, seq_lens, tables, s, k_scale, v_scale, k_cache, v_cache
-
-        cases.append(Case(
-            "prefill_attention", f"B{batch} x S{seq} causal 16/8 heads D128 block {block_size} bf16, fp8 cache", make,
-            lambda *a: kernels.prefill_attention(*a[:6], max_q_len=a[6], k_scale=a[7], v_scale=a[8]),
-            {"triton bf16 cache": lambda *a: kernels.prefill_attention(a[0], a[9], a[10], *a[3:6], max_q_len=a[6])},
-            flops=2 * 2 * batch * 16 * 128 * seq * (seq + 1) // 2,
-        ))
-    return cases
-
-
 def decode_attention_cases(quick):
     """Decode over a paged bf16 cache (block 16, 16 q / 8 kv heads, D 128), CUDA-graph replay.
 
@@ -352,4 +287,4 @@ def sampler_cases(quick):
 def all_cases(quick: bool) -> list[Case]:
     cases = norm_cases(quick) + silu_and_mul_cases(quick) + rotary_cases(quick) + kv_cache_cases(quick)
     cases += qk_norm_rotary_cases(quick)
-    return cases + prefill_attention_cases(quick) + decode_attention_cases(quick) + sampler_cases(quick)
+    return cases + decode_attention_cases(quick) + sampler_cases(quick)

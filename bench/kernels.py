@@ -18,6 +18,7 @@ import triton
 
 from kernel_cases import all_cases
 from moe_cases import moe_cases
+from prefill_cases import prefill_cases
 from timing import BF16_FLOPS_PER_S, COPY_BYTES_PER_S, L2_BYTES, graph_time_ms, time_ms
 from tritonllm.kernels import tuning
 
@@ -81,7 +82,7 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("bench/kernels.py needs a CUDA GPU (the interpreter cannot time kernels)")
     torch.manual_seed(0)
-    cases = all_cases(args.quick) + moe_cases(args.quick)
+    cases = all_cases(args.quick) + prefill_cases(args.quick) + moe_cases(args.quick)
     if args.only:  # in the order given
         cases = [case for name in args.only for case in cases if case.kernel == name]
     if args.match:

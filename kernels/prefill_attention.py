@@ -26,6 +26,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from tritonllm.kernels import tuning
 from tritonllm.kernels.fp8 import fp8_dot_operand
 from tritonllm.kernels.paged import LOG2E, _attend_tile, cache_bucket, check_paged_inputs, dot_precision
+from tritonllm.kernels.prefill_attention_hopper import HOPPER_TUNABLE, prefill_attention_hopper, supports
+
+PATHS = ("auto", "portable", "hopper")
 
 
 @triton.jit
@@ -166,7 +169,7 @@ def _cache_descriptors(k_cache, v_cache, block_n, v_key_major):
 
 def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale=None, *,
                       max_q_len: int | None = None, out: torch.Tensor | None = None, config: dict | None = None,
-                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None):
+                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, path: str = "auto"):
     """Causal attention of the new tokens of B sequences over the paged KV cache.
 
     q: [T, Hq, D] float32/float16/bfloat16, the new tokens of the B sequences packed one after the
@@ -185,10 +188,19 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
     that exit at once); if None, one `.max().item()` reads it (a host sync: prefill is not
     graph-captured). out: optional [T, Hq, D] output buffer written in
     place. config: launch config overriding the tuned/default one (tests, benchmarks).
+    path: "hopper" runs the warp-specialized Gluon kernel (kernels/prefill_attention_hopper.py; an
+    sm_90 GPU, bf16/fp16 q and cache, plain layout), "portable" the Triton kernel of this file,
+    "auto" (the default) the Hopper kernel wherever it applies.
     Returns o [T, Hq, D] in q's dtype (`out` if given); nothing else is modified.
     """
     group, block_size, fp8, v_key_major = check_paged_inputs(q, k_cache, v_cache, seq_lens, block_tables, out,
                                                              k_scale, v_scale)
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    hopper = path != "portable" and supports(q, k_cache, v_cache, v_key_major, fp8)
+    if path == "hopper" and not hopper:
+        raise ValueError("path='hopper' needs an sm_90 GPU, bf16/fp16 q and cache in the plain layout, D 64 or 128, "
+                         "block_size >= 16 and Hq / Hkv <= 64")
     batch = seq_lens.shape[0]
     if cu_seqlens_q.shape != (batch + 1,):
         raise ValueError(f"cu_seqlens_q must be [B + 1 = {batch + 1}], got shape {tuple(cu_seqlens_q.shape)}")
@@ -203,7 +215,7 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
     num_kv_heads = k_cache.shape[2]
     qk_scale = (head_dim**-0.5 if scale is None else scale) * LOG2E
 
-    def launch(cfg):
+    def launch_portable(cfg):
         cfg = dict(cfg)
         block_q = cfg["BLOCK_M"] // group
         grid = (num_kv_heads, batch, triton.cdiv(max_q_len, block_q))
@@ -217,9 +229,14 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
             DOT_PRECISION=dot_precision(q.dtype), INTERPRET=tuning.INTERPRET, TMA=descriptors is not None,
             FP8=fp8, V_KEY_MAJOR=v_key_major, **cfg)
 
+    def launch_hopper(cfg):
+        prefill_attention_hopper(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out, qk_scale, group,
+                                 max_q_len, cfg)
+
+    launch = launch_hopper if hopper else launch_portable
     if config is None:
         bucket = prefill_attention_bucket(q.dtype, head_dim, group, block_size, max_q_len, k_cache.dtype)
-        config = PREFILL_TUNABLE.config(bucket, launch)
+        config = (HOPPER_TUNABLE if hopper else PREFILL_TUNABLE).config(bucket, launch)
     if config["BLOCK_M"] < group:
         raise ValueError(f"config BLOCK_M ({config['BLOCK_M']}) must be at least the GQA group ({group})")
     launch(config)

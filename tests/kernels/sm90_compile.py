@@ -16,6 +16,8 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor  # noqa: E402
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32",
@@ -46,6 +48,8 @@ def record_launches(calls):
 def arg_type(value):
     if isinstance(value, TensorDescriptor):
         return f"tensordesc<{TYPES[value.base.dtype]}{list(value.block_shape)}>"
+    if isinstance(value, GluonTensorDescriptor):  # the layout travels in the type
+        return f"tensordesc<{TYPES[value.base.dtype]}{list(value.block_shape)},{value.layout!r}>"
     if isinstance(value, torch.Tensor):
         return "*" + TYPES[value.dtype]
     if isinstance(value, bool):
@@ -74,7 +78,7 @@ def compile_sm90(kernel: JITFunction, bound: dict, options: dict):
             isinstance(value, int) and not isinstance(value, bool) and value % 16 == 0 and not param.do_not_specialize)
         if aligned:
             attrs[(index,)] = [["tt.divisibility", 16]]
-    source = triton.compiler.ASTSource(kernel, signature, constexprs, attrs)
+    source = (GluonASTSource if kernel.is_gluon() else triton.compiler.ASTSource)(kernel, signature, constexprs, attrs)
     return triton.compile(source, target=SM90, options=options)
 
 
@@ -175,6 +179,18 @@ def cases():
                 lambda q=q, c=cache, v=v_cache, s=scales, bs=bs, cfg=split: decode_attention(
                     q(1), c(32768), v(32768), i32(1), i32(1, 32768 // bs), config=cfg, **s(32768)),
             ]
+    from tritonllm.kernels.prefill_attention_hopper import HOPPER_TUNABLE, prefill_attention_hopper
+
+    # The Hopper path of prefill, bf16 and fp16, blocks of 16 and 256, long and short queries
+    # (default configs of 128 and 64 rows); called directly, as its wrapper takes it on GPUs only.
+    for dtype in (torch.float16, torch.bfloat16):
+        for bs, q_len in ((16, 1024), (256, 1024), (16, 16)):
+            config = HOPPER_TUNABLE.default(str(dtype), 128, 2, bs, q_len)
+            calls.append(lambda d=dtype, bs=bs, n=q_len, cfg=config: prefill_attention_hopper(
+                torch.zeros(8 * n, 16, 128, dtype=d), torch.zeros(16384 // bs, bs, 8, 128, dtype=d),
+                torch.zeros(16384 // bs, bs, 8, 128, dtype=d), torch.arange(0, 8 * n + 1, n, dtype=torch.int32),
+                torch.full((8,), 2048, dtype=torch.int32), i32(8, 2048 // bs), torch.zeros(8 * n, 16, 128, dtype=d),
+                0.1, 2, n, cfg))
     from tritonllm.kernels import fused_moe, moe_route
 
     for dtype in (torch.float32, torch.float16, torch.bfloat16):

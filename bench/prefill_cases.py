@@ -1,0 +1,132 @@
+"""Prefill-attention benchmark cases of bench/kernels.py (issue 21): causal, 16 q / 8 kv heads, D 128,
+bf16, 16k new tokens a call, K/V read from shuffled cache blocks.
+
+- "prefill_attention_hopper": the path prefill_attention takes on an H200 (the warp-specialized
+  Gluon kernel), at S = 512 .. 16k (B = 16k / S), blocks of 16 (the engine's default) and 256; a
+  varlen batch of the nano-vllm workload's prompt lengths (uniform in 100..1024); prefix hits
+  (512 new tokens over 4096 cached, B 32). Anchors: the portable Triton kernel (shipped configs),
+  SDPA cuDNN and flash and varlen_attn on contiguous K/V (expanded to 16 heads: cuDNN has no GQA).
+- "prefill_attention": the portable kernel itself (path="portable"), bf16 and over an e4m3 cache.
+
+TFLOP/s counts the causal part only: 2 * 2 * Hq * D * (keys each query sees, summed).
+"""
+import random
+
+import torch
+from torch.nn.attention import SDPBackend
+
+from kernel_cases import Case, dense, paged_cache, randn, sdpa
+from tritonllm import kernels
+from tritonllm.kernels import reference
+from tritonllm.kernels.kv_cache import key_major_copy
+
+SEQS = (512, 1024, 2048, 4096, 16384)
+TOKENS = 16384
+
+
+def varlen_causal(q, k, v, cu_q, cu_k, max_q, max_k):
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+    # torch 2.11 takes is_causal; later versions a (left, right) window. Causal is bottom-right aligned.
+    params = inspect.signature(varlen_attn).parameters
+    causal = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **causal)
+
+
+def workload_lengths(total=TOKENS, seed=0):
+    """Prompt lengths drawn like the nano-vllm benchmark's (uniform in 100..1024), summing to `total`."""
+    rng, lengths = random.Random(seed), []
+    while sum(lengths) < total:
+        lengths.append(min(rng.randint(100, 1024), total - sum(lengths)))
+    return lengths
+
+
+def batch_inputs(q_lens, context, block_size):
+    """Paged caches, q and the metadata of sequences of `context` cached + q_lens new tokens, and the
+    packed contiguous K/V ([tokens, 16 heads, D]) with their cu_seqlens for the varlen anchor."""
+    batch, longest = len(q_lens), context + max(q_lens)
+    k_cache, v_cache, tables = paged_cache(longest, batch, block_size)
+    q = randn(sum(q_lens), 16, 128)
+    lens = torch.tensor(q_lens, device="cuda", dtype=torch.int32)
+    cu_q = torch.nn.functional.pad(lens.cumsum(0), (1, 0)).to(torch.int32)
+    seq_lens = lens + context
+    cu_k = torch.nn.functional.pad(seq_lens.cumsum(0), (1, 0)).to(torch.int32)
+    k_dense, v_dense = (dense(c, tables, longest).repeat_interleave(2, dim=1) for c in (k_cache, v_cache))
+    k_packed = torch.cat([k_dense[b, :, :n].transpose(0, 1) for b, n in enumerate(seq_lens.tolist())])
+    v_packed = torch.cat([v_dense[b, :, :n].transpose(0, 1) for b, n in enumerate(seq_lens.tolist())])
+    return q, k_cache, v_cache, cu_q, seq_lens, tables, max(q_lens), k_dense, v_dense, k_packed, v_packed, cu_k, longest
+
+
+def causal_flops(q_lens, context):
+    return 4 * 16 * 128 * sum(n * context + n * (n + 1) // 2 for n in q_lens)
+
+
+def ours(path=None):
+    extra = {} if path is None else {"path": path}
+    return lambda *a: kernels.prefill_attention(*a[:6], max_q_len=a[6], **extra)
+
+
+def anchors(equal_lengths):
+    """Anchors on batch_inputs' arguments; the dense SDPA ones only where all sequences are equal and
+    nothing is cached (SDPA's causal mask is top-left aligned)."""
+    out = {"triton portable": ours("portable"),
+           "varlen_attn": lambda *a: varlen_causal(a[0], a[9], a[10], a[3], a[11], a[6], a[12])}
+    if equal_lengths:
+        def dense_q(q, b):
+            return q.view(b, -1, 16, 128).transpose(1, 2)
+
+        flash = sdpa(SDPBackend.FLASH_ATTENTION, is_causal=True)
+        cudnn = sdpa(SDPBackend.CUDNN_ATTENTION, is_causal=True)
+        out["sdpa flash"] = lambda *a, f=flash: f(dense_q(a[0], a[7].shape[0]), a[7], a[8])
+        out["sdpa cudnn"] = lambda *a, f=cudnn: f(dense_q(a[0], a[7].shape[0]), a[7], a[8])
+    return out
+
+
+def hopper_cases(quick):
+    shapes = [(4096, 16)] if quick else [(s, bs) for bs in (16, 256) for s in SEQS]
+    cases = []
+    for seq, block_size in shapes:
+        q_lens = [seq] * (TOKENS // seq)
+        cases.append(Case("prefill_attention_hopper",
+                          f"B{len(q_lens)} x S{seq} causal 16/8 heads D128 block {block_size} bf16",
+                          lambda n=q_lens, bs=block_size: batch_inputs(n, 0, bs), ours(), anchors(True),
+                          flops=causal_flops(q_lens, 0)))
+    if quick:
+        return cases
+    lengths = workload_lengths()
+    cases.append(Case("prefill_attention_hopper", f"varlen {len(lengths)} prompts 100..1024 (16k tokens) block 16 bf16",
+                      lambda: batch_inputs(lengths, 0, 16), ours(), anchors(False), flops=causal_flops(lengths, 0)))
+    prefix = [512] * 32
+    cases.append(Case("prefill_attention_hopper", "B32 x 512 new over 4096 cached causal block 16 bf16",
+                      lambda: batch_inputs(prefix, 4096, 16), ours(), anchors(False), flops=causal_flops(prefix, 4096)))
+    return cases
+
+
+def portable_cases(quick):
+    """The portable kernel, bf16 (its tuned buckets) and over an e4m3 cache with its scales (the
+    anchor: the bf16 cache it was quantized from, through the same kernel)."""
+    shapes = [(4096, 256)] if quick else [(1024, 256), (4096, 256), (16384, 256), (1024, 16), (4096, 16)]
+    cases = []
+    for seq, block_size in shapes:
+        q_lens = [seq] * (TOKENS // seq)
+        cases.append(Case("prefill_attention", f"B{len(q_lens)} x S{seq} causal 16/8 heads D128 block {block_size} bf16",
+                          lambda n=q_lens, bs=block_size: batch_inputs(n, 0, bs), ours("portable"),
+                          flops=causal_flops(q_lens, 0)))
+
+        def make_fp8(s=seq, bs=block_size):
+            q, k_cache, v_cache, cu, seq_lens, tables, max_q = batch_inputs([s] * (TOKENS // s), 0, bs)[:7]
+            (k8, k_scale), (v8, v_scale) = reference.quantize_e4m3(k_cache), reference.quantize_e4m3(v_cache)
+            return q, k8, key_major_copy(v8), cu, seq_lens, tables, max_q, k_scale, v_scale, k_cache, v_cache
+
+        cases.append(Case(
+            "prefill_attention", f"B{len(q_lens)} x S{seq} causal 16/8 heads D128 block {block_size} bf16, fp8 cache",
+            make_fp8, lambda *a: kernels.prefill_attention(*a[:6], max_q_len=a[6], k_scale=a[7], v_scale=a[8]),
+            {"triton bf16 cache": lambda *a: kernels.prefill_attention(a[0], a[9], a[10], *a[3:6], max_q_len=a[6],
+                                                                       path="portable")},
+            flops=causal_flops(q_lens, 0)))
+    return cases
+
+
+def prefill_cases(quick):
+    return hopper_cases(quick) + portable_cases(quick)

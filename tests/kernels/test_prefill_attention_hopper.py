@@ -1,0 +1,92 @@
+"""The Hopper (warp-specialized Gluon) path of prefill_attention against the float64 reference.
+
+The same NaN-poisoned paged caches as test_prefill_attention.py: cache rows no sequence owns are
+NaN, so a tile whose last cache block runs past the sequence must zero those V rows, and a
+block-table entry read past the sequence would bring NaN. Run on an sm_90 GPU; elsewhere only the
+path choice and its errors are checked (its sm_90 compile is in test_compile.py).
+"""
+import importlib
+
+import pytest
+import torch
+from kernel_utils import ATTN, DEVICE, assert_close, prefill_inputs
+from test_prefill_attention import PREFILL_CASES, check_chunked, run_prefill
+
+from tritonllm.kernels import prefill_attention
+from tritonllm.kernels.prefill_attention_hopper import HOPPER_TUNABLE
+
+prefill_module = importlib.import_module("tritonllm.kernels.prefill_attention")
+HOPPER = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0)
+needs_hopper = pytest.mark.skipif(not HOPPER, reason="the Gluon kernel runs on sm_90 GPUs only")
+HALF = pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+
+
+def spy_paths(monkeypatch):
+    """A list that gets "hopper" for each launch of the Gluon kernel."""
+    taken, original = [], prefill_module.prefill_attention_hopper
+
+    def spy(*args):
+        taken.append("hopper")
+        return original(*args)
+
+    monkeypatch.setattr(prefill_module, "prefill_attention_hopper", spy)
+    return taken
+
+
+@needs_hopper
+@HALF
+@pytest.mark.parametrize("head_dim, num_q_heads, num_kv_heads, block_size, q_lens", PREFILL_CASES)
+def test_hopper_matches_reference_in_every_config(head_dim, num_q_heads, num_kv_heads, block_size, q_lens, dtype):
+    inputs = prefill_inputs([0] * len(q_lens), q_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype)
+    bucket = ("", head_dim, num_q_heads // num_kv_heads, block_size, max(q_lens))
+    for config in HOPPER_TUNABLE.space(*bucket):
+        out, ref = run_prefill(*inputs, path="hopper", config=config)
+        assert_close(out, ref, dtype, ATTN)
+
+
+@needs_hopper
+@HALF
+@pytest.mark.parametrize("head_dim, num_q_heads, num_kv_heads, block_size", [(128, 4, 2, 16), (64, 8, 2, 64),
+                                                                              (128, 16, 8, 256)])
+def test_hopper_prefix_hits(head_dim, num_q_heads, num_kv_heads, block_size, dtype):
+    # Cached keys around block and tile boundaries, down to one new token; a 3-tile prefix.
+    pairs = [(1, 1), (block_size - 1, 2), (block_size, 30), (37, 64), (2 * block_size + 1, 3), (200, 1), (385, 130)]
+    inputs = prefill_inputs([c for c, _ in pairs], [n for _, n in pairs], num_q_heads, num_kv_heads, head_dim,
+                            block_size, dtype)
+    for config in ({"BLOCK_M": 64, "BLOCK_N": 64, "NUM_STAGES": 2}, {"BLOCK_M": 128, "BLOCK_N": 128, "NUM_STAGES": 2}):
+        out, ref = run_prefill(*inputs, path="hopper", config=config)
+        assert_close(out, ref, dtype, ATTN)
+
+
+@needs_hopper
+@HALF
+def test_hopper_chunked_prefill_equals_one_shot(dtype, monkeypatch):
+    taken = spy_paths(monkeypatch)
+    check_chunked(dtype, False)  # path "auto": the Gluon kernel on this GPU
+    assert taken and set(taken) == {"hopper"}
+
+
+@needs_hopper
+def test_auto_takes_hopper_only_where_it_applies(monkeypatch):
+    taken = spy_paths(monkeypatch)
+    for dtype, fp8, v_layout, expected in [(torch.bfloat16, False, "contiguous", ["hopper"]),
+                                           (torch.float32, False, "contiguous", []),
+                                           (torch.bfloat16, True, "contiguous", []),
+                                           (torch.bfloat16, False, "key_major", [])]:
+        taken.clear()
+        inputs = prefill_inputs([3, 0], [40, 9], 4, 2, 64, 16, dtype, fp8, v_layout)
+        out, ref = run_prefill(*inputs)
+        assert taken == expected, (dtype, fp8, v_layout)
+        assert_close(out, ref, dtype, ATTN)
+
+
+def test_path_errors():
+    q, k_cache, v_cache, cu, seq_lens, tables, _ = prefill_inputs([0, 3], [4, 5], 4, 2, 64, 16, torch.bfloat16)
+    with pytest.raises(ValueError, match="path must be one of"):
+        prefill_attention(q, k_cache, v_cache, cu, seq_lens, tables, path="gluon")
+    # float32 never takes the Gluon kernel; nor does anything off an sm_90 GPU.
+    with pytest.raises(ValueError, match="path='hopper' needs"):
+        prefill_attention(q.float(), k_cache.float(), v_cache.float(), cu, seq_lens, tables, path="hopper")
+    if not HOPPER:
+        with pytest.raises(ValueError, match="path='hopper' needs"):
+            prefill_attention(q, k_cache, v_cache, cu, seq_lens, tables, path="hopper")
