@@ -54,6 +54,33 @@ def _load_kv_partition(k_desc, v_desc, k_bufs, v_bufs, ready_k, ready_v, empty, 
 
 
 @gluon.jit
+def _scale_and_mask(scores, qk_scale, i, num_full, pos, BLOCK_N: gl.constexpr, S_LAYOUT: gl.constexpr):
+    """Scores of key tile i in log2 units; on the diagonal (i >= num_full) key j counts for a row only
+    at or before its position (pos < seq_len, so this also drops keys a copy brought from past the
+    sequence)."""
+    scores = scores * qk_scale
+    if i >= num_full:
+        keys = i * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, S_LAYOUT))
+        scores = gl.where(keys[None, :] <= pos[:, None], scores, float("-inf"))
+    return scores
+
+
+@gluon.jit
+def _ready_v(v_bufs, ready_v, i, seq_len, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, IO_LAYOUT: gl.constexpr):
+    """V of key tile i once its copy has landed. Rows past the sequence hold whatever the cache block
+    held: p is 0 there, 0 * NaN is not, so they are zeroed in place first (both warpgroups write the
+    same zeros)."""
+    v_buf = v_bufs.index(i % NUM_STAGES)
+    mbarrier.wait(ready_v.index(i % NUM_STAGES), (i // NUM_STAGES) & 1)
+    if (i + 1) * BLOCK_N > seq_len:
+        v = v_buf.load(IO_LAYOUT)
+        rows = i * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(1, IO_LAYOUT))
+        v_buf.store(gl.where((rows < seq_len)[:, None], v, gl.zeros_like(v)))
+        fence_async_shared()
+    return v_buf
+
+
+@gluon.jit
 def _attend_partition(q_ptr, o_ptr, q_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, qk_scale, q_start, q_len, q0,
                       kv_head, seq_len, num_full, num_tiles, stride_q_token, stride_q_head, stride_o_token,
                       stride_o_head, WARPGROUP: gl.constexpr, GROUP: gl.constexpr, BLOCK_Q: gl.constexpr,
@@ -82,46 +109,40 @@ def _attend_partition(q_ptr, o_ptr, q_bufs, k_bufs, v_bufs, ready_k, ready_v, em
     # Idle rows past q_len see the sequence's last key, so no row's mask reaches past seq_len.
     s_rows = WARPGROUP * 64 + gl.arange(0, 64, gl.SliceLayout(1, S_LAYOUT))
     pos = gl.minimum(seq_len - q_len + q0 + s_rows // GROUP, seq_len - 1)
-    offs_n = gl.arange(0, BLOCK_N, gl.SliceLayout(0, S_LAYOUT))
-    m_i = gl.full([64], float("-inf"), gl.float32, gl.SliceLayout(1, S_LAYOUT))
-    l_i = gl.zeros([64], gl.float32, gl.SliceLayout(1, S_LAYOUT))
-    acc = gl.zeros([64, HEAD_DIM], gl.float32, O_LAYOUT)
     zero_scores = gl.zeros([64, BLOCK_N], gl.float32, S_LAYOUT)
-    for i in range(num_tiles):
+    acc = gl.zeros([64, HEAD_DIM], gl.float32, O_LAYOUT)
+    # Tile 0 (every row sees key 0, so the running max is finite from here on and no NaN arises).
+    mbarrier.wait(ready_k.index(0), 0)
+    scores = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), zero_scores, use_acc=False)
+    scores = _scale_and_mask(scores, qk_scale, 0, num_full, pos, BLOCK_N, S_LAYOUT)
+    m_i = gl.max(scores, 1)
+    p = gl.exp2(scores - m_i[:, None])
+    l_i = gl.sum(p, 1)
+    # Software-pipelined as FlashAttention-3 does within a warpgroup: tile i's QK^T and tile i-1's
+    # PV dot run on the tensor cores while this warpgroup computes tile i's softmax.
+    for i in range(1, num_tiles):
+        p_op = gl.convert_layout(p.to(q_smem.dtype), gl.DotOperandLayout(0, O_LAYOUT, 2))
         slot = i % NUM_STAGES
-        phase = (i // NUM_STAGES) & 1
         k_buf = k_bufs.index(slot)
-        v_buf = v_bufs.index(slot)
-        mbarrier.wait(ready_k.index(slot), phase)
+        mbarrier.wait(ready_k.index(slot), (i // NUM_STAGES) & 1)
         scores = warpgroup_mma(q_smem, k_buf.permute((1, 0)), zero_scores, use_acc=False, is_async=True)
-        scores, _, _ = warpgroup_mma_wait(0, deps=(scores, q_smem, k_buf))
-        scores = scores * qk_scale
-        n0 = i * BLOCK_N
-        if i >= num_full:
-            # The diagonal: key j counts for a row only at or before its position (pos < seq_len,
-            # so this also drops keys a copy brought from past the sequence).
-            keys = n0 + offs_n
-            scores = gl.where(keys[None, :] <= pos[:, None], scores, float("-inf"))
-        # Every row sees key 0 in the first tile, so m_new is finite and no NaN arises.
+        v_buf = _ready_v(v_bufs, ready_v, i - 1, seq_len, BLOCK_N, NUM_STAGES, IO_LAYOUT)
+        acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
+        # wgmma groups complete in order: one outstanding means the scores are done.
+        scores, _, _ = warpgroup_mma_wait(1, deps=(scores, q_smem, k_buf))
+        scores = _scale_and_mask(scores, qk_scale, i, num_full, pos, BLOCK_N, S_LAYOUT)
         m_new = gl.maximum(m_i, gl.max(scores, 1))
         p = gl.exp2(scores - m_new[:, None])
         alpha = gl.exp2(m_i - m_new)
         l_i = l_i * alpha + gl.sum(p, 1)
         m_i = m_new
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
-        p_op = gl.convert_layout(p.to(q_smem.dtype), gl.DotOperandLayout(0, O_LAYOUT, 2))
-        mbarrier.wait(ready_v.index(slot), phase)
-        if n0 + BLOCK_N > seq_len:
-            # Rows past the sequence hold whatever the cache block held: p is 0 there, 0 * NaN
-            # is not. Zero them in place before the dot reads the tile (both warpgroups write
-            # the same zeros).
-            v = v_buf.load(IO_LAYOUT)
-            v_rows = n0 + gl.arange(0, BLOCK_N, gl.SliceLayout(1, IO_LAYOUT))
-            v_buf.store(gl.where((v_rows < seq_len)[:, None], v, gl.zeros_like(v)))
-            fence_async_shared()
-        acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
         acc, _ = warpgroup_mma_wait(0, deps=(acc, v_buf))
-        mbarrier.arrive(empty.index(slot), count=1)
+        mbarrier.arrive(empty.index((i - 1) % NUM_STAGES), count=1)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
+    p_op = gl.convert_layout(p.to(q_smem.dtype), gl.DotOperandLayout(0, O_LAYOUT, 2))
+    v_buf = _ready_v(v_bufs, ready_v, num_tiles - 1, seq_len, BLOCK_N, NUM_STAGES, IO_LAYOUT)
+    acc = warpgroup_mma(p_op, v_buf, acc)
+    mbarrier.arrive(empty.index((num_tiles - 1) % NUM_STAGES), count=1)
     out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, O_LAYOUT))[:, None]
     out = gl.convert_layout(out.to(o_ptr.dtype.element_ty), IO_LAYOUT)
     o_rows = (q_start + token).to(gl.int64) * stride_o_token + head * stride_o_head
