@@ -27,6 +27,9 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from tritonllm.kernels import tuning
 
+# Triton 3.8 named the TMA global-to-shared copy async_load; 3.9 removed the older name.
+_tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+
 
 @gluon.jit
 def _load_kv_partition(k_desc, v_desc, k_bufs, v_bufs, ready_k, ready_v, empty, block_table_row, kv_head, seq_len,
@@ -47,9 +50,9 @@ def _load_kv_partition(k_desc, v_desc, k_bufs, v_bufs, ready_k, ready_v, empty, 
             # keys the consumers mask (scores) and zero (V) like any key past seq_len.
             block = gl.load(block_table_row + key // BLOCK_SIZE, mask=key < seq_len, other=0)
             row = block * BLOCK_SIZE + key % BLOCK_SIZE  # TMA coordinates are int32
-            tma.async_copy_global_to_shared(k_desc, [row, column], ready_k.index(slot),
+            _tma_load(k_desc, [row, column], ready_k.index(slot),
                                             k_bufs.index(slot).slice(c * CHUNK, CHUNK))
-            tma.async_copy_global_to_shared(v_desc, [row, column], ready_v.index(slot),
+            _tma_load(v_desc, [row, column], ready_v.index(slot),
                                             v_bufs.index(slot).slice(c * CHUNK, CHUNK))
 
 
