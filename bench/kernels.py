@@ -1,6 +1,7 @@
 """Autotune every kernel over its benchmark shapes and report it against its anchors.
 
     python bench/kernels.py [--quick] [--only NAME ...] [--match TEXT ...] [--no-tune] [--configs PATH] [--report PATH]
+                            [--plot PATH]
 
 For each case: every config tried with its median time, the best, the achieved GB/s or TFLOP/s
 and its percent of the ceiling (bench/timing.py), and the speed ratio to each anchor (the PyTorch
@@ -78,6 +79,7 @@ def main():
     parser.add_argument("--configs", type=Path, help="tuned-config JSON to write (default: the shipped file)")
     parser.add_argument("--report", type=Path, help="also write the summary table (markdown) here")
     parser.add_argument("--no-tune", action="store_true", help="time the shipped tuned configs (or defaults) without tuning")
+    parser.add_argument("--plot", type=Path, help="also plot prefill attention's TFLOP/s against S here (PNG)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/kernels.py needs a CUDA GPU (the interpreter cannot time kernels)")
@@ -101,7 +103,47 @@ def main():
             args.report.write_text(table + "\n")
     if not args.no_tune:
         print(f"\ntuned configs written to {path}")
+    if args.plot:
+        plot_prefill(results, args.plot)
     print(f"\n{table}")
+
+
+def plot_prefill(results: list[Result], path: Path):
+    """TFLOP/s against S of the equal-length prefill cases: ours per cache block size, and the SDPA
+    anchors (their TFLOP/s: ours divided by the time ratio)."""
+    import re
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lines: dict[str, dict[int, float]] = {}
+    for r in results:
+        match = re.search(r"^prefill_attention_hopper B\d+ x S(\d+) .* block (\d+) bf16$", r.case)
+        if not match:
+            continue
+        seq, block = int(match[1]), int(match[2])
+        ours = float(r.rate.split()[0])
+        lines.setdefault(f"tritonllm, block {block}", {})[seq] = ours
+        if block == 16:  # the anchors read contiguous K/V: one line each
+            for name in ("sdpa cudnn", "sdpa flash"):
+                if r.ratios.get(name, 0) > 0:
+                    lines.setdefault(name, {})[seq] = ours / r.ratios[name]
+    if not lines:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, points in lines.items():
+        seqs = sorted(points)
+        ax.plot(seqs, [points[s] for s in seqs], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequence length S (B x S = 16k tokens)")
+    ax.set_ylabel("TFLOP/s (causal FLOPs)")
+    ax.set_title(f"Causal prefill, 16/8 heads, D 128, bf16 ({torch.cuda.get_device_name()})")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot written to {path}")
 
 
 def report(results: list[Result]) -> str:
