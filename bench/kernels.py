@@ -123,6 +123,8 @@ def plot_prefill(results: list[Result], path: Path):
         if not match:
             continue
         seq, block = int(match[1]), int(match[2])
+        if block not in (16, 256):  # the other block sizes are timed at two lengths only
+            continue
         ours = float(r.rate.split()[0])
         lines.setdefault(f"tritonllm, block {block}", {})[seq] = ours
         if block == 16:  # the anchors read contiguous K/V: one line each

@@ -2,7 +2,8 @@
 bf16, 16k new tokens a call, K/V read from shuffled cache blocks.
 
 - "prefill_attention_hopper": the path prefill_attention takes on an H200 (the warp-specialized
-  Gluon kernel), at S = 512 .. 16k (B = 16k / S), blocks of 16 (the engine's default) and 256; a
+  Gluon kernel), at S = 512 .. 16k (B = 16k / S), blocks of 16 (the engine's default) and 256 (32,
+  64 and 128 at S 1k and 4k); a
   varlen batch of the nano-vllm workload's prompt lengths (uniform in 100..1024); prefix hits
   (512 new tokens over 4096 cached, B 32). Anchors: the portable Triton kernel (shipped configs),
   SDPA cuDNN and flash and varlen_attn on contiguous K/V (expanded to 16 heads: cuDNN has no GQA).
@@ -94,6 +95,12 @@ def hopper_cases(quick):
                           flops=causal_flops(q_lens, 0)))
     if quick:
         return cases
+    for seq, block_size in [(s, bs) for bs in (32, 64, 128) for s in (1024, 4096)]:  # the other block sizes
+        q_lens = [seq] * (TOKENS // seq)
+        cases.append(Case("prefill_attention_hopper",
+                          f"B{len(q_lens)} x S{seq} causal 16/8 heads D128 block {block_size} bf16",
+                          lambda n=q_lens, bs=block_size: batch_inputs(n, 0, bs), ours(), anchors(True),
+                          flops=causal_flops(q_lens, 0)))
     lengths = workload_lengths()
     cases.append(Case("prefill_attention_hopper", f"varlen {len(lengths)} prompts 100..1024 (16k tokens) block 16 bf16",
                       lambda: batch_inputs(lengths, 0, 16), ours(), anchors(False), flops=causal_flops(lengths, 0)))
