@@ -6,6 +6,8 @@ from tritonllm.kernels import reference
 from tritonllm.kernels.kv_cache import is_key_major, key_major_copy
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# prefill_attention's Gluon kernel (kernels/prefill_attention_hopper.py) runs on sm_90 GPUs only.
+HOPPER = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0)
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # The memory layouts of a V cache (kernels/kv_cache.py): k_cache's own, or key-major.
 V_LAYOUTS = ["contiguous", "key_major"]

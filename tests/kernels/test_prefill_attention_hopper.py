@@ -9,14 +9,13 @@ import importlib
 
 import pytest
 import torch
-from kernel_utils import ATTN, DEVICE, assert_close, prefill_inputs
+from kernel_utils import ATTN, HOPPER, assert_close, prefill_inputs
 from test_prefill_attention import PREFILL_CASES, check_chunked, run_prefill
 
 from tritonllm.kernels import prefill_attention
 from tritonllm.kernels.prefill_attention_hopper import HOPPER_TUNABLE
 
 prefill_module = importlib.import_module("tritonllm.kernels.prefill_attention")
-HOPPER = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0)
 needs_hopper = pytest.mark.skipif(not HOPPER, reason="the Gluon kernel runs on sm_90 GPUs only")
 HALF = pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 

@@ -3,7 +3,7 @@ import json
 
 import pytest
 import torch
-from kernel_utils import DEVICE
+from kernel_utils import DEVICE, HOPPER
 
 from tritonllm import kernels
 from tritonllm.kernels import tuning
@@ -95,6 +95,13 @@ def index(*values):
     return torch.tensor(values, dtype=torch.int32, device=DEVICE)
 
 
+def hopper_prefill():
+    if not HOPPER:
+        pytest.skip("prefill_attention's Hopper path runs on sm_90 GPUs only")
+    kernels.prefill_attention(zeros(5, 4, 64), cache(), cache(), index(0, 2, 5), index(2, 3), index(0, 1)[:, None],
+                              max_q_len=3, path="hopper")
+
+
 # Per tunable kernel: a call of its wrapper, and the bucket its exported builder gives for that call.
 WRAPPERS = {
     "rms_norm": (lambda: kernels.rms_norm(zeros(5, 3, 48), zeros(48), 1e-6), rms_norm_bucket(torch.float16, 48, 15)),
@@ -112,6 +119,7 @@ WRAPPERS = {
     "prefill_attention": (lambda: kernels.prefill_attention(zeros(5, 4, 64), cache(), cache(), index(0, 2, 5),
                                                             index(2, 3), index(0, 1)[:, None], max_q_len=3),
                           prefill_attention_bucket(torch.float16, 64, 2, 16, 3)),
+    "prefill_attention_hopper": (hopper_prefill, prefill_attention_bucket(torch.float16, 64, 2, 16, 3)),
     "decode_attention": (lambda: kernels.decode_attention(zeros(3, 4, 64), cache(), cache(), index(1, 2, 3),
                                                           index(0, 1, 2)[:, None], max_seq_len=100),
                          decode_attention_bucket(torch.float16, 64, 2, 2, 16, 3, 100)),
