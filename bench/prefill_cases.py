@@ -117,7 +117,8 @@ def portable_cases(quick):
     cases = []
     for seq, block_size in shapes:
         q_lens = [seq] * (TOKENS // seq)
-        cases.append(Case("prefill_attention", f"B{len(q_lens)} x S{seq} causal 16/8 heads D128 block {block_size} bf16",
+        label = f"B{len(q_lens)} x S{seq} causal 16/8 heads D128 block {block_size} bf16"
+        cases.append(Case("prefill_attention", label,
                           lambda n=q_lens, bs=block_size: batch_inputs(n, 0, bs), ours("portable"),
                           flops=causal_flops(q_lens, 0)))
 
@@ -127,7 +128,7 @@ def portable_cases(quick):
             return q, k8, key_major_copy(v8), cu, seq_lens, tables, max_q, k_scale, v_scale, k_cache, v_cache
 
         cases.append(Case(
-            "prefill_attention", f"B{len(q_lens)} x S{seq} causal 16/8 heads D128 block {block_size} bf16, fp8 cache",
+            "prefill_attention", f"{label}, fp8 cache",
             make_fp8, lambda *a: kernels.prefill_attention(*a[:6], max_q_len=a[6], k_scale=a[7], v_scale=a[8]),
             {"triton bf16 cache": lambda *a: kernels.prefill_attention(a[0], a[9], a[10], *a[3:6], max_q_len=a[6],
                                                                        path="portable")},

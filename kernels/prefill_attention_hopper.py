@@ -192,8 +192,8 @@ def _prefill_attention_hopper_kernel(
     # Tuples of arguments are written out in the call: Gluon keeps constexprs only that way.
     if WARPGROUPS == 1:
         gl.warp_specialize([
-            (_attend_partition, (q_ptr, o_ptr, q_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, qk_scale, q_start, q_len,
-                                 q0, kv_head, seq_len, num_full, num_tiles, stride_q_token, stride_q_head,
+            (_attend_partition, (q_ptr, o_ptr, q_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, qk_scale, q_start,
+                                 q_len, q0, kv_head, seq_len, num_full, num_tiles, stride_q_token, stride_q_head,
                                  stride_o_token, stride_o_head, 0, GROUP, BLOCK_Q, BLOCK_N, HEAD_DIM, NUM_STAGES)),
             (_load_kv_partition, (k_desc, v_desc, k_bufs, v_bufs, ready_k, ready_v, empty, block_table_row, kv_head,
                                   seq_len, num_tiles, HEAD_DIM, BLOCK_SIZE, BLOCK_N, NUM_STAGES)),
@@ -201,11 +201,11 @@ def _prefill_attention_hopper_kernel(
     else:
         # The second warpgroup is a partition of its own, so neither waits on the other's softmax.
         gl.warp_specialize([
-            (_attend_partition, (q_ptr, o_ptr, q_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, qk_scale, q_start, q_len,
-                                 q0, kv_head, seq_len, num_full, num_tiles, stride_q_token, stride_q_head,
+            (_attend_partition, (q_ptr, o_ptr, q_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, qk_scale, q_start,
+                                 q_len, q0, kv_head, seq_len, num_full, num_tiles, stride_q_token, stride_q_head,
                                  stride_o_token, stride_o_head, 0, GROUP, BLOCK_Q, BLOCK_N, HEAD_DIM, NUM_STAGES)),
-            (_attend_partition, (q_ptr, o_ptr, q_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, qk_scale, q_start, q_len,
-                                 q0, kv_head, seq_len, num_full, num_tiles, stride_q_token, stride_q_head,
+            (_attend_partition, (q_ptr, o_ptr, q_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, qk_scale, q_start,
+                                 q_len, q0, kv_head, seq_len, num_full, num_tiles, stride_q_token, stride_q_head,
                                  stride_o_token, stride_o_head, 1, GROUP, BLOCK_Q, BLOCK_N, HEAD_DIM, NUM_STAGES)),
             (_load_kv_partition, (k_desc, v_desc, k_bufs, v_bufs, ready_k, ready_v, empty, block_table_row, kv_head,
                                   seq_len, num_tiles, HEAD_DIM, BLOCK_SIZE, BLOCK_N, NUM_STAGES)),
