@@ -233,10 +233,13 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
         prefill_attention_hopper(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out, qk_scale, group,
                                  max_q_len, cfg)
 
-    launch = launch_hopper if hopper else launch_portable
+    launch, tunable = (launch_hopper, HOPPER_TUNABLE) if hopper else (launch_portable, PREFILL_TUNABLE)
+    bucket = prefill_attention_bucket(q.dtype, head_dim, group, block_size, max_q_len, k_cache.dtype)
     if config is None:
-        bucket = prefill_attention_bucket(q.dtype, head_dim, group, block_size, max_q_len, k_cache.dtype)
-        config = (HOPPER_TUNABLE if hopper else PREFILL_TUNABLE).config(bucket, launch)
+        config = tunable.config(bucket, launch)
+    elif set(config) != set(tunable.default(*bucket)):
+        raise ValueError(f"config of the {'hopper' if hopper else 'portable'} path takes the keys "
+                         f"{sorted(tunable.default(*bucket))}, got {sorted(config)}")
     if config["BLOCK_M"] < group:
         raise ValueError(f"config BLOCK_M ({config['BLOCK_M']}) must be at least the GQA group ({group})")
     launch(config)

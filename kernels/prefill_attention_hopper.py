@@ -17,6 +17,8 @@ started long before; the two warpgroups of a 128-row tile softmax and multiply i
 so one's exponentials overlap the other's dots. The portable Triton kernel stays the path for
 other GPUs, the interpreter, float32 and e4m3 caches (prefill_attention chooses).
 """
+import functools
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -232,13 +234,18 @@ def _hopper_default(dtype_name, head_dim, group, block_size, q_len, cache_dtype_
 HOPPER_TUNABLE = tuning.Tunable("prefill_attention_hopper", _hopper_space, _hopper_default)
 
 
+@functools.cache
+def _is_sm90(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
+
+
 def supports(q, k_cache, v_cache, v_key_major, fp8) -> bool:
     """Whether the Hopper path takes these inputs: an sm_90 GPU, bf16/fp16 q and cache, contiguous
     16-byte-aligned caches in the plain (not key-major) layout, D 64 or 128, blocks of 16 keys or more
     (whole 128-byte swizzle atoms), at most 64 query heads a KV head."""
     if not q.is_cuda or fp8 or v_key_major or q.dtype not in (torch.bfloat16, torch.float16):
         return False
-    if torch.cuda.get_device_capability(q.device.index) != (9, 0):
+    if not _is_sm90(q.device.index):
         return False
     return (q.shape[2] in (64, 128) and k_cache.shape[1] >= 16 and q.shape[1] // k_cache.shape[2] <= 64
             and k_cache.is_contiguous() and v_cache.is_contiguous()

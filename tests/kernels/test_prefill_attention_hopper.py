@@ -89,3 +89,7 @@ def test_path_errors():
     if not HOPPER:
         with pytest.raises(ValueError, match="path='hopper' needs"):
             prefill_attention(q, k_cache, v_cache, cu, seq_lens, tables, path="hopper")
+    # A config is the chosen path's: the portable kernel's keys differ from the Hopper kernel's.
+    with pytest.raises(ValueError, match="config of the portable path takes the keys"):
+        prefill_attention(q, k_cache, v_cache, cu, seq_lens, tables, path="portable",
+                          config={"BLOCK_M": 64, "BLOCK_N": 64, "NUM_STAGES": 2})
