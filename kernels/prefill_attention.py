@@ -197,7 +197,7 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
                                                              k_scale, v_scale)
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
-    hopper = path != "portable" and supports(q, k_cache, v_cache, v_key_major, fp8)
+    hopper = path != "portable" and supports(q, k_cache, v_cache, group, v_key_major, fp8)
     if path == "hopper" and not hopper:
         raise ValueError("path='hopper' needs an sm_90 GPU, bf16/fp16 q and cache in the plain layout, D 64 or 128, "
                          "block_size >= 16 and Hq / Hkv <= 64")

@@ -9,8 +9,9 @@ compiler:
   of NUM_STAGES shared-memory slots with TMA bulk copies, one copy per cache block the tile
   covers (so block 16 and block 256 take the same path), signalling a `ready` mbarrier per slot;
 - the consumer warps (one or two warpgroups, 64 rows each) run both dots as asynchronous wgmma
-  straight from shared memory (Q and K) and from registers (P), and free a slot by arriving on
-  its `empty` mbarrier once the PV dot that read it is done.
+  straight from shared memory (Q, K, V) and from registers (P), pipelined as FlashAttention-3
+  does within a warpgroup (tile i's QK^T and tile i-1's PV in flight during tile i's softmax),
+  and free a slot by arriving on its `empty` mbarrier once the PV dot that read it is done.
 
 The producer runs NUM_STAGES tiles ahead, so the consumers never wait on a load that was not
 started long before; the two warpgroups of a 128-row tile softmax and multiply independently,
@@ -52,10 +53,8 @@ def _load_kv_partition(k_desc, v_desc, k_bufs, v_bufs, ready_k, ready_v, empty, 
             # keys the consumers mask (scores) and zero (V) like any key past seq_len.
             block = gl.load(block_table_row + key // BLOCK_SIZE, mask=key < seq_len, other=0)
             row = block * BLOCK_SIZE + key % BLOCK_SIZE  # TMA coordinates are int32
-            _tma_load(k_desc, [row, column], ready_k.index(slot),
-                                            k_bufs.index(slot).slice(c * CHUNK, CHUNK))
-            _tma_load(v_desc, [row, column], ready_v.index(slot),
-                                            v_bufs.index(slot).slice(c * CHUNK, CHUNK))
+            _tma_load(k_desc, [row, column], ready_k.index(slot), k_bufs.index(slot).slice(c * CHUNK, CHUNK))
+            _tma_load(v_desc, [row, column], ready_v.index(slot), v_bufs.index(slot).slice(c * CHUNK, CHUNK))
 
 
 @gluon.jit
@@ -239,15 +238,15 @@ def _is_sm90(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
-def supports(q, k_cache, v_cache, v_key_major, fp8) -> bool:
+def supports(q, k_cache, v_cache, group, v_key_major, fp8) -> bool:
     """Whether the Hopper path takes these inputs: an sm_90 GPU, bf16/fp16 q and cache, contiguous
     16-byte-aligned caches in the plain (not key-major) layout, D 64 or 128, blocks of 16 keys or more
-    (whole 128-byte swizzle atoms), at most 64 query heads a KV head."""
+    (whole 128-byte swizzle atoms), a GQA group (Hq / Hkv) of at most 64."""
     if not q.is_cuda or fp8 or v_key_major or q.dtype not in (torch.bfloat16, torch.float16):
         return False
     if not _is_sm90(q.device.index):
         return False
-    return (q.shape[2] in (64, 128) and k_cache.shape[1] >= 16 and q.shape[1] // k_cache.shape[2] <= 64
+    return (q.shape[2] in (64, 128) and k_cache.shape[1] >= 16 and group <= 64
             and k_cache.is_contiguous() and v_cache.is_contiguous()
             and k_cache.data_ptr() % 16 == 0 and v_cache.data_ptr() % 16 == 0)
 

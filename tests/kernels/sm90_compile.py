@@ -179,13 +179,14 @@ def cases():
                 lambda q=q, c=cache, v=v_cache, s=scales, bs=bs, cfg=split: decode_attention(
                     q(1), c(32768), v(32768), i32(1), i32(1, 32768 // bs), config=cfg, **s(32768)),
             ]
+    from tritonllm.kernels import tuning
     from tritonllm.kernels.prefill_attention_hopper import HOPPER_TUNABLE, prefill_attention_hopper
 
     # The Hopper path of prefill, bf16 and fp16, blocks of 16 and 256, long and short queries
     # (default configs of 128 and 64 rows); called directly, as its wrapper takes it on GPUs only.
     for dtype in (torch.float16, torch.bfloat16):
         for bs, q_len in ((16, 1024), (256, 1024), (16, 16)):
-            config = HOPPER_TUNABLE.default(str(dtype), 128, 2, bs, q_len)
+            config = HOPPER_TUNABLE.default(tuning.dtype_name(dtype), 128, 2, bs, q_len)
             calls.append(lambda d=dtype, bs=bs, n=q_len, cfg=config: prefill_attention_hopper(
                 torch.zeros(8 * n, 16, 128, dtype=d), torch.zeros(16384 // bs, bs, 8, 128, dtype=d),
                 torch.zeros(16384 // bs, bs, 8, 128, dtype=d), torch.arange(0, 8 * n + 1, n, dtype=torch.int32),
