@@ -1,13 +1,13 @@
 """Decode attention at the shapes of the nano-vllm workload, with the engine's config and others.
 
-    python bench/decode_workload.py [--stride 16] [--kv-cache-dtype auto|fp8] [--save] [--out PATH]
+    python bench/decode_workload.py [--stride 16] [--kv-cache-dtype auto|fp8] [--block-size 16] [--save] [--out PATH]
 
 bench/throughput.py's workload (256 requests, prompts 100..1024, outputs 100..1024) decodes with
 batches that shrink from 256 as requests finish and contexts spread from 100 to 2k, under a
 context bound of max_model_len 4096. bench/kernels.py tunes on uniform contexts at the bound.
 This replays one layer of every `stride`-th decode step of the workload (Qwen3-0.6B heads: 16 q /
-8 kv, D 128, bf16, KV block 16, batch padded to the engine's CUDA-graph size, block tables 256
-wide), times the engine's config and a grid of others (one CUDA graph each, median), and
+8 kv, D 128, bf16, KV blocks of --block-size keys, batch padded to the engine's CUDA-graph size,
+block tables covering 4096 keys), times the engine's config and a grid of others (one CUDA graph each, median), and
 estimates the workload's decode-attention seconds (28 layers) for each config per batch bucket.
 With --kv-cache-dtype fp8 the cache is e4m3 with its per-(slot, head) scales (the engine's
 kv_cache_dtype="fp8"), and the fp8 buckets are the ones timed and saved.
@@ -33,13 +33,13 @@ from tritonllm.kernels import tuning
 from tritonllm.kernels.decode_attention import DECODE_TUNABLE, decode_attention_bucket
 from tritonllm.kernels.kv_cache import key_major_copy
 
-LAYERS, BLOCK_SIZE, MAX_MODEL_LEN = 28, 16, 4096
+LAYERS, MAX_MODEL_LEN = 28, 4096
 
 
-def engine_bucket(batch, cache_dtype):
+def engine_bucket(batch, cache_dtype, block_size):
     """The decode tuning bucket of the engine's graph of `batch` rows: bf16, D 128, group 2, 8 kv heads,
-    block 16, context bound max_model_len; the kernel's own builder, so saved configs are the ones it reads."""
-    return decode_attention_bucket(torch.bfloat16, 128, 2, 8, BLOCK_SIZE, batch, MAX_MODEL_LEN, cache_dtype)
+    context bound max_model_len; the kernel's own builder, so saved configs are the ones it reads."""
+    return decode_attention_bucket(torch.bfloat16, 128, 2, 8, block_size, batch, MAX_MODEL_LEN, cache_dtype)
 
 
 def candidates(fp8: bool):
@@ -58,13 +58,15 @@ def main():
     parser.add_argument("--save", action="store_true", help="write each bucket's best config to the tuned-config file")
     parser.add_argument("--out", help="write every timing as JSON here")
     parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto", help="auto: bf16")
+    parser.add_argument("--block-size", type=int, choices=(16, 32, 64, 128, 256), default=16, help="keys a KV block")
     args = parser.parse_args()
+    block_size = args.block_size
     fp8 = args.kv_cache_dtype == "fp8"
     prompts, params = workload(256, 1024, 1024)
     requests = [(len(p), sp.max_tokens) for p, sp in zip(prompts, params)]
     sizes = graph_batch_sizes(256)
     total_tokens = sum(p + o for p, o in requests)
-    k_cache, v_cache, _ = paged_cache(total_tokens + 64 * BLOCK_SIZE, 1, BLOCK_SIZE)
+    k_cache, v_cache, _ = paged_cache(total_tokens + 64 * block_size, 1, block_size)
     scales = {}
     if fp8:
         (k_cache, k_scale), (v_cache, v_scale) = reference.quantize_e4m3(k_cache), reference.quantize_e4m3(v_cache)
@@ -81,11 +83,11 @@ def main():
         batch = next(s for s in sizes if s >= len(lens))
         seq_lens = torch.zeros(batch, dtype=torch.int32, device="cuda")
         seq_lens[: len(lens)] = torch.tensor(lens, dtype=torch.int32)
-        tables = torch.randint(0, num_blocks, (batch, MAX_MODEL_LEN // BLOCK_SIZE), dtype=torch.int32, device="cuda")
+        tables = torch.randint(0, num_blocks, (batch, MAX_MODEL_LEN // block_size), dtype=torch.int32, device="cuda")
         q = randn(batch, 16, 128)
         moved = sum(lens) * token_bytes
         bucket = tuning.pow2(batch)
-        engine_cfg = DECODE_TUNABLE.config(engine_bucket(batch, k_cache.dtype), None)
+        engine_cfg = DECODE_TUNABLE.config(engine_bucket(batch, k_cache.dtype, block_size), None)
         engine_keys[bucket] = json.dumps(engine_cfg, sort_keys=True)
         times = {}
         for cfg in [engine_cfg] + configs:
@@ -110,7 +112,7 @@ def main():
         engine_total += engine_s
         best_total += totals[key]
         if args.save:
-            tuning.tuned_table().setdefault("decode_attention", {})[tuning.bucket_key(engine_bucket(bucket, k_cache.dtype))] = json.loads(key)
+            tuning.tuned_table().setdefault("decode_attention", {})[tuning.bucket_key(engine_bucket(bucket, k_cache.dtype, block_size))] = json.loads(key)
         print(f"| {bucket} | {engine_s:.3f} | {totals[key]:.3f} | {key} |")
     floor_total = sum(r["floor_us"] for r in rows) * 1e-6 * args.stride * LAYERS
     print(f"\nworkload decode attention, estimated: engine configs {engine_total:.3f} s, best config per bucket "

@@ -1,7 +1,7 @@
 """End-to-end throughput on the nano-vllm benchmark workload (bench/NOTES-engine.md).
 
     python bench/throughput.py [--model qwen3-0.6b] [--tp 1] [--dp 1] [--kernels triton reference]
-                               [--kv-cache-dtype fp8 auto] [--num-seqs 256]
+                               [--kv-cache-dtype fp8 auto] [--kv-block-size 16] [--num-seqs 256]
 
 256 requests (seed 0): prompts of randint(100, 1024) tokens drawn from [0, 10000], outputs of
 randint(100, 1024) tokens with ignore_eos, temperature 0.6, max_model_len 4096. A preset name runs
@@ -74,7 +74,8 @@ def run(args, kernels: str, kv_cache_dtype: str, prompts, params) -> dict:
     # The references (run eagerly) gather whole block tables in float32: gigabytes of scratch at
     # batch 256 that need room beside the KV cache.
     llm = LLM(args.model, tensor_parallel_size=args.tp, data_parallel_size=args.dp, max_model_len=args.max_model_len,
-              kernels=kernels, kv_cache_dtype=kv_cache_dtype, enforce_eager=args.enforce_eager,
+              kernels=kernels, kv_cache_dtype=kv_cache_dtype, kv_block_size=args.kv_block_size,
+              enforce_eager=args.enforce_eager,
               gpu_memory_utilization=0.5 if kernels == "reference" else 0.9)
     # D replicas, each with the whole model, share the workload: D times one replica's floor.
     floor = args.dp * decode_floor(llm.runner.model, llm.config.cache_dtype, [len(p) for p in prompts],
@@ -86,7 +87,7 @@ def run(args, kernels: str, kv_cache_dtype: str, prompts, params) -> dict:
     outputs = llm.generate(prompts, params, use_tqdm=not args.no_tqdm)
     elapsed = time.perf_counter() - start
     output_tokens = sum(len(o.token_ids) for o in outputs)
-    result = {"kernels": f"{kernels}, KV {kv_cache_dtype}", "output_tokens": output_tokens, "seconds": elapsed,
+    result = {"kernels": f"{kernels}, KV {kv_cache_dtype}, block {args.kv_block_size}", "output_tokens": output_tokens, "seconds": elapsed,
               "tokens_per_s": output_tokens / elapsed, "preemptions": llm.scheduler.num_preemptions,
               "blocks": llm.runner.num_kv_blocks, "floor": floor}
     llm.close()
@@ -105,6 +106,7 @@ def main():
     parser.add_argument("--kernels", nargs="+", default=["triton"], choices=KERNEL_BACKENDS)
     parser.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=list(KV_CACHE_DTYPES),
                         help="several: each runs in turn (with each of --kernels)")
+    parser.add_argument("--kv-block-size", type=int, choices=(16, 32, 64, 128, 256), default=16, help="keys a KV block")
     parser.add_argument("--num-seqs", type=int_at_least(1), default=256)
     parser.add_argument("--max-input-len", type=int_at_least(MIN_LEN), default=1024,
                         help=f"prompts of {MIN_LEN} to this many tokens")
