@@ -130,11 +130,14 @@ PREFILL_TUNABLE = tuning.Tunable("prefill_attention", _prefill_space, _prefill_d
 
 
 def prefill_attention_bucket(dtype: torch.dtype, head_dim: int, group: int, block_size: int, max_q_len: int,
-                             cache_dtype: torch.dtype | None = None) -> tuple:
-    """The tuning bucket of prefill_attention: q dtype, D, Hq / Hkv, cache block size, longest query,
-    then the cache dtype where it is not q's (float8_e4m3fn; None means q's)."""
-    # Past 1k query rows the grid is long whatever the length: one bucket serves them all.
-    bucket = tuning.dtype_name(dtype), head_dim, group, block_size, min(tuning.pow2(max_q_len), 1024)
+                             cache_dtype: torch.dtype | None = None, hopper: bool = False) -> tuple:
+    """The tuning bucket of prefill_attention: q dtype, D, Hq / Hkv, cache block size, longest query
+    (a power of two, at most 1024 for the portable kernel and 16384 for the Hopper one), then the
+    cache dtype where it is not q's (float8_e4m3fn; None means q's)."""
+    # Past 1k query rows the portable kernel's grid is long whatever the length: one bucket serves
+    # them all. The persistent Hopper kernel's best key tile still grows with the length.
+    longest = 16384 if hopper else 1024
+    bucket = tuning.dtype_name(dtype), head_dim, group, block_size, min(tuning.pow2(max_q_len), longest)
     return bucket + cache_bucket(dtype, cache_dtype)
 
 
@@ -234,7 +237,7 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
                                  max_q_len, cfg)
 
     launch, tunable = (launch_hopper, HOPPER_TUNABLE) if hopper else (launch_portable, PREFILL_TUNABLE)
-    bucket = prefill_attention_bucket(q.dtype, head_dim, group, block_size, max_q_len, k_cache.dtype)
+    bucket = prefill_attention_bucket(q.dtype, head_dim, group, block_size, max_q_len, k_cache.dtype, hopper)
     if config is None:
         config = tunable.config(bucket, launch)
     elif set(config) != set(tunable.default(*bucket)):

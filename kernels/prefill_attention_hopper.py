@@ -1,22 +1,26 @@
-"""Hopper (sm_90) path of prefill_attention: a warp-specialized Gluon kernel.
+"""Hopper (sm_90) path of prefill_attention: a persistent, warp-specialized Gluon kernel.
 
-The same grid, row packing and causal split as kernels/prefill_attention.py (one program per KV
-head, sequence and tile of BLOCK_Q new tokens, the G query heads of the KV head packed into the
-BLOCK_M rows), written for Hopper's asynchronous units instead of leaving the schedule to the
-compiler:
+The same work as kernels/prefill_attention.py's kernel (a work item is a KV head, a sequence and a
+tile of BLOCK_Q new tokens, the G query heads of the KV head packed into its BLOCK_M rows; the key
+tiles every row sees, then the diagonal), scheduled by hand for Hopper's asynchronous units:
 
-- a producer warp walks the block table and brings each BLOCK_N-key tile of K and V into a ring
-  of NUM_STAGES shared-memory slots with TMA bulk copies, one copy per cache block the tile
-  covers (so block 16 and block 256 take the same path), signalling a `ready` mbarrier per slot;
-- the consumer warps (one or two warpgroups, 64 rows each) run both dots as asynchronous wgmma
-  straight from shared memory (Q, K, V) and from registers (P), pipelined as FlashAttention-3
-  does within a warpgroup (tile i's QK^T and tile i-1's PV in flight during tile i's softmax),
-  and free a slot by arriving on its `empty` mbarrier once the PV dot that read it is done.
+- persistent: one program per SM takes work items from a global counter until none is left,
+  longest first (highest query tile first, as the portable kernel's grid is ordered); short
+  sequences no longer pay a launch's worth of setup per tile, the loads of the next item start
+  while the current one finishes, and items of unequal cost (varlen batches) balance as they come;
+- a producer warp claims the items (skipping tiles past a query) and hands each to the consumers
+  through a two-entry ring in shared memory; it walks the block tables and brings each BLOCK_N-key
+  tile of K and V into a ring of NUM_STAGES shared-memory slots with TMA bulk copies, one copy per
+  cache block the tile covers (so block 16 and block 256 take the same path), signalling a `ready`
+  mbarrier per slot;
+- one or two consumer warpgroups of 64 rows, each a partition of its own (neither waits on the
+  other's softmax), run both dots as asynchronous wgmma from shared memory (Q, K, V) and registers
+  (P), pipelined as FlashAttention-3 does within a warpgroup: tile i's QK^T and tile i-1's PV are
+  in flight while tile i's softmax runs. K and V slots are freed apart (their `free` mbarriers):
+  K once every warpgroup's scores are done, V once every warpgroup's PV dot is.
 
-The producer runs NUM_STAGES tiles ahead, so the consumers never wait on a load that was not
-started long before; the two warpgroups of a 128-row tile softmax and multiply independently,
-so one's exponentials overlap the other's dots. The portable Triton kernel stays the path for
-other GPUs, the interpreter, float32 and e4m3 caches (prefill_attention chooses).
+The portable Triton kernel stays the path for other GPUs, the interpreter, float32 and e4m3
+caches (prefill_attention chooses).
 """
 import functools
 
@@ -35,26 +39,90 @@ _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_glo
 
 
 @gluon.jit
-def _load_kv_partition(k_desc, v_desc, k_bufs, v_bufs, ready_k, ready_v, empty, block_table_row, kv_head, seq_len,
-                       num_tiles, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
-                       NUM_STAGES: gl.constexpr):
-    # A tile covers BLOCK_N // CHUNK cache blocks (or lies inside one): one TMA copy per block.
+def _work_item(w, cu_seqlens_q_ptr, seq_lens_ptr, num_kv_heads, batch, num_q_tiles, BLOCK_Q: gl.constexpr,
+               BLOCK_N: gl.constexpr):
+    """Work item w: (kv_head, q_start, q_len, q0, seq_len, num_full, num_tiles, block-table row index).
+    Items run highest query tile first (they see the most keys), KV heads fastest; num_tiles is 0
+    for a tile past its sequence's query."""
+    per_tile = num_kv_heads * batch
+    tile = num_q_tiles - 1 - w // per_tile
+    seq = (w % per_tile) // num_kv_heads
+    kv_head = w % num_kv_heads
+    q_start = gl.load(cu_seqlens_q_ptr + seq)
+    q_len = gl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    seq_len = gl.load(seq_lens_ptr + seq)
+    q0 = tile * BLOCK_Q
+    context = seq_len - q_len  # keys cached before the first new token
+    # Tiles [0, num_full) are visible to every row (the first sits at context + q0); the rest, up
+    # to the last row's position, are the diagonal.
+    num_full = (context + q0 + 1) // BLOCK_N
+    num_tiles = gl.where(q0 < q_len, gl.cdiv(gl.minimum(seq_len, context + q0 + BLOCK_Q), BLOCK_N), 0)
+    return kv_head, q_start, q_len, q0, seq_len, num_full, num_tiles, seq
+
+
+@gluon.jit
+def _copy_tile(desc, bufs, ready, free, count, n0, block_table_row, seq_len, column, BLOCK_SIZE: gl.constexpr,
+               BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """The K or V tile of keys n0 .. n0 + BLOCK_N - 1, the count-th tile loaded, into its ring slot
+    once the slot is free: one TMA copy per cache block the tile covers (or one, where it lies
+    inside a block), all signalling the slot's `ready`."""
     CHUNK: gl.constexpr = min(BLOCK_N, BLOCK_SIZE)
-    column = kv_head * HEAD_DIM
-    for i in range(num_tiles):
-        slot = i % NUM_STAGES
-        # Slots start free: the first pass waits on the phase before the barrier's first one.
-        mbarrier.wait(empty.index(slot), ((i // NUM_STAGES) & 1) ^ 1)
-        mbarrier.expect(ready_k.index(slot), k_desc.block_type.nbytes * (BLOCK_N // CHUNK))
-        mbarrier.expect(ready_v.index(slot), v_desc.block_type.nbytes * (BLOCK_N // CHUNK))
-        for c in gl.static_range(BLOCK_N // CHUNK):
-            key = i * BLOCK_N + c * CHUNK
-            # Table entries past the sequence are never read: such chunks copy block 0, whose
-            # keys the consumers mask (scores) and zero (V) like any key past seq_len.
-            block = gl.load(block_table_row + key // BLOCK_SIZE, mask=key < seq_len, other=0)
-            row = block * BLOCK_SIZE + key % BLOCK_SIZE  # TMA coordinates are int32
-            _tma_load(k_desc, [row, column], ready_k.index(slot), k_bufs.index(slot).slice(c * CHUNK, CHUNK))
-            _tma_load(v_desc, [row, column], ready_v.index(slot), v_bufs.index(slot).slice(c * CHUNK, CHUNK))
+    slot = count % NUM_STAGES
+    # Slots start free: the first pass waits on the phase before the barrier's first one.
+    mbarrier.wait(free.index(slot), ((count // NUM_STAGES) & 1) ^ 1)
+    mbarrier.expect(ready.index(slot), desc.block_type.nbytes * (BLOCK_N // CHUNK))
+    for c in gl.static_range(BLOCK_N // CHUNK):
+        key = n0 + c * CHUNK
+        # Table entries past the sequence are never read: such chunks copy block 0, whose keys the
+        # consumers mask (scores) and zero (V) like any key past seq_len.
+        block = gl.load(block_table_row + key // BLOCK_SIZE, mask=key < seq_len, other=0)
+        row = block * BLOCK_SIZE + key % BLOCK_SIZE  # TMA coordinates are int32
+        _tma_load(desc, [row, column], ready.index(slot), bufs.index(slot).slice(c * CHUNK, CHUNK))
+
+
+@gluon.jit
+def _publish_item(items, item_ready, item_free, j, w):
+    """The producer's side of the item ring: item w, the j-th handed out, into entry j % 2."""
+    mbarrier.wait(item_free.index(j % 2), ((j // 2) & 1) ^ 1)
+    items.index(j % 2).store(gl.full([1], w, gl.int32, gl.BlockedLayout([1], [32], [1], [0])))
+    mbarrier.arrive(item_ready.index(j % 2), count=1)
+
+
+@gluon.jit
+def _next_item(items, item_ready, j):
+    """The consumers' side: the j-th item handed out (num_items once there are no more). The entry is
+    freed by the caller once all its warps are past reading it (after the item's first dot)."""
+    mbarrier.wait(item_ready.index(j % 2), (j // 2) & 1)
+    return gl.max(items.index(j % 2).load(gl.BlockedLayout([1], [32], [4], [0])), 0)
+
+
+@gluon.jit
+def _load_kv_partition(k_desc, v_desc, k_bufs, v_bufs, ready_k, ready_v, free_k, free_v, items, item_ready,
+                       item_free, counter_ptr, cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr, stride_block_table,
+                       num_kv_heads, batch, num_q_tiles, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+                       BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    # K and V slots are freed apart (K once the scores are done, V once the PV dot is), so a K tile
+    # can come in while the previous tile's V is still being read.
+    num_items = num_q_tiles * num_kv_heads * batch
+    count = 0  # tiles loaded so far: slot count % NUM_STAGES, pass count // NUM_STAGES
+    j = 0  # items handed out so far
+    w = gl.atomic_add(counter_ptr, 1, sem="relaxed")
+    while w < num_items:
+        w_next = gl.atomic_add(counter_ptr, 1, sem="relaxed")  # claimed now, waited for only at the loop's end
+        kv_head, q_start, q_len, q0, seq_len, num_full, num_tiles, seq = _work_item(
+            w, cu_seqlens_q_ptr, seq_lens_ptr, num_kv_heads, batch, num_q_tiles, BLOCK_Q, BLOCK_N)
+        if num_tiles > 0:
+            _publish_item(items, item_ready, item_free, j, w)
+            j += 1
+            block_table_row = block_tables_ptr + seq.to(gl.int64) * stride_block_table
+            for i in range(num_tiles):
+                _copy_tile(k_desc, k_bufs, ready_k, free_k, count, i * BLOCK_N, block_table_row, seq_len,
+                           kv_head * HEAD_DIM, BLOCK_SIZE, BLOCK_N, NUM_STAGES)
+                _copy_tile(v_desc, v_bufs, ready_v, free_v, count, i * BLOCK_N, block_table_row, seq_len,
+                           kv_head * HEAD_DIM, BLOCK_SIZE, BLOCK_N, NUM_STAGES)
+                count += 1
+        w = w_next
+    _publish_item(items, item_ready, item_free, j, num_items)
 
 
 @gluon.jit
@@ -70,27 +138,30 @@ def _scale_and_mask(scores, qk_scale, i, num_full, pos, BLOCK_N: gl.constexpr, S
 
 
 @gluon.jit
-def _ready_v(v_bufs, ready_v, i, seq_len, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, IO_LAYOUT: gl.constexpr):
-    """V of key tile i once its copy has landed. Rows past the sequence hold whatever the cache block
-    held: p is 0 there, 0 * NaN is not, so they are zeroed in place first (both warpgroups write the
-    same zeros)."""
-    v_buf = v_bufs.index(i % NUM_STAGES)
-    mbarrier.wait(ready_v.index(i % NUM_STAGES), (i // NUM_STAGES) & 1)
-    if (i + 1) * BLOCK_N > seq_len:
+def _ready_v(v_bufs, ready_v, count, n0, seq_len, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+             IO_LAYOUT: gl.constexpr):
+    """The V slot of the count-th tile loaded (keys n0 ..) once its copy has landed. Rows past the
+    sequence hold whatever the cache block held: p is 0 there, 0 * NaN is not, so they are zeroed in
+    place first (both warpgroups write the same zeros)."""
+    v_buf = v_bufs.index(count % NUM_STAGES)
+    mbarrier.wait(ready_v.index(count % NUM_STAGES), (count // NUM_STAGES) & 1)
+    if n0 + BLOCK_N > seq_len:
         v = v_buf.load(IO_LAYOUT)
-        rows = i * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(1, IO_LAYOUT))
+        rows = n0 + gl.arange(0, BLOCK_N, gl.SliceLayout(1, IO_LAYOUT))
         v_buf.store(gl.where((rows < seq_len)[:, None], v, gl.zeros_like(v)))
         fence_async_shared()
     return v_buf
 
 
 @gluon.jit
-def _attend_partition(q_ptr, o_ptr, q_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, qk_scale, q_start, q_len, q0,
-                      kv_head, seq_len, num_full, num_tiles, stride_q_token, stride_q_head, stride_o_token,
-                      stride_o_head, WARPGROUP: gl.constexpr, GROUP: gl.constexpr, BLOCK_Q: gl.constexpr,
-                      BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr):
-    """Rows 64 * WARPGROUP .. + 63 of the tile, on one warpgroup: attention over the num_tiles key
-    tiles of the ring, then the output rows stored."""
+def _attend_partition(q_ptr, o_ptr, q_bufs, k_bufs, v_bufs, ready_k, ready_v, free_k, free_v, items, item_ready,
+                      item_free, qk_scale,
+                      cu_seqlens_q_ptr, seq_lens_ptr, num_kv_heads, batch, num_q_tiles, stride_q_token, stride_q_head,
+                      stride_o_token, stride_o_head, WARPGROUP: gl.constexpr, GROUP: gl.constexpr,
+                      BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                      NUM_STAGES: gl.constexpr):
+    """Rows 64 * WARPGROUP .. + 63 of each work item's tile, on one warpgroup: attention over the
+    item's key tiles as the ring delivers them, then the output rows stored."""
     # wgmma accumulators of the scores and the output, 16 rows a warp; a 16-byte-vector layout for
     # the loads and stores through pointers.
     S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -98,118 +169,137 @@ def _attend_partition(q_ptr, o_ptr, q_bufs, k_bufs, v_bufs, ready_k, ready_v, em
     O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
     IO_LAYOUT: gl.constexpr = gl.BlockedLayout([1, 8], [256 // HEAD_DIM, HEAD_DIM // 8], [4, 1], [1, 0])
-    # Row r is token q0 + r // GROUP of head kv_head * GROUP + r % GROUP; rows past BLOCK_Q * GROUP
-    # or q_len are idle (zero queries, not stored).
+    P_LAYOUT: gl.constexpr = gl.DotOperandLayout(0, O_LAYOUT, 2)
     rows = WARPGROUP * 64 + gl.arange(0, 64, gl.SliceLayout(1, IO_LAYOUT))
-    offs_d = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, IO_LAYOUT))
-    token = q0 + rows // GROUP
-    head = kv_head * GROUP + rows % GROUP
-    row_mask = (rows < BLOCK_Q * GROUP) & (token < q_len)
-    q_rows = (q_start + token).to(gl.int64) * stride_q_token + head * stride_q_head
-    q_smem = q_bufs.index(WARPGROUP)
-    q_smem.store(gl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_mask[:, None], other=0.0))
-    fence_async_shared()
-
-    # Idle rows past q_len see the sequence's last key, so no row's mask reaches past seq_len.
     s_rows = WARPGROUP * 64 + gl.arange(0, 64, gl.SliceLayout(1, S_LAYOUT))
-    pos = gl.minimum(seq_len - q_len + q0 + s_rows // GROUP, seq_len - 1)
-    zero_scores = gl.zeros([64, BLOCK_N], gl.float32, S_LAYOUT)
-    acc = gl.zeros([64, HEAD_DIM], gl.float32, O_LAYOUT)
-    # Tile 0 (every row sees key 0, so the running max is finite from here on and no NaN arises).
-    mbarrier.wait(ready_k.index(0), 0)
-    scores = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), zero_scores, use_acc=False)
-    scores = _scale_and_mask(scores, qk_scale, 0, num_full, pos, BLOCK_N, S_LAYOUT)
-    m_i = gl.max(scores, 1)
-    p = gl.exp2(scores - m_i[:, None])
-    l_i = gl.sum(p, 1)
-    # Software-pipelined as FlashAttention-3 does within a warpgroup: tile i's QK^T and tile i-1's
-    # PV dot run on the tensor cores while this warpgroup computes tile i's softmax.
-    for i in range(1, num_tiles):
-        p_op = gl.convert_layout(p.to(q_smem.dtype), gl.DotOperandLayout(0, O_LAYOUT, 2))
-        slot = i % NUM_STAGES
-        k_buf = k_bufs.index(slot)
-        mbarrier.wait(ready_k.index(slot), (i // NUM_STAGES) & 1)
-        scores = warpgroup_mma(q_smem, k_buf.permute((1, 0)), zero_scores, use_acc=False, is_async=True)
-        v_buf = _ready_v(v_bufs, ready_v, i - 1, seq_len, BLOCK_N, NUM_STAGES, IO_LAYOUT)
-        acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
-        # wgmma groups complete in order: one outstanding means the scores are done.
-        scores, _, _ = warpgroup_mma_wait(1, deps=(scores, q_smem, k_buf))
-        scores = _scale_and_mask(scores, qk_scale, i, num_full, pos, BLOCK_N, S_LAYOUT)
-        m_new = gl.maximum(m_i, gl.max(scores, 1))
-        p = gl.exp2(scores - m_new[:, None])
-        alpha = gl.exp2(m_i - m_new)
-        l_i = l_i * alpha + gl.sum(p, 1)
-        m_i = m_new
-        acc, _ = warpgroup_mma_wait(0, deps=(acc, v_buf))
-        mbarrier.arrive(empty.index((i - 1) % NUM_STAGES), count=1)
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
-    p_op = gl.convert_layout(p.to(q_smem.dtype), gl.DotOperandLayout(0, O_LAYOUT, 2))
-    v_buf = _ready_v(v_bufs, ready_v, num_tiles - 1, seq_len, BLOCK_N, NUM_STAGES, IO_LAYOUT)
-    acc = warpgroup_mma(p_op, v_buf, acc)
-    mbarrier.arrive(empty.index((num_tiles - 1) % NUM_STAGES), count=1)
-    out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, O_LAYOUT))[:, None]
-    out = gl.convert_layout(out.to(o_ptr.dtype.element_ty), IO_LAYOUT)
-    o_rows = (q_start + token).to(gl.int64) * stride_o_token + head * stride_o_head
-    gl.store(o_ptr + o_rows[:, None] + offs_d[None, :], out, mask=row_mask[:, None])
+    offs_d = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, IO_LAYOUT))
+    q_smem = q_bufs.index(WARPGROUP)
+    count = 0  # tiles consumed so far, in the producer's order
+    j = 0  # items taken so far
+    w = _next_item(items, item_ready, j)
+    while w < num_q_tiles * num_kv_heads * batch:
+        kv_head, q_start, q_len, q0, seq_len, num_full, num_tiles, seq = _work_item(
+            w, cu_seqlens_q_ptr, seq_lens_ptr, num_kv_heads, batch, num_q_tiles, BLOCK_Q, BLOCK_N)
+        # Row r is token q0 + r // GROUP of head kv_head * GROUP + r % GROUP; rows past
+        # BLOCK_Q * GROUP or q_len are idle (zero queries, not stored). The previous item's
+        # dots are done with q_smem: its last PV dot was waited for.
+        token = q0 + rows // GROUP
+        head = kv_head * GROUP + rows % GROUP
+        row_mask = (rows < BLOCK_Q * GROUP) & (token < q_len)
+        q_rows = (q_start + token).to(gl.int64) * stride_q_token + head * stride_q_head
+        q_smem.store(gl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_mask[:, None], other=0.0))
+        fence_async_shared()
+        # Idle rows past q_len see the sequence's last key, so no row's mask reaches past seq_len.
+        pos = gl.minimum(seq_len - q_len + q0 + s_rows // GROUP, seq_len - 1)
+
+        # Tile 0 (every row sees key 0: the running max is finite from here on, no NaN arises).
+        mbarrier.wait(ready_k.index(count % NUM_STAGES), (count // NUM_STAGES) & 1)
+        scores = warpgroup_mma(q_smem, k_bufs.index(count % NUM_STAGES).permute((1, 0)),
+                               gl.zeros([64, BLOCK_N], gl.float32, S_LAYOUT), use_acc=False)
+        mbarrier.arrive(free_k.index(count % NUM_STAGES), count=1)
+        # Every warp of the warpgroup took part in that dot, so all have read the item's entry.
+        mbarrier.arrive(item_free.index(j % 2), count=1)
+        scores = _scale_and_mask(scores, qk_scale, 0, num_full, pos, BLOCK_N, S_LAYOUT)
+        m_i = gl.max(scores, 1)
+        p = gl.exp2(scores - m_i[:, None])
+        l_i = gl.sum(p, 1)
+        # P travels between iterations as the PV dot's bf16/fp16 operand: half the registers of p.
+        p_op = gl.convert_layout(p.to(q_smem.dtype), P_LAYOUT)
+        acc = gl.zeros([64, HEAD_DIM], gl.float32, O_LAYOUT)
+        for i in range(1, num_tiles):
+            slot = (count + i) % NUM_STAGES
+            k_buf = k_bufs.index(slot)
+            mbarrier.wait(ready_k.index(slot), ((count + i) // NUM_STAGES) & 1)
+            # A fresh zero accumulator: one kept across the loop holds a tile's worth of registers.
+            scores = warpgroup_mma(q_smem, k_buf.permute((1, 0)), gl.zeros([64, BLOCK_N], gl.float32, S_LAYOUT),
+                                   use_acc=False, is_async=True)
+            v_buf = _ready_v(v_bufs, ready_v, count + i - 1, (i - 1) * BLOCK_N, seq_len, BLOCK_N, NUM_STAGES,
+                             IO_LAYOUT)
+            acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
+            # wgmma groups complete in order: one outstanding means the scores are done.
+            scores = warpgroup_mma_wait(1, deps=(scores, q_smem, k_buf))[0]
+            mbarrier.arrive(free_k.index(slot), count=1)
+            scores = _scale_and_mask(scores, qk_scale, i, num_full, pos, BLOCK_N, S_LAYOUT)
+            m_new = gl.maximum(m_i, gl.max(scores, 1))
+            p = gl.exp2(scores - m_new[:, None])
+            alpha = gl.exp2(m_i - m_new)
+            l_i = l_i * alpha + gl.sum(p, 1)
+            m_i = m_new
+            acc = warpgroup_mma_wait(0, deps=(acc, v_buf))[0]
+            mbarrier.arrive(free_v.index((count + i - 1) % NUM_STAGES), count=1)
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
+            p_op = gl.convert_layout(p.to(q_smem.dtype), P_LAYOUT)
+        count += num_tiles
+        v_buf = _ready_v(v_bufs, ready_v, count - 1, (num_tiles - 1) * BLOCK_N, seq_len, BLOCK_N, NUM_STAGES,
+                         IO_LAYOUT)
+        acc = warpgroup_mma(p_op, v_buf, acc)
+        mbarrier.arrive(free_v.index((count - 1) % NUM_STAGES), count=1)
+        out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, O_LAYOUT))[:, None]
+        out = gl.convert_layout(out.to(o_ptr.dtype.element_ty), IO_LAYOUT)
+        o_rows = (q_start + token).to(gl.int64) * stride_o_token + head * stride_o_head
+        gl.store(o_ptr + o_rows[:, None] + offs_d[None, :], out, mask=row_mask[:, None])
+        j += 1
+        w = _next_item(items, item_ready, j)
 
 
 @gluon.jit
 def _prefill_attention_hopper_kernel(
-    q_ptr, k_desc, v_desc, o_ptr, cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr, qk_scale,
-    stride_q_token, stride_q_head, stride_o_token, stride_o_head, stride_block_table,
+    q_ptr, k_desc, v_desc, o_ptr, cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr, counter_ptr, qk_scale,
+    stride_q_token, stride_q_head, stride_o_token, stride_o_head, stride_block_table, num_kv_heads, batch, num_q_tiles,
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr, BLOCK_Q: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, Q_SMEM_LAYOUT: gl.constexpr,
 ):
-    kv_head = gl.program_id(0)
-    seq = gl.program_id(1)
-    # Highest tiles first: they see the most keys, so the longest programs start earliest.
-    tile = gl.num_programs(2) - 1 - gl.program_id(2)
-    q_start = gl.load(cu_seqlens_q_ptr + seq)
-    q_len = gl.load(cu_seqlens_q_ptr + seq + 1) - q_start
-    q0 = tile * BLOCK_Q
-    if q0 >= q_len:
-        return
-    seq_len = gl.load(seq_lens_ptr + seq)
-    context = seq_len - q_len  # keys cached before the first new token
-    # Tiles [0, num_full) are visible to every row (the first sits at context + q0); the rest, up
-    # to the last row's position, are the diagonal.
-    num_full = (context + q0 + 1) // BLOCK_N
-    num_tiles = gl.cdiv(gl.minimum(seq_len, context + q0 + BLOCK_Q), BLOCK_N)
-
     WARPGROUPS: gl.constexpr = BLOCK_M // 64
     q_bufs = gl.allocate_shared_memory(q_ptr.dtype.element_ty, [WARPGROUPS, 64, HEAD_DIM], Q_SMEM_LAYOUT)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
     ready_k = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     ready_v = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    free_k = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    free_v = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(NUM_STAGES):
         mbarrier.init(ready_k.index(s), count=1)
         mbarrier.init(ready_v.index(s), count=1)
-        mbarrier.init(empty.index(s), count=WARPGROUPS)  # a slot is free once every warpgroup is done
+        # A slot is free once every warpgroup is done with it.
+        mbarrier.init(free_k.index(s), count=WARPGROUPS)
+        mbarrier.init(free_v.index(s), count=WARPGROUPS)
+    items = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    item_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    item_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(2):
+        mbarrier.init(item_ready.index(s), count=1)
+        mbarrier.init(item_free.index(s), count=WARPGROUPS)
     fence_async_shared()
 
-    block_table_row = block_tables_ptr + seq.to(gl.int64) * stride_block_table
     # Tuples of arguments are written out in the call: Gluon keeps constexprs only that way.
     if WARPGROUPS == 1:
         gl.warp_specialize([
-            (_attend_partition, (q_ptr, o_ptr, q_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, qk_scale, q_start,
-                                 q_len, q0, kv_head, seq_len, num_full, num_tiles, stride_q_token, stride_q_head,
-                                 stride_o_token, stride_o_head, 0, GROUP, BLOCK_Q, BLOCK_N, HEAD_DIM, NUM_STAGES)),
-            (_load_kv_partition, (k_desc, v_desc, k_bufs, v_bufs, ready_k, ready_v, empty, block_table_row, kv_head,
-                                  seq_len, num_tiles, HEAD_DIM, BLOCK_SIZE, BLOCK_N, NUM_STAGES)),
+            (_attend_partition, (q_ptr, o_ptr, q_bufs, k_bufs, v_bufs, ready_k, ready_v, free_k, free_v, items, item_ready,
+                                 item_free, qk_scale,
+                                 cu_seqlens_q_ptr, seq_lens_ptr, num_kv_heads, batch, num_q_tiles, stride_q_token,
+                                 stride_q_head, stride_o_token, stride_o_head, 0, GROUP, BLOCK_Q, BLOCK_N, HEAD_DIM,
+                                 NUM_STAGES)),
+            (_load_kv_partition, (k_desc, v_desc, k_bufs, v_bufs, ready_k, ready_v, free_k, free_v, items, item_ready,
+                                  item_free, counter_ptr, cu_seqlens_q_ptr,
+                                  seq_lens_ptr, block_tables_ptr, stride_block_table, num_kv_heads, batch, num_q_tiles,
+                                  HEAD_DIM, BLOCK_SIZE, BLOCK_Q, BLOCK_N, NUM_STAGES)),
         ], [1], [24])
     else:
-        # The second warpgroup is a partition of its own, so neither waits on the other's softmax.
         gl.warp_specialize([
-            (_attend_partition, (q_ptr, o_ptr, q_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, qk_scale, q_start,
-                                 q_len, q0, kv_head, seq_len, num_full, num_tiles, stride_q_token, stride_q_head,
-                                 stride_o_token, stride_o_head, 0, GROUP, BLOCK_Q, BLOCK_N, HEAD_DIM, NUM_STAGES)),
-            (_attend_partition, (q_ptr, o_ptr, q_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, qk_scale, q_start,
-                                 q_len, q0, kv_head, seq_len, num_full, num_tiles, stride_q_token, stride_q_head,
-                                 stride_o_token, stride_o_head, 1, GROUP, BLOCK_Q, BLOCK_N, HEAD_DIM, NUM_STAGES)),
-            (_load_kv_partition, (k_desc, v_desc, k_bufs, v_bufs, ready_k, ready_v, empty, block_table_row, kv_head,
-                                  seq_len, num_tiles, HEAD_DIM, BLOCK_SIZE, BLOCK_N, NUM_STAGES)),
+            (_attend_partition, (q_ptr, o_ptr, q_bufs, k_bufs, v_bufs, ready_k, ready_v, free_k, free_v, items, item_ready,
+                                 item_free, qk_scale,
+                                 cu_seqlens_q_ptr, seq_lens_ptr, num_kv_heads, batch, num_q_tiles, stride_q_token,
+                                 stride_q_head, stride_o_token, stride_o_head, 0, GROUP, BLOCK_Q, BLOCK_N, HEAD_DIM,
+                                 NUM_STAGES)),
+            (_attend_partition, (q_ptr, o_ptr, q_bufs, k_bufs, v_bufs, ready_k, ready_v, free_k, free_v, items, item_ready,
+                                 item_free, qk_scale,
+                                 cu_seqlens_q_ptr, seq_lens_ptr, num_kv_heads, batch, num_q_tiles, stride_q_token,
+                                 stride_q_head, stride_o_token, stride_o_head, 1, GROUP, BLOCK_Q, BLOCK_N, HEAD_DIM,
+                                 NUM_STAGES)),
+            (_load_kv_partition, (k_desc, v_desc, k_bufs, v_bufs, ready_k, ready_v, free_k, free_v, items, item_ready,
+                                  item_free, counter_ptr, cu_seqlens_q_ptr,
+                                  seq_lens_ptr, block_tables_ptr, stride_block_table, num_kv_heads, batch, num_q_tiles,
+                                  HEAD_DIM, BLOCK_SIZE, BLOCK_Q, BLOCK_N, NUM_STAGES)),
         ], [4, 1], [240, 24])
 
 
@@ -226,7 +316,9 @@ def _hopper_space(dtype_name, head_dim, group, block_size, q_len, cache_dtype_na
 
 def _hopper_default(dtype_name, head_dim, group, block_size, q_len, cache_dtype_name=None):
     # Two consumer warpgroups share each K/V tile unless the query is too short to fill 128 rows.
-    # BLOCK_N 64 with 4 slots won every H200 tuning at D 128; BLOCK_N 128 spills the pipelined loop.
+    # On the H200 at D 128, 128-key tiles (2 slots fit) win from 4k query rows, 64-key tiles below.
+    if q_len >= 4096 and head_dim <= 128:
+        return {"BLOCK_M": 128, "BLOCK_N": 128, "NUM_STAGES": 2}
     return {"BLOCK_M": 64 if q_len * group <= 64 else 128, "BLOCK_N": 64, "NUM_STAGES": 4}
 
 
@@ -251,6 +343,12 @@ def supports(q, k_cache, v_cache, group, v_key_major, fp8) -> bool:
             and k_cache.data_ptr() % 16 == 0 and v_cache.data_ptr() % 16 == 0)
 
 
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a GPU (132 for CPU tensors: the sm_90 compile checks)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
 def prefill_attention_hopper(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out, qk_scale, group,
                              max_q_len, config):
     """Launch the Hopper kernel: inputs as kernels/prefill_attention.prefill_attention's (checked
@@ -267,10 +365,15 @@ def prefill_attention_hopper(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_
     v_desc = TensorDescriptor(v_cache.view(shape), shape, [shape[1], 1], [chunk, head_dim], smem_layout)
     q_layout = gl.NVMMASharedLayout.get_default_for([64, head_dim], element)
     block_q = block_m // group
-    grid = (num_kv_heads, seq_lens.shape[0], triton.cdiv(max_q_len, block_q))
+    batch, num_q_tiles = seq_lens.shape[0], triton.cdiv(max_q_len, block_q)
+    # Persistent: one program per SM (a program fills one: its warps take the whole register file),
+    # taking work items from a counter that starts at 0.
+    grid = (min(num_kv_heads * batch * num_q_tiles, _sm_count(q.device)),)
+    counter = torch.zeros(1, dtype=torch.int32, device=q.device)
     _prefill_attention_hopper_kernel[grid](
-        q, k_desc, v_desc, out, cu_seqlens_q, seq_lens, block_tables, qk_scale,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_Q=block_q, Q_SMEM_LAYOUT=q_layout, **config,
+        q, k_desc, v_desc, out, cu_seqlens_q, seq_lens, block_tables, counter, qk_scale,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), num_kv_heads, batch,
+        num_q_tiles, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_Q=block_q, Q_SMEM_LAYOUT=q_layout,
+        **config,
         num_warps=4)
     return out

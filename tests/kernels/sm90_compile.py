@@ -183,9 +183,10 @@ def cases():
     from tritonllm.kernels.prefill_attention_hopper import HOPPER_TUNABLE, prefill_attention_hopper
 
     # The Hopper path of prefill, bf16 and fp16, blocks of 16 and 256, long and short queries
-    # (default configs of 128 and 64 rows); called directly, as its wrapper takes it on GPUs only.
+    # (default configs of 128 and 64 rows, of 64- and 128-key tiles); called directly, as its wrapper
+    # takes it on GPUs only.
     for dtype in (torch.float16, torch.bfloat16):
-        for bs, q_len in ((16, 1024), (256, 1024), (16, 16)):
+        for bs, q_len in ((16, 1024), (256, 4096), (16, 16)):
             config = HOPPER_TUNABLE.default(tuning.dtype_name(dtype), 128, 2, bs, q_len)
             calls.append(lambda d=dtype, bs=bs, n=q_len, cfg=config: prefill_attention_hopper(
                 torch.zeros(8 * n, 16, 128, dtype=d), torch.zeros(16384 // bs, bs, 8, 128, dtype=d),

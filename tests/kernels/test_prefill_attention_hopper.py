@@ -13,6 +13,7 @@ from kernel_utils import ATTN, HOPPER, assert_close, prefill_inputs
 from test_prefill_attention import PREFILL_CASES, check_chunked, run_prefill
 
 from tritonllm.kernels import prefill_attention
+from tritonllm.kernels.prefill_attention import prefill_attention_bucket
 from tritonllm.kernels.prefill_attention_hopper import HOPPER_TUNABLE
 
 prefill_module = importlib.import_module("tritonllm.kernels.prefill_attention")
@@ -93,3 +94,24 @@ def test_path_errors():
     with pytest.raises(ValueError, match="config of the portable path takes the keys"):
         prefill_attention(q, k_cache, v_cache, cu, seq_lens, tables, path="portable",
                           config={"BLOCK_M": 64, "BLOCK_N": 64, "NUM_STAGES": 2})
+
+
+@needs_hopper
+@pytest.mark.parametrize("programs", [1, 2, 3])
+def test_hopper_few_programs_walk_every_item(programs, monkeypatch):
+    # Fewer programs than work items: each program runs many items in turn (the K/V ring's slots
+    # and phases carried across items of different sequences, tiles past a query skipped).
+    hopper_module = importlib.import_module("tritonllm.kernels.prefill_attention_hopper")
+    monkeypatch.setattr(hopper_module, "_sm_count", lambda device: programs)
+    pairs = [(0, 70), (33, 100), (3, 1), (200, 17), (0, 129), (15, 2)]
+    inputs = prefill_inputs([c for c, _ in pairs], [n for _, n in pairs], 8, 2, 128, 16, torch.bfloat16)
+    for config in ({"BLOCK_M": 64, "BLOCK_N": 64, "NUM_STAGES": 2}, {"BLOCK_M": 128, "BLOCK_N": 64, "NUM_STAGES": 3}):
+        out, ref = run_prefill(*inputs, path="hopper", config=config)
+        assert_close(out, ref, torch.bfloat16, ATTN)
+
+
+def test_hopper_buckets_reach_longer_queries():
+    # The portable kernel's buckets stop at 1k query rows; the Hopper kernel's go on to 16k.
+    portable = [prefill_attention_bucket(torch.bfloat16, 128, 2, 16, n)[4] for n in (1000, 1025, 16384)]
+    hopper = [prefill_attention_bucket(torch.bfloat16, 128, 2, 16, n, hopper=True)[4] for n in (1000, 1025, 16384, 99999)]
+    assert portable == [1024, 1024, 1024] and hopper == [1024, 2048, 16384, 16384]

@@ -119,7 +119,7 @@ WRAPPERS = {
     "prefill_attention": (lambda: kernels.prefill_attention(zeros(5, 4, 64), cache(), cache(), index(0, 2, 5),
                                                             index(2, 3), index(0, 1)[:, None], max_q_len=3),
                           prefill_attention_bucket(torch.float16, 64, 2, 16, 3)),
-    "prefill_attention_hopper": (hopper_prefill, prefill_attention_bucket(torch.float16, 64, 2, 16, 3)),
+    "prefill_attention_hopper": (hopper_prefill, prefill_attention_bucket(torch.float16, 64, 2, 16, 3, hopper=True)),
     "decode_attention": (lambda: kernels.decode_attention(zeros(3, 4, 64), cache(), cache(), index(1, 2, 3),
                                                           index(0, 1, 2)[:, None], max_seq_len=100),
                          decode_attention_bucket(torch.float16, 64, 2, 2, 16, 3, 100)),
