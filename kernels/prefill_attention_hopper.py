@@ -155,10 +155,9 @@ def _ready_v(v_bufs, ready_v, count, n0, seq_len, BLOCK_N: gl.constexpr, NUM_STA
 
 @gluon.jit
 def _attend_partition(q_ptr, o_ptr, q_bufs, k_bufs, v_bufs, ready_k, ready_v, free_k, free_v, items, item_ready,
-                      item_free, qk_scale,
-                      cu_seqlens_q_ptr, seq_lens_ptr, num_kv_heads, batch, num_q_tiles, stride_q_token, stride_q_head,
-                      stride_o_token, stride_o_head, WARPGROUP: gl.constexpr, GROUP: gl.constexpr,
-                      BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                      item_free, qk_scale, cu_seqlens_q_ptr, seq_lens_ptr, num_kv_heads, batch, num_q_tiles,
+                      stride_q_token, stride_q_head, stride_o_token, stride_o_head, WARPGROUP: gl.constexpr,
+                      GROUP: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                       NUM_STAGES: gl.constexpr):
     """Rows 64 * WARPGROUP .. + 63 of each work item's tile, on one warpgroup: attention over the
     item's key tiles as the ring delivers them, then the output rows stored."""
@@ -274,32 +273,29 @@ def _prefill_attention_hopper_kernel(
     # Tuples of arguments are written out in the call: Gluon keeps constexprs only that way.
     if WARPGROUPS == 1:
         gl.warp_specialize([
-            (_attend_partition, (q_ptr, o_ptr, q_bufs, k_bufs, v_bufs, ready_k, ready_v, free_k, free_v, items, item_ready,
-                                 item_free, qk_scale,
-                                 cu_seqlens_q_ptr, seq_lens_ptr, num_kv_heads, batch, num_q_tiles, stride_q_token,
-                                 stride_q_head, stride_o_token, stride_o_head, 0, GROUP, BLOCK_Q, BLOCK_N, HEAD_DIM,
-                                 NUM_STAGES)),
-            (_load_kv_partition, (k_desc, v_desc, k_bufs, v_bufs, ready_k, ready_v, free_k, free_v, items, item_ready,
-                                  item_free, counter_ptr, cu_seqlens_q_ptr,
-                                  seq_lens_ptr, block_tables_ptr, stride_block_table, num_kv_heads, batch, num_q_tiles,
-                                  HEAD_DIM, BLOCK_SIZE, BLOCK_Q, BLOCK_N, NUM_STAGES)),
+            (_attend_partition, (q_ptr, o_ptr, q_bufs, k_bufs, v_bufs, ready_k, ready_v, free_k, free_v, items,
+                                 item_ready, item_free, qk_scale, cu_seqlens_q_ptr, seq_lens_ptr, num_kv_heads, batch,
+                                 num_q_tiles, stride_q_token, stride_q_head, stride_o_token, stride_o_head, 0, GROUP,
+                                 BLOCK_Q, BLOCK_N, HEAD_DIM, NUM_STAGES)),
+            (_load_kv_partition, (k_desc, v_desc, k_bufs, v_bufs, ready_k, ready_v, free_k, free_v, items,
+                                  item_ready, item_free, counter_ptr, cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
+                                  stride_block_table, num_kv_heads, batch, num_q_tiles, HEAD_DIM, BLOCK_SIZE, BLOCK_Q,
+                                  BLOCK_N, NUM_STAGES)),
         ], [1], [24])
     else:
         gl.warp_specialize([
-            (_attend_partition, (q_ptr, o_ptr, q_bufs, k_bufs, v_bufs, ready_k, ready_v, free_k, free_v, items, item_ready,
-                                 item_free, qk_scale,
-                                 cu_seqlens_q_ptr, seq_lens_ptr, num_kv_heads, batch, num_q_tiles, stride_q_token,
-                                 stride_q_head, stride_o_token, stride_o_head, 0, GROUP, BLOCK_Q, BLOCK_N, HEAD_DIM,
-                                 NUM_STAGES)),
-            (_attend_partition, (q_ptr, o_ptr, q_bufs, k_bufs, v_bufs, ready_k, ready_v, free_k, free_v, items, item_ready,
-                                 item_free, qk_scale,
-                                 cu_seqlens_q_ptr, seq_lens_ptr, num_kv_heads, batch, num_q_tiles, stride_q_token,
-                                 stride_q_head, stride_o_token, stride_o_head, 1, GROUP, BLOCK_Q, BLOCK_N, HEAD_DIM,
-                                 NUM_STAGES)),
-            (_load_kv_partition, (k_desc, v_desc, k_bufs, v_bufs, ready_k, ready_v, free_k, free_v, items, item_ready,
-                                  item_free, counter_ptr, cu_seqlens_q_ptr,
-                                  seq_lens_ptr, block_tables_ptr, stride_block_table, num_kv_heads, batch, num_q_tiles,
-                                  HEAD_DIM, BLOCK_SIZE, BLOCK_Q, BLOCK_N, NUM_STAGES)),
+            (_attend_partition, (q_ptr, o_ptr, q_bufs, k_bufs, v_bufs, ready_k, ready_v, free_k, free_v, items,
+                                 item_ready, item_free, qk_scale, cu_seqlens_q_ptr, seq_lens_ptr, num_kv_heads, batch,
+                                 num_q_tiles, stride_q_token, stride_q_head, stride_o_token, stride_o_head, 0, GROUP,
+                                 BLOCK_Q, BLOCK_N, HEAD_DIM, NUM_STAGES)),
+            (_attend_partition, (q_ptr, o_ptr, q_bufs, k_bufs, v_bufs, ready_k, ready_v, free_k, free_v, items,
+                                 item_ready, item_free, qk_scale, cu_seqlens_q_ptr, seq_lens_ptr, num_kv_heads, batch,
+                                 num_q_tiles, stride_q_token, stride_q_head, stride_o_token, stride_o_head, 1, GROUP,
+                                 BLOCK_Q, BLOCK_N, HEAD_DIM, NUM_STAGES)),
+            (_load_kv_partition, (k_desc, v_desc, k_bufs, v_bufs, ready_k, ready_v, free_k, free_v, items,
+                                  item_ready, item_free, counter_ptr, cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
+                                  stride_block_table, num_kv_heads, batch, num_q_tiles, HEAD_DIM, BLOCK_SIZE, BLOCK_Q,
+                                  BLOCK_N, NUM_STAGES)),
         ], [4, 1], [240, 24])
 
 
