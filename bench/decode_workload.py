@@ -112,7 +112,8 @@ def main():
         engine_total += engine_s
         best_total += totals[key]
         if args.save:
-            tuning.tuned_table().setdefault("decode_attention", {})[tuning.bucket_key(engine_bucket(bucket, k_cache.dtype, block_size))] = json.loads(key)
+            saved_key = tuning.bucket_key(engine_bucket(bucket, k_cache.dtype, block_size))
+            tuning.tuned_table().setdefault("decode_attention", {})[saved_key] = json.loads(key)
         print(f"| {bucket} | {engine_s:.3f} | {totals[key]:.3f} | {key} |")
     floor_total = sum(r["floor_us"] for r in rows) * 1e-6 * args.stride * LAYERS
     print(f"\nworkload decode attention, estimated: engine configs {engine_total:.3f} s, best config per bucket "

@@ -87,8 +87,8 @@ def run(args, kernels: str, kv_cache_dtype: str, prompts, params) -> dict:
     outputs = llm.generate(prompts, params, use_tqdm=not args.no_tqdm)
     elapsed = time.perf_counter() - start
     output_tokens = sum(len(o.token_ids) for o in outputs)
-    result = {"kernels": f"{kernels}, KV {kv_cache_dtype}, block {args.kv_block_size}", "output_tokens": output_tokens, "seconds": elapsed,
-              "tokens_per_s": output_tokens / elapsed, "preemptions": llm.scheduler.num_preemptions,
+    result = {"kernels": f"{kernels}, KV {kv_cache_dtype}, block {args.kv_block_size}", "output_tokens": output_tokens,
+              "seconds": elapsed, "tokens_per_s": output_tokens / elapsed, "preemptions": llm.scheduler.num_preemptions,
               "blocks": llm.runner.num_kv_blocks, "floor": floor}
     llm.close()
     del llm, outputs
