@@ -7,8 +7,9 @@ batches that shrink from 256 as requests finish and contexts spread from 100 to 
 context bound of max_model_len 4096. bench/kernels.py tunes on uniform contexts at the bound.
 This replays one layer of every `stride`-th decode step of the workload (Qwen3-0.6B heads: 16 q /
 8 kv, D 128, bf16, KV blocks of --block-size keys, batch padded to the engine's CUDA-graph size,
-block tables covering 4096 keys), times the engine's config and a grid of others (one CUDA graph each, median), and
-estimates the workload's decode-attention seconds (28 layers) for each config per batch bucket.
+block tables covering 4096 keys), times the engine's config and a grid of others (one CUDA graph
+each, median), and estimates the workload's decode-attention seconds (28 layers) for each config
+per batch bucket.
 With --kv-cache-dtype fp8 the cache is e4m3 with its per-(slot, head) scales (the engine's
 kv_cache_dtype="fp8"), and the fp8 buckets are the ones timed and saved.
 

@@ -3,10 +3,10 @@ bf16, 16k new tokens a call, K/V read from shuffled cache blocks.
 
 - "prefill_attention_hopper": the path prefill_attention takes on an H200 (the warp-specialized
   Gluon kernel), at S = 512 .. 16k (B = 16k / S), blocks of 16 (the engine's default) and 256 (32,
-  64 and 128 at S 1k and 4k); a
-  varlen batch of the nano-vllm workload's prompt lengths (uniform in 100..1024); prefix hits
-  (512 new tokens over 4096 cached, B 32). Anchors: the portable Triton kernel (shipped configs),
-  SDPA cuDNN and flash and varlen_attn on contiguous K/V (expanded to 16 heads: cuDNN has no GQA).
+  64 and 128 at S 1k and 4k); a varlen batch of the nano-vllm workload's prompt lengths (uniform in
+  100..1024); prefix hits (512 new tokens over 4096 cached, B 32). Anchors: the portable Triton
+  kernel (shipped configs), SDPA cuDNN and flash and varlen_attn on contiguous K/V (expanded to 16
+  heads: cuDNN has no GQA). Timed as CUDA-graph replays, varlen_attn eagerly.
 - "prefill_attention": the portable kernel itself (path="portable"), bf16 and over an e4m3 cache.
 
 TFLOP/s counts the causal part only: 2 * 2 * Hq * D * (keys each query sees, summed).
@@ -99,22 +99,21 @@ def hopper_case(label, make, q_lens, context):
 
 
 def hopper_cases(quick):
-    shapes = [(4096, 16)] if quick else [(s, bs) for bs in (16, 256) for s in SEQS]
-    if not quick:
-        shapes += [(s, bs) for bs in (32, 64, 128) for s in (1024, 4096)]  # the other block sizes
+    if quick:
+        shapes = [(4096, 16)]
+    else:  # blocks 16 and 256 at every length, the other block sizes at two
+        shapes = [(s, bs) for bs in (16, 256) for s in SEQS] + [(s, bs) for bs in (32, 64, 128) for s in (1024, 4096)]
     cases = []
     for seq, block_size in shapes:
         q_lens = [seq] * (TOKENS // seq)
         cases.append(hopper_case(f"B{len(q_lens)} x S{seq} causal 16/8 heads D128 block {block_size} bf16",
                                  lambda n=q_lens, bs=block_size: batch_inputs(n, 0, bs), q_lens, 0))
-    if quick:
-        return cases
-    lengths = workload_lengths()
-    cases.append(hopper_case(f"varlen {len(lengths)} prompts 100..1024 (16k tokens) block 16 bf16",
-                             lambda: batch_inputs(lengths, 0, 16), lengths, 0))
-    prefix = [512] * 32
-    cases.append(hopper_case("B32 x 512 new over 4096 cached causal block 16 bf16",
-                             lambda: batch_inputs(prefix, 4096, 16), prefix, 4096))
+    if not quick:
+        lengths, prefix = workload_lengths(), [512] * 32
+        cases.append(hopper_case(f"varlen {len(lengths)} prompts 100..1024 (16k tokens) block 16 bf16",
+                                 lambda: batch_inputs(lengths, 0, 16), lengths, 0))
+        cases.append(hopper_case("B32 x 512 new over 4096 cached causal block 16 bf16",
+                                 lambda: batch_inputs(prefix, 4096, 16), prefix, 4096))
     return cases
 
 
