@@ -28,6 +28,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -36,6 +37,8 @@ from tritonllm.kernels import tuning
 
 # Triton 3.8 named the TMA global-to-shared copy async_load; 3.9 removed the older name.
 _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+# Triton 3.9 named the cp.async copy async_load too.
+_cp_async = async_copy.async_load if hasattr(async_copy, "async_load") else async_copy.async_copy_global_to_shared
 
 
 @gluon.jit
@@ -154,6 +157,26 @@ def _ready_v(v_bufs, ready_v, count, n0, seq_len, BLOCK_N: gl.constexpr, NUM_STA
 
 
 @gluon.jit
+def _item_rows(rows, q0, kv_head, q_len, GROUP: gl.constexpr, BLOCK_Q: gl.constexpr):
+    """Row r of an item is token q0 + r // GROUP of head kv_head * GROUP + r % GROUP; rows past
+    BLOCK_Q * GROUP or q_len are idle (not stored)."""
+    token = q0 + rows // GROUP
+    return token, kv_head * GROUP + rows % GROUP, (rows < BLOCK_Q * GROUP) & (token < q_len)
+
+
+@gluon.jit
+def _prefetch_q(q_ptr, q_smem, w, rows, offs_d, cu_seqlens_q_ptr, seq_lens_ptr, num_kv_heads, batch, num_q_tiles,
+                stride_q_token, stride_q_head, GROUP: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Start copying item w's query rows into q_smem (cp.async, one group; idle rows read as zeros)."""
+    kv_head, q_start, q_len, q0, seq_len, num_full, num_tiles, seq = _work_item(
+        w, cu_seqlens_q_ptr, seq_lens_ptr, num_kv_heads, batch, num_q_tiles, BLOCK_Q, BLOCK_N)
+    token, head, row_mask = _item_rows(rows, q0, kv_head, q_len, GROUP, BLOCK_Q)
+    q_rows = (q_start + token).to(gl.int64) * stride_q_token + head * stride_q_head
+    _cp_async(q_smem, q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_mask[:, None])
+    async_copy.commit_group()
+
+
+@gluon.jit
 def _attend_partition(q_ptr, o_ptr, q_bufs, k_bufs, v_bufs, ready_k, ready_v, free_k, free_v, items, item_ready,
                       item_free, qk_scale, cu_seqlens_q_ptr, seq_lens_ptr, num_kv_heads, batch, num_q_tiles,
                       stride_q_token, stride_q_head, stride_o_token, stride_o_head, WARPGROUP: gl.constexpr,
@@ -172,21 +195,20 @@ def _attend_partition(q_ptr, o_ptr, q_bufs, k_bufs, v_bufs, ready_k, ready_v, fr
     rows = WARPGROUP * 64 + gl.arange(0, 64, gl.SliceLayout(1, IO_LAYOUT))
     s_rows = WARPGROUP * 64 + gl.arange(0, 64, gl.SliceLayout(1, S_LAYOUT))
     offs_d = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, IO_LAYOUT))
-    q_smem = q_bufs.index(WARPGROUP)
     count = 0  # tiles consumed so far, in the producer's order
     j = 0  # items taken so far
+    num_items = num_q_tiles * num_kv_heads * batch
     w = _next_item(items, item_ready, j)
-    while w < num_q_tiles * num_kv_heads * batch:
+    if w < num_items:
+        _prefetch_q(q_ptr, q_bufs.index(2 * WARPGROUP), w, rows, offs_d, cu_seqlens_q_ptr, seq_lens_ptr,
+                    num_kv_heads, batch, num_q_tiles, stride_q_token, stride_q_head, GROUP, BLOCK_Q, BLOCK_N)
+    while w < num_items:
         kv_head, q_start, q_len, q0, seq_len, num_full, num_tiles, seq = _work_item(
             w, cu_seqlens_q_ptr, seq_lens_ptr, num_kv_heads, batch, num_q_tiles, BLOCK_Q, BLOCK_N)
-        # Row r is token q0 + r // GROUP of head kv_head * GROUP + r % GROUP; rows past
-        # BLOCK_Q * GROUP or q_len are idle (zero queries, not stored). The previous item's
-        # dots are done with q_smem: its last PV dot was waited for.
-        token = q0 + rows // GROUP
-        head = kv_head * GROUP + rows % GROUP
-        row_mask = (rows < BLOCK_Q * GROUP) & (token < q_len)
-        q_rows = (q_start + token).to(gl.int64) * stride_q_token + head * stride_q_head
-        q_smem.store(gl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_mask[:, None], other=0.0))
+        token, head, row_mask = _item_rows(rows, q0, kv_head, q_len, GROUP, BLOCK_Q)
+        # The query rows were copied in while the previous item finished (or before the first).
+        q_smem = q_bufs.index(2 * WARPGROUP + j % 2)
+        async_copy.wait_group(0)
         fence_async_shared()
         # Idle rows past q_len see the sequence's last key, so no row's mask reaches past seq_len.
         pos = gl.minimum(seq_len - q_len + q0 + s_rows // GROUP, seq_len - 1)
@@ -229,6 +251,14 @@ def _attend_partition(q_ptr, o_ptr, q_bufs, k_bufs, v_bufs, ready_k, ready_v, fr
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
             p_op = gl.convert_layout(p.to(q_smem.dtype), P_LAYOUT)
         count += num_tiles
+        # The next item (the producer hands it out once this one's copies are issued, so this waits
+        # little): its query rows come in under this item's last dot and store. The other buffer's
+        # last reader, the item before this one, is done.
+        w_next = _next_item(items, item_ready, j + 1)
+        if w_next < num_items:
+            _prefetch_q(q_ptr, q_bufs.index(2 * WARPGROUP + (j + 1) % 2), w_next, rows, offs_d, cu_seqlens_q_ptr,
+                        seq_lens_ptr, num_kv_heads, batch, num_q_tiles, stride_q_token, stride_q_head, GROUP, BLOCK_Q,
+                        BLOCK_N)
         v_buf = _ready_v(v_bufs, ready_v, count - 1, (num_tiles - 1) * BLOCK_N, seq_len, BLOCK_N, NUM_STAGES,
                          IO_LAYOUT)
         acc = warpgroup_mma(p_op, v_buf, acc)
@@ -238,7 +268,7 @@ def _attend_partition(q_ptr, o_ptr, q_bufs, k_bufs, v_bufs, ready_k, ready_v, fr
         o_rows = (q_start + token).to(gl.int64) * stride_o_token + head * stride_o_head
         gl.store(o_ptr + o_rows[:, None] + offs_d[None, :], out, mask=row_mask[:, None])
         j += 1
-        w = _next_item(items, item_ready, j)
+        w = w_next
 
 
 @gluon.jit
@@ -249,7 +279,9 @@ def _prefill_attention_hopper_kernel(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, Q_SMEM_LAYOUT: gl.constexpr,
 ):
     WARPGROUPS: gl.constexpr = BLOCK_M // 64
-    q_bufs = gl.allocate_shared_memory(q_ptr.dtype.element_ty, [WARPGROUPS, 64, HEAD_DIM], Q_SMEM_LAYOUT)
+    # Two query buffers per warpgroup (2 * warpgroup + item % 2): an item's rows come in while the item
+    # before it finishes.
+    q_bufs = gl.allocate_shared_memory(q_ptr.dtype.element_ty, [2 * WARPGROUPS, 64, HEAD_DIM], Q_SMEM_LAYOUT)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
     ready_k = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -304,8 +336,8 @@ def _hopper_space(dtype_name, head_dim, group, block_size, q_len, cache_dtype_na
     for block_m in (64, 128):
         for block_n in (64, 128):
             for num_stages in (2, 3, 4):
-                # Q plus the K/V ring in shared memory, with room for the reductions' scratch.
-                if block_m >= group and 2 * head_dim * (block_m + 2 * num_stages * block_n) <= 200 * 1024:
+                # Two Q buffers plus the K/V ring in shared memory, with room for the reductions' scratch.
+                if block_m >= group and 2 * head_dim * (2 * block_m + 2 * num_stages * block_n) <= 200 * 1024:
                     configs.append({"BLOCK_M": block_m, "BLOCK_N": block_n, "NUM_STAGES": num_stages})
     return configs
 
