@@ -117,10 +117,11 @@ def _attend_tile(acc, m_i, l_i, v_ref, q, k_cache, v_cache, k_scale_ptr, v_scale
         run: tl.constexpr = min(BLOCK_N, BLOCK_SIZE)
         key_offsets = tl.max_contiguous(tl.multiple_of(block * stride_cache_block + in_block, run), run)
         v_offsets = key_offsets[:, None] + head_offset * BLOCK_SIZE + (tl.arange(0, HEAD_DIM) * BLOCK_SIZE)[None, :]
-        if MASKED:
-            v = tl.load(v_cache + v_offsets, mask=in_seq, other=0.0)
-        else:
-            v = tl.load(v_cache + v_offsets)
+        # No mask even on a tile past the sequence's end: a mask along the keys, the contiguous
+        # dimension here, would split the vector copies into single bytes outside the pipeline.
+        # Every key's address lies in an allocated block (padding keys read block 0); their rows are
+        # zeroed below.
+        v = tl.load(v_cache + v_offsets)
     elif MASKED:
         v = tl.load(v_cache + offsets, mask=in_seq, other=0.0)
     else:
@@ -129,7 +130,7 @@ def _attend_tile(acc, m_i, l_i, v_ref, q, k_cache, v_cache, k_scale_ptr, v_scale
         v = from_e4m3(v, q.dtype, INTERPRET)
     elif INTERPRET:
         v = v.to(tl.float32)
-    if TMA and MASKED:
+    if (TMA or V_KEY_MAJOR) and MASKED:
         # Rows past the sequence hold whatever the block held before: p is 0 there, 0 * NaN is not.
         v = tl.where(in_seq, v, 0.0)
     if FP8:
