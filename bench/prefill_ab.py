@@ -18,8 +18,7 @@ import torch
 from prefill_cases import anchors, batch_inputs, causal_flops, workload_lengths
 from timing import graph_time_ms
 from tritonllm import kernels
-
-LOG2E = 1.4426950408889634
+from tritonllm.kernels.paged import LOG2E
 
 
 def load(path: str):
