@@ -42,7 +42,10 @@ def main():
                         help="BLOCK_M,BLOCK_N,NUM_STAGES")
     args = parser.parse_args()
     configs = [dict(zip(("BLOCK_M", "BLOCK_N", "NUM_STAGES"), map(int, c.split(",")))) for c in args.configs]
-    trees = {Path(f).parent.parent.name or f: load(f) for f in args.files}
+    names = [Path(f).resolve().parent.parent.name for f in args.files]
+    if len(set(names)) < len(names):  # trees of the same folder name: tell them apart by path
+        names = [str(Path(f).parent.parent) for f in args.files]
+    trees = {name: load(f) for name, f in zip(names, args.files)}
     cases = [(f"S{s} block {bs}", [s] * (16384 // s), 0, bs) for bs in (16, 256) for s in (512, 1024, 2048, 4096, 16384)]
     cases += [("varlen block 16", workload_lengths(), 0, 16), ("512 over 4k block 16", [512] * 32, 4096, 16)]
     summary = []

@@ -129,11 +129,10 @@ def _load_kv_partition(k_desc, v_desc, k_bufs, v_bufs, ready_k, ready_v, free_k,
 
 
 @gluon.jit
-def _scale_and_mask(scores, qk_scale, i, num_full, pos, BLOCK_N: gl.constexpr, S_LAYOUT: gl.constexpr):
-    """Scores of key tile i in log2 units; on the diagonal (i >= num_full) key j counts for a row only
-    at or before its position (pos < seq_len, so this also drops keys a copy brought from past the
+def _mask(scores, i, num_full, pos, BLOCK_N: gl.constexpr, S_LAYOUT: gl.constexpr):
+    """Raw scores of key tile i; on the diagonal (i >= num_full) key j counts for a row only at or
+    before its position (pos < seq_len, so this also drops keys a copy brought from past the
     sequence)."""
-    scores = scores * qk_scale
     if i >= num_full:
         keys = i * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, S_LAYOUT))
         scores = gl.where(keys[None, :] <= pos[:, None], scores, float("-inf"))
@@ -220,9 +219,11 @@ def _attend_partition(q_ptr, o_ptr, q_bufs, k_bufs, v_bufs, ready_k, ready_v, fr
         mbarrier.arrive(free_k.index(count % NUM_STAGES), count=1)
         # Every warp of the warpgroup took part in that dot, so all have read the item's entry.
         mbarrier.arrive(item_free.index(j % 2), count=1)
-        scores = _scale_and_mask(scores, qk_scale, 0, num_full, pos, BLOCK_N, S_LAYOUT)
+        # The running max m_i stays in raw score units: qk_scale > 0 commutes with max, and the
+        # exponent's scale and shift are then one fused multiply-add an element.
+        scores = _mask(scores, 0, num_full, pos, BLOCK_N, S_LAYOUT)
         m_i = gl.max(scores, 1)
-        p = gl.exp2(scores - m_i[:, None])
+        p = gl.exp2(scores * qk_scale - (m_i * qk_scale)[:, None])
         l_i = gl.sum(p, 1)
         # P travels between iterations as the PV dot's bf16/fp16 operand: half the registers of p.
         p_op = gl.convert_layout(p.to(q_smem.dtype), P_LAYOUT)
@@ -240,10 +241,10 @@ def _attend_partition(q_ptr, o_ptr, q_bufs, k_bufs, v_bufs, ready_k, ready_v, fr
             # wgmma groups complete in order: one outstanding means the scores are done.
             scores = warpgroup_mma_wait(1, deps=(scores, q_smem, k_buf))[0]
             mbarrier.arrive(free_k.index(slot), count=1)
-            scores = _scale_and_mask(scores, qk_scale, i, num_full, pos, BLOCK_N, S_LAYOUT)
+            scores = _mask(scores, i, num_full, pos, BLOCK_N, S_LAYOUT)
             m_new = gl.maximum(m_i, gl.max(scores, 1))
-            p = gl.exp2(scores - m_new[:, None])
-            alpha = gl.exp2(m_i - m_new)
+            p = gl.exp2(scores * qk_scale - (m_new * qk_scale)[:, None])
+            alpha = gl.exp2((m_i - m_new) * qk_scale)
             l_i = l_i * alpha + gl.sum(p, 1)
             m_i = m_new
             acc = warpgroup_mma_wait(0, deps=(acc, v_buf))[0]
