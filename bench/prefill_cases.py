@@ -140,6 +140,22 @@ def portable_cases(quick):
             {"triton bf16 cache": lambda *a: kernels.prefill_attention(a[0], a[9], a[10], *a[3:6], max_q_len=a[6],
                                                                        path="portable")},
             flops=causal_flops(q_lens, 0)))
+
+        def make_copies(s=seq, bs=block_size):
+            args = make_fp8(s, bs)
+            tables = args[5]
+            return (*args, tables.flatten(), torch.arange(tables.numel(), device="cuda", dtype=torch.int32).view_as(tables))
+
+        def on_copies(*a):
+            # As the engine runs prefill over an e4m3 cache: its blocks copied out in q's dtype, then
+            # the kernel of a plain cache (on Hopper the warp-specialized one) on the copies.
+            k, v = kernels.gather_kv_blocks(a[1], a[2], a[11], a[0].dtype, k_scale=a[7], v_scale=a[8])
+            return kernels.prefill_attention(a[0], k, v, *a[3:5], a[12], max_q_len=a[6])
+
+        cases.append(Case(
+            "prefill_attention", f"{label}, fp8 cache on block copies", make_copies, on_copies,
+            {"bf16 cache": lambda *a: kernels.prefill_attention(a[0], a[9], a[10], *a[3:6], max_q_len=a[6])},
+            flops=causal_flops(q_lens, 0)))
     return cases
 
 

@@ -1,4 +1,4 @@
-"""Store new K/V rows into the paged KV cache, and the cache layouts the kernels take.
+"""Store new K/V rows into the paged KV cache, copy blocks out of it, and the cache layouts the kernels take.
 
 A cache is [num_blocks, block_size, Hkv, D]; slot = block * block_size + offset. In memory it is
 either contiguous (a cache row of Hkv * D values per slot) or, for V, key-major: each block laid
@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tritonllm.kernels.fp8 import check_kv_scales, e4m3_scale, to_e4m3
+from tritonllm.kernels.fp8 import check_kv_scales, e4m3_scale, from_e4m3, to_e4m3
 from tritonllm.kernels.tuning import INTERPRET, Tunable, dtype_name, pow2
 
 
@@ -173,3 +173,59 @@ def store_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scal
         )
 
     launch(_TUNING.config(store_kv_cache_bucket(k.dtype, num_heads, head_dim, n_tokens), launch))
+
+
+@triton.jit
+def _gather_kv_blocks_kernel(cache_ptr, scale_ptr, blocks_ptr, out_ptr, NUM_HEADS: tl.constexpr,
+                             HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TOKENS: tl.constexpr,
+                             BLOCK_D: tl.constexpr, FP8: tl.constexpr, KEY_MAJOR: tl.constexpr,
+                             INTERPRET: tl.constexpr):
+    # Program (i, head, chunk): TOKENS slots of one head of block blocks[i] into out[i].
+    i = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    block = tl.load(blocks_ptr + i).to(tl.int64)
+    offs_t = tl.program_id(2) * TOKENS + tl.arange(0, TOKENS)  # TOKENS divides BLOCK_SIZE
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_d < HEAD_DIM)[None, :]
+    cols = (head * HEAD_DIM + offs_d)[None, :]
+    src = slot_offsets((block * BLOCK_SIZE + offs_t)[:, None], cols, NUM_HEADS * HEAD_DIM, BLOCK_SIZE, KEY_MAJOR)
+    x = tl.load(cache_ptr + src, mask=mask, other=0.0)
+    if FP8:
+        scales = tl.load(scale_ptr + (block * BLOCK_SIZE + offs_t) * NUM_HEADS + head)
+        x = from_e4m3(x, tl.float32, INTERPRET) * scales[:, None]
+    dst = (i * BLOCK_SIZE + offs_t)[:, None] * (NUM_HEADS * HEAD_DIM) + cols
+    tl.store(out_ptr + dst, x.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def gather_kv_blocks(k_cache, v_cache, blocks, dtype, *, k_scale=None, v_scale=None):
+    """Copies of cache blocks, in `dtype`: returns new tensors (k, v), each [N, block_size, Hkv, D] contiguous.
+
+    k_cache, v_cache [num_blocks, block_size, Hkv, D] as store_kv_cache takes them (k_cache contiguous,
+    v_cache contiguous or key-major), float32/float16/bfloat16, or float8_e4m3fn with k_scale, v_scale
+    [num_blocks, block_size, Hkv] float32. blocks [N] int32/int64 block ids; dtype float32, float16 or
+    bfloat16. out[i] holds block blocks[i]: each value, for an e4m3 cache times its row's scale in
+    float32, rounded to dtype. A copy is in the plain layout whatever the cache's. The caches are
+    only read. Prefill over an e4m3 cache runs on such copies (layers/attention.py).
+    """
+    if blocks.dim() != 1 or blocks.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"blocks must be a 1-D int32/int64 tensor, got {blocks.dtype} of shape {tuple(blocks.shape)}")
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
+    if k_cache.dim() != 4:
+        raise ValueError(f"k_cache must be [num_blocks, block_size, Hkv, D], got shape {tuple(k_cache.shape)}")
+    _, block_size, num_heads, head_dim = k_cache.shape
+    key_major = check_store_caches(k_cache, v_cache, num_heads, head_dim)
+    fp8 = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
+    k, v = (torch.empty(blocks.shape[0], block_size, num_heads, head_dim, dtype=dtype, device=k_cache.device)
+            for _ in range(2))
+    if blocks.shape[0] == 0:
+        return k, v
+    block_d = triton.next_power_of_2(head_dim)
+    # A copy: bound by bytes, so a fixed tile of up to 4096 values a program, no tuning.
+    tokens = min(block_size, max(1, 4096 // block_d))
+    grid = (blocks.shape[0], num_heads, block_size // tokens)
+    for cache, scale, out, major in ((k_cache, k_scale, k, False), (v_cache, v_scale, v, key_major)):
+        _gather_kv_blocks_kernel[grid](cache, scale, blocks, out, NUM_HEADS=num_heads, HEAD_DIM=head_dim,
+                                       BLOCK_SIZE=block_size, TOKENS=tokens, BLOCK_D=block_d, FP8=fp8,
+                                       KEY_MAJOR=major, INTERPRET=INTERPRET, num_warps=4)
+    return k, v

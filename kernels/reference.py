@@ -40,6 +40,20 @@ def store_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scal
         cache[slots // cache.shape[1], slots % cache.shape[1]] = rows.to(cache.dtype)
 
 
+def gather_kv_blocks(k_cache, v_cache, blocks, dtype, *, k_scale=None, v_scale=None):
+    """Blocks `blocks` [N] of the caches as new contiguous (k, v) [N, block_size, Hkv, D] of `dtype`; an
+    e4m3 cache's values times their row scales, in float32 (float64 for a float64 dtype), then rounded."""
+    fp8 = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
+    index = blocks.long()
+    copies = []
+    for cache, scale in ((k_cache, k_scale), (v_cache, v_scale)):
+        values = cache[index].to(_compute_dtype(dtype))
+        if fp8:
+            values = values * scale[index][..., None].to(values.dtype)
+        copies.append(values.to(dtype).contiguous())
+    return tuple(copies)
+
+
 def rms_norm(x, weight, eps):
     """HF Qwen3RMSNorm over the last dim of x; returns x.dtype."""
     xf = x.to(_compute_dtype(x.dtype))

@@ -100,6 +100,16 @@ class EngineConfig:
         """The KV cache's torch dtype (the model's for "auto"; known once resolve() set the dtype)."""
         return KV_CACHE_DTYPES[self.kv_cache_dtype] or self.dtype
 
+    @property
+    def prefill_gather_blocks(self) -> int:
+        """Most cache blocks a prefill step copies out of an fp8 cache for its attention (layers/attention.py;
+        0 for a cache of the model's dtype, which is read in place): the blocks of a step's worth of new
+        tokens plus a partial one a sequence. A step whose sequences hold more (long cached prefixes)
+        reads the fp8 cache directly."""
+        if self.cache_dtype != torch.float8_e4m3fn:
+            return 0
+        return -(-self.max_num_batched_tokens // self.kv_block_size) + self.max_num_seqs
+
     def resolve(self, hf_config) -> None:
         """Fill the defaults that depend on the model and check the model-dependent limits."""
         positions = max_positions(hf_config)  # YaRN stretches the model's context by its factor

@@ -18,6 +18,9 @@ class Context:
     cu_seqlens_q: torch.Tensor | None = None  # [B + 1] int32, prefill only
     max_q_len: int = 1  # host-side bounds of the new and of all tokens per sequence, for the kernels' grids
     max_seq_len: int = 0
+    # Prefill over an fp8 cache: the blocks to copy out and block tables into the copies (or None).
+    gather_blocks: torch.Tensor | None = None
+    gather_tables: torch.Tensor | None = None
 
 
 _context: Context | None = None

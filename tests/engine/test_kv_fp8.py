@@ -4,6 +4,8 @@ import torch
 from tiny_qwen3 import hf_greedy
 
 from tritonllm import BUNDLED_MODEL, LLM, SamplingParams
+from tritonllm.engine.scheduler import ScheduledBatch
+from tritonllm.engine.step_inputs import build_step_inputs
 from tritonllm.layers.attention import kv_bytes_per_token
 from tritonllm.tiny_tasks import EVAL_SEED, problems
 
@@ -41,4 +43,30 @@ def test_the_bundled_model_keeps_its_accuracy_with_fp8():
     llm = LLM(BUNDLED_MODEL, kv_cache_dtype="fp8")
     outputs = llm.generate([p for p, _ in tasks], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     assert sum(o.text == answer for o, (_, answer) in zip(outputs, tasks)) >= 0.9 * len(tasks)
+    llm.close()
+
+
+def test_fp8_prefill_on_block_copies_equals_reading_the_cache(tiny_qwen3):
+    # The engine runs prefill over an fp8 cache on copies of the step's blocks (gather_kv_blocks):
+    # each step's logits equal those of the same step read straight from the cache, for whole
+    # prompts and for second chunks over a cached context.
+    llm = LLM(str(tiny_qwen3), max_num_seqs=4, num_kv_blocks=32, kv_cache_dtype="fp8")
+    block_size, limit = llm.block_manager.block_size, llm.config.prefill_gather_blocks
+    assert limit > 0
+    seqs = [llm.make_sequence(list(range(start, start + n)), SamplingParams(max_tokens=1))
+            for start, n in ((1, 40), (50, 23), (80, 3))]
+    for seq in seqs:
+        llm.block_manager.allocate(seq)
+    for step in ([21, 17, 3], [19, 6]):  # the two longer prompts in two chunks, the short one at once
+        batch = ScheduledBatch(seqs[:len(step)], step, True, [True] * len(step))
+        direct = build_step_inputs(batch, {}, block_size)
+        copied = build_step_inputs(batch, {}, block_size, limit)
+        assert direct.gather_blocks is None and copied.gather_blocks is not None
+        expected = llm.runner.execute(direct)
+        torch.testing.assert_close(llm.runner.execute(copied), expected, rtol=1e-4, atol=1e-4)
+        for seq, n in zip(batch.seqs, step):
+            seq.num_computed_tokens += n
+    for seq in seqs:
+        llm.block_manager.deallocate(seq)
+    assert llm.block_manager.num_free_blocks == 32
     llm.close()

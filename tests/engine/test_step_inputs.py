@@ -1,11 +1,12 @@
 """A step's inputs built from the scheduled batch alone, without a model: positions, slots, query
 offsets, which rows sample, and where pending tokens come from."""
+import numpy as np
 import torch
 
 from tritonllm.engine.block_manager import BlockManager
 from tritonllm.engine.scheduler import Scheduler
 from tritonllm.engine.sequence import Sequence
-from tritonllm.engine.step_inputs import build_step_inputs
+from tritonllm.engine.step_inputs import build_step_inputs, gather_tables
 from tritonllm.sampling_params import SamplingParams
 
 BS = 4
@@ -58,3 +59,38 @@ def test_decode_reads_pending_tokens_from_the_previous_samples():
     assert inputs.positions.tolist() == [5, 4] and inputs.seq_lens.tolist() == [6, 5]
     assert inputs.slot_mapping.tolist() == slots_of(a, [5]) + slots_of(b, [4])  # b's 5th token opens its 2nd block
     assert inputs.cu_seqlens_q is None and inputs.logit_rows.tolist() == [0, 1] and inputs.max_seq_len == 6
+
+
+
+def check_copies(gathered, block_tables, held):
+    """gather_tables' answer: each distinct held block copied once, each table entry within a
+    sequence's held blocks pointing at its block's copy, the rest zero."""
+    blocks, tables = gathered
+    assert blocks.dtype == torch.int32 and tables.shape == block_tables.shape
+    assert sorted(blocks.tolist()) == sorted({b for table in held for b in table})
+    for row, table in zip(tables.tolist(), held):
+        assert [blocks[i].item() for i in row[:len(table)]] == table
+        assert row[len(table):] == [0] * (len(row) - len(table))
+
+
+def test_prefill_over_block_copies_of_a_scheduled_step():
+    scheduler, seqs = setup(20, 9, 5, 7)  # the third prompt chunked: its first 6 tokens
+    batch = scheduler.schedule()
+    assert batch.num_new == [9, 5, 6]
+    inputs = build_step_inputs(batch, {}, BS, gather_limit=64)
+    held = [seq.block_table[:-(-n // BS)] for seq, n in zip(seqs, [9, 5, 6])]
+    check_copies((inputs.gather_blocks, inputs.gather_tables), inputs.block_tables, held)
+    assert build_step_inputs(batch, {}, BS).gather_blocks is None  # no limit: the cache is read in place
+
+
+def test_block_copies_share_a_block_and_stop_at_the_limit():
+    # A block two sequences hold (a prefix hit) is copied once; past the limit there are no copies.
+    tables = [np.array([5, 2, 9], dtype=np.int32), np.array([5, 7], dtype=np.int32),
+              np.array([3, 1, 8, 4], dtype=np.int32)]  # the third's last two blocks past its 7 tokens
+    block_tables = np.zeros((3, 4), dtype=np.int32)
+    for row, table in zip(block_tables, tables):
+        row[:len(table)] = table
+    seq_lens = np.array([9, 5, 7])
+    held = [[5, 2, 9], [5, 7], [3, 1]]
+    check_copies(gather_tables(tables, block_tables, seq_lens, BS, 6), block_tables, held)
+    assert gather_tables(tables, block_tables, seq_lens, BS, 5) is None

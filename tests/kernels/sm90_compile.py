@@ -121,6 +121,19 @@ def cases():
                 t(600, 16, hk, 128, dtype=torch.float8_e4m3fn), key_major_e4m3(600, 16, hk, 128),
                 t(n, dtype=torch.int32), hq, hk, k_scale=t(600, 16, hk, dtype=torch.float32),
                 v_scale=t(600, 16, hk, dtype=torch.float32)))
+    from tritonllm.kernels import gather_kv_blocks
+
+    # The copies prefill takes of an e4m3 cache (V key-major), and of a bf16 one.
+    for bs in (16, 256):
+        blocks = torch.zeros(1200 // bs * 16, dtype=torch.int32)
+        calls += [
+            lambda bs=bs, b=blocks: gather_kv_blocks(
+                torch.zeros(600, bs, 8, 128, dtype=torch.float8_e4m3fn), key_major_e4m3(600, bs, 8, 128), b,
+                torch.bfloat16, k_scale=torch.zeros(600, bs, 8), v_scale=torch.zeros(600, bs, 8)),
+            lambda bs=bs, b=blocks: gather_kv_blocks(torch.zeros(600, bs, 8, 128, dtype=torch.bfloat16),
+                                                     torch.zeros(600, bs, 8, 128, dtype=torch.bfloat16), b,
+                                                     torch.bfloat16),
+        ]
     from tritonllm.kernels import compute_logprobs, sample
 
     for dtype in (torch.float32, torch.float16, torch.bfloat16):

@@ -3,7 +3,7 @@ import torch
 from kernel_utils import DEVICE, DTYPES, V_LAYOUTS, key_major, poisoned, randn, with_v_layout
 from test_fp8 import assert_e4m3_rows_match, e4m3_poisoned
 
-from tritonllm.kernels import reference, store_kv_cache
+from tritonllm.kernels import gather_kv_blocks, reference, store_kv_cache
 from tritonllm.kernels.kv_cache import check_cache_layouts, empty_kv_cache, is_key_major
 
 # tokens, KV heads, head dim, block size
@@ -216,3 +216,57 @@ def test_store_kv_cache_rejects_bad_scales():
     with pytest.raises(ValueError, match="k_scale must be"):
         store_kv_cache(k, k, k_cache, v_cache, slots, k_scale=k_scale.double(), v_scale=v_scale)
     assert k_scale.isnan().all() and (k_cache.view(torch.uint8) == 0x7F).all()
+
+
+# Copies of cache blocks (gather_kv_blocks): blocks in random order with a repeat, from caches whose
+# every other block is poison (NaN), so a copy of a wrong block or slot shows as NaN.
+GATHER_CASES = [(8, 128, 16), (2, 64, 256), (3, 80, 32)]  # KV heads, head dim, block size
+GATHER_TOLERANCE = {torch.float32: 0.0, torch.float16: 1e-3, torch.bfloat16: 1e-2}  # one rounding (truncation under the interpreter)
+
+
+@pytest.mark.parametrize("cache_dtype", ["fp8", torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("v_layout", V_LAYOUTS)
+@pytest.mark.parametrize("heads, head_dim, block_size", GATHER_CASES)
+def test_gather_kv_blocks(heads, head_dim, block_size, v_layout, dtype, cache_dtype):
+    num_blocks, fp8 = 7, cache_dtype == "fp8"
+    blocks = torch.tensor([5, 0, 3, 5, 2], dtype=torch.int32, device=DEVICE)
+    if fp8:
+        k_cache, v_cache, k_scale, v_scale = fp8_caches(num_blocks, block_size, heads, head_dim)
+    else:
+        k_cache, v_cache = (poisoned(num_blocks, block_size, heads, head_dim, dtype=cache_dtype) for _ in range(2))
+        k_scale = v_scale = None
+    v_cache = with_v_layout(v_cache, v_layout)
+    slots = (blocks.unique().long()[:, None] * block_size + torch.arange(block_size, device=DEVICE)).flatten()
+    # Rows of different magnitudes, so the scales differ from row to row.
+    magnitudes = torch.logspace(-4, 4, len(slots), base=2.0, device=DEVICE)[:, None, None]
+    k, v = (randn(len(slots), heads, head_dim) * magnitudes for _ in range(2))
+    scales = {"k_scale": k_scale, "v_scale": v_scale} if fp8 else {}
+    reference.store_kv_cache(k, v, k_cache, v_cache, slots, **scales)
+    out = gather_kv_blocks(k_cache, v_cache, blocks, dtype, **scales)
+    ref = reference.gather_kv_blocks(k_cache, v_cache, blocks, dtype, **scales)
+    for o, r in zip(out, ref):
+        assert o.dtype == dtype and o.shape == (5, block_size, heads, head_dim) and o.is_contiguous()
+        assert torch.isfinite(o).all(), "a copied value is NaN: a wrong block or slot was read"
+        torch.testing.assert_close(o.float(), r.float(), rtol=GATHER_TOLERANCE[dtype], atol=0)
+    # The repeat is the same copy, and the caches were only read.
+    assert torch.equal(out[0][0], out[0][3]) and torch.equal(out[1][0], out[1][3])
+    assert k_cache.float().isnan().sum() == (num_blocks - 4) * block_size * heads * head_dim
+
+
+def test_gather_kv_blocks_of_nothing_and_bad_inputs():
+    k_cache, v_cache, k_scale, v_scale = fp8_caches(2, 16, 2, 64)
+    k, v = gather_kv_blocks(k_cache, v_cache, torch.zeros(0, dtype=torch.int64, device=DEVICE), torch.bfloat16,
+                            k_scale=k_scale, v_scale=v_scale)
+    assert k.shape == v.shape == (0, 16, 2, 64) and k.dtype == torch.bfloat16
+    blocks = torch.zeros(3, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="blocks must be"):
+        gather_kv_blocks(k_cache, v_cache, blocks.view(3, 1), torch.bfloat16, k_scale=k_scale, v_scale=v_scale)
+    with pytest.raises(ValueError, match="blocks must be"):
+        gather_kv_blocks(k_cache, v_cache, blocks.float(), torch.bfloat16, k_scale=k_scale, v_scale=v_scale)
+    with pytest.raises(ValueError, match="dtype must be"):
+        gather_kv_blocks(k_cache, v_cache, blocks, torch.float8_e4m3fn, k_scale=k_scale, v_scale=v_scale)
+    with pytest.raises(ValueError, match="k_scale is required"):
+        gather_kv_blocks(k_cache, v_cache, blocks, torch.bfloat16)
+    with pytest.raises(ValueError, match="v_cache must have"):
+        gather_kv_blocks(k_cache, v_cache[:1], blocks, torch.bfloat16, k_scale=k_scale, v_scale=v_scale)

@@ -253,7 +253,8 @@ class LLMEngine:
 
     def _launch(self, batch: ScheduledBatch) -> InFlight | None:
         previous = self._in_flight
-        inputs = build_step_inputs(batch, previous.rows() if previous else {}, self.config.kv_block_size)
+        inputs = build_step_inputs(batch, previous.rows() if previous else {}, self.config.kv_block_size,
+                                   self.config.prefill_gather_blocks)
         seqs = batch.sampling_seqs
         samples = self.runner.launch(inputs, seqs, [self._seed(seq) for seq in seqs],
                                      previous.samples.ids if previous else None)

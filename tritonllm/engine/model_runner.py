@@ -105,7 +105,8 @@ class ModelRunner:
         return num_blocks
 
     def _warmup(self) -> None:
-        """A largest-possible prefill, so the peak activation memory is known before the cache is sized."""
+        """A largest-possible prefill, so the peak activation memory (with an fp8 cache, the largest
+        copies of its blocks) is known before the cache is sized."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         num_tokens = min(self.config.max_num_batched_tokens, self.config.max_model_len * self.config.max_num_seqs)
@@ -115,10 +116,12 @@ class ModelRunner:
         allocate_kv_caches(self.model, 1, self.block_size, self.config.cache_dtype, self.device, fill=0.0)
         cu = torch.tensor([0] + lengths, device=self.device).cumsum(0).to(torch.int32)
         positions = torch.cat([torch.arange(n, device=self.device) for n in lengths])
+        tables = torch.zeros(len(lengths), -(-max(lengths) // self.block_size), dtype=torch.int32, device=self.device)
+        gather = self.config.prefill_gather_blocks  # copies of the one warmup block
         context = Context(True, torch.full((num_tokens,), -1, device=self.device),
-                          torch.tensor(lengths, dtype=torch.int32, device=self.device),
-                          torch.zeros(len(lengths), -(-max(lengths) // self.block_size), dtype=torch.int32, device=self.device),
-                          cu, max(lengths), max(lengths))
+                          torch.tensor(lengths, dtype=torch.int32, device=self.device), tables, cu, max(lengths),
+                          max(lengths), torch.zeros(gather, dtype=torch.int32, device=self.device) if gather else None,
+                          tables if gather else None)
         self._forward(torch.zeros(num_tokens, dtype=torch.long, device=self.device), positions, context)
         torch.cuda.synchronize(self.device)
 
@@ -153,7 +156,8 @@ class ModelRunner:
             hidden = self._replay(inputs, token_ids)
         else:
             context = Context(inputs.is_prefill, to(inputs.slot_mapping), to(inputs.seq_lens), to(inputs.block_tables),
-                              to(inputs.cu_seqlens_q), inputs.max_q_len, inputs.max_seq_len)
+                              to(inputs.cu_seqlens_q), inputs.max_q_len, inputs.max_seq_len, to(inputs.gather_blocks),
+                              to(inputs.gather_tables))
             hidden = self._forward(token_ids, to(inputs.positions), context)
         return self.model.compute_logits(hidden[to(inputs.logit_rows)])
 

@@ -24,6 +24,10 @@ class StepInputs:
     # samples that holds a pending token, or -1.
     pending_rows: torch.Tensor | None
     num_previous_samples: int  # rows of the previous step's samples (TP ranks > 0 receive them)
+    # Prefill over an fp8 cache (else None): the distinct cache blocks the step's sequences hold, [G]
+    # int32, and block_tables rewritten to index their copies (layers/attention.py).
+    gather_blocks: torch.Tensor | None = None
+    gather_tables: torch.Tensor | None = None
 
 
 def block_table_array(seq: Sequence) -> np.ndarray:
@@ -38,11 +42,27 @@ def block_table_array(seq: Sequence) -> np.ndarray:
     return cached[1]
 
 
-def build_step_inputs(batch: ScheduledBatch, previous_rows: dict[int, int], block_size: int) -> StepInputs:
+def gather_tables(tables: list[np.ndarray], block_tables: np.ndarray, seq_lens: np.ndarray, block_size: int,
+                  limit: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The distinct blocks [G] int32 the sequences hold (their first cdiv(seq_len, block_size) table
+    entries) and block_tables rewritten to index them in that order, zero-padded; None past `limit` blocks."""
+    counts = -(-seq_lens // block_size)
+    blocks, copies = np.unique(np.concatenate([table[:n] for table, n in zip(tables, counts)]), return_inverse=True)
+    if len(blocks) > limit:
+        return None
+    rewritten = np.zeros_like(block_tables)
+    rewritten[np.arange(block_tables.shape[1])[None, :] < counts[:, None]] = copies  # row by row, as concatenated
+    return torch.from_numpy(blocks.astype(np.int32)), torch.from_numpy(rewritten)
+
+
+def build_step_inputs(batch: ScheduledBatch, previous_rows: dict[int, int], block_size: int,
+                      gather_limit: int = 0) -> StepInputs:
     """Host tensors of one step, built with numpy and little Python per sequence.
 
     previous_rows: seq_id -> row of the previous (still unresolved) step's samples; a decode row
-    whose last token is pending reads it from there on the device.
+    whose last token is pending reads it from there on the device. gather_limit: a prefill step
+    whose sequences hold at most this many distinct cache blocks gets gather_blocks / gather_tables
+    (EngineConfig.prefill_gather_blocks; 0: never).
     """
     seqs = batch.seqs
     tables = [block_table_array(seq) for seq in seqs]
@@ -69,9 +89,14 @@ def build_step_inputs(batch: ScheduledBatch, previous_rows: dict[int, int], bloc
         cu_seqlens_q = None
         logit_rows = seq_index
     slots = block_tables[seq_index, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    gathered = None
+    if batch.is_prefill and gather_limit:
+        gathered = gather_tables(tables, block_tables, seq_lens, block_size, gather_limit)
+    gather_blocks, gather_block_tables = gathered or (None, None)
     return StepInputs(
         is_prefill=batch.is_prefill, token_ids=torch.tensor(token_ids, dtype=torch.int64),
         positions=torch.from_numpy(positions), slot_mapping=torch.from_numpy(slots),
         seq_lens=torch.from_numpy(seq_lens.astype(np.int32)), block_tables=torch.from_numpy(block_tables),
         cu_seqlens_q=cu_seqlens_q, max_q_len=max(batch.num_new), max_seq_len=int(seq_lens.max()),
-        logit_rows=torch.from_numpy(logit_rows), pending_rows=pending_rows, num_previous_samples=len(previous_rows))
+        logit_rows=torch.from_numpy(logit_rows), pending_rows=pending_rows, num_previous_samples=len(previous_rows),
+        gather_blocks=gather_blocks, gather_tables=gather_block_tables)

@@ -37,6 +37,12 @@ class Attention(nn.Module):
         q = self.ops.qk_norm_rotary_store(positions, qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
                                           self.rotary.cos_sin_cache, self.k_cache, self.v_cache, context.slot_mapping,
                                           self.num_heads, self.num_kv_heads, **scales)
+        if context.is_prefill and context.gather_blocks is not None:
+            # An fp8 cache: the step's blocks copied out once in q's dtype, so prefill runs the kernel
+            # of a plain cache (on Hopper the warp-specialized one) on the copies.
+            k, v = self.ops.gather_kv_blocks(self.k_cache, self.v_cache, context.gather_blocks, q.dtype, **scales)
+            return self.ops.prefill_attention(q, k, v, context.cu_seqlens_q, context.seq_lens, context.gather_tables,
+                                              self.scale, max_q_len=context.max_q_len)
         if context.is_prefill:
             return self.ops.prefill_attention(q, self.k_cache, self.v_cache, context.cu_seqlens_q, context.seq_lens,
                                               context.block_tables, self.scale, max_q_len=context.max_q_len, **scales)
