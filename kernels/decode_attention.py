@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 
 from tritonllm.kernels import tuning
-from tritonllm.kernels.fp8 import fp8_dot_operand, from_e4m3
-from tritonllm.kernels.paged import LOG2E, cache_bucket, check_paged_inputs, dot_precision
+from tritonllm.kernels.fp8 import fp8_dot_operand
+from tritonllm.kernels.paged import LOG2E, _attend_tile, cache_bucket, check_paged_inputs, dot_precision
 
 PROGRAMS_PER_SM = 3  # resident programs per SM that hide memory latency without extra splits
 
@@ -28,65 +28,6 @@ def _split_len(seq_len, NUM_SPLITS: tl.constexpr, SPLIT_MIN: tl.constexpr, BLOCK
     """Keys per split of one sequence: a multiple of BLOCK_N, about SPLIT_MIN or more, at most NUM_SPLITS splits."""
     splits = tl.maximum(tl.minimum(tl.cdiv(seq_len, SPLIT_MIN), NUM_SPLITS), 1)
     return tl.maximum(tl.cdiv(tl.cdiv(seq_len, splits), BLOCK_N) * BLOCK_N, BLOCK_N)
-
-
-@triton.jit
-def _tile_t(acc, m_i, l_i, v_ref, qt, k_cache, v_cache, k_scale_ptr, v_scale_ptr, block_table_row, head_offset,
-            n0, seq_len, qk_scale, stride_cache_block, stride_cache_token, stride_scale_token,
-            HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-            MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr, FP8: tl.constexpr,
-            V_KEY_MAJOR: tl.constexpr):
-    """One online-softmax step with the dots transposed: scores^T [keys, heads] = K . q^T, keys as the
-    MMA's M and the heads as its N (padded to 8, not 16); out^T [D, heads] += V^T . p^T, V^T straight
-    from a key-major V. Otherwise as kernels/paged._attend_tile (pointer path)."""
-    keys = n0 + tl.arange(0, BLOCK_N)
-    in_seq = keys < seq_len
-    block = tl.load(block_table_row + keys // BLOCK_SIZE, mask=in_seq, other=0).to(tl.int64)
-    in_block = keys % BLOCK_SIZE
-    offs_d = tl.arange(0, HEAD_DIM)
-    k_offsets = (block * stride_cache_block + in_block * stride_cache_token)[:, None] + head_offset + offs_d[None, :]
-    if MASKED:
-        k = tl.load(k_cache + k_offsets, mask=in_seq[:, None], other=0.0)
-    else:
-        k = tl.load(k_cache + k_offsets)
-    row_scale = qk_scale
-    if FP8:
-        k = from_e4m3(k, qt.dtype, INTERPRET)
-        scale_offsets = (block * BLOCK_SIZE + in_block) * stride_scale_token
-        row_scale = (tl.load(k_scale_ptr + scale_offsets, mask=in_seq, other=0.0) * qk_scale)[:, None]
-    elif INTERPRET:
-        k = k.to(tl.float32)
-    scores = tl.dot(k, qt, input_precision=DOT_PRECISION) * row_scale  # [keys, heads]
-    if MASKED:
-        scores = tl.where(in_seq[:, None], scores, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(scores, 0))
-    p = tl.math.exp2(scores - m_new[None, :])
-    alpha = tl.math.exp2(m_i - m_new)
-    if V_KEY_MAJOR:
-        run: tl.constexpr = min(BLOCK_N, BLOCK_SIZE)
-        key_offsets = tl.max_contiguous(tl.multiple_of(block * stride_cache_block + in_block, run), run)
-        v = tl.load(v_cache + key_offsets[None, :] + head_offset * BLOCK_SIZE + (offs_d * BLOCK_SIZE)[:, None])
-    elif MASKED:
-        v = tl.load(v_cache + tl.trans(k_offsets), mask=in_seq[None, :], other=0.0)
-    else:
-        v = tl.load(v_cache + tl.trans(k_offsets))
-    if FP8:
-        v = from_e4m3(v, qt.dtype, INTERPRET)
-    elif INTERPRET:
-        v = v.to(tl.float32)
-    if V_KEY_MAJOR and MASKED:
-        v = tl.where(in_seq[None, :], v, 0.0)
-    if FP8:
-        v_scales = tl.load(v_scale_ptr + scale_offsets, mask=in_seq, other=0.0)
-        v_max = tl.max(v_scales, 0)
-        v_max = tl.where(v_max == 0.0, 1.0, v_max)
-        p_v = p * (v_scales / v_max)[:, None]
-        acc = tl.dot(v, p_v.to(v.dtype), acc * (alpha * (v_ref / v_max))[None, :], input_precision=DOT_PRECISION)
-        v_ref = v_max
-    else:
-        acc = tl.dot(v, p.to(v.dtype), acc * alpha[None, :], input_precision=DOT_PRECISION)
-    l_i = l_i * alpha + tl.sum(p, 0)
-    return acc, m_new, l_i, v_ref
 
 
 @triton.jit
@@ -107,8 +48,9 @@ def _decode_attention_kernel(
     start = split * split_len
     if NUM_SPLITS > 1:
         if start >= seq_len:
-            return
+            return  # an unused split: the merge reads only the splits that hold keys
     end = tl.minimum(start + split_len, seq_len)
+
     rows = tl.arange(0, BLOCK_H)
     head = kv_head * GROUP + rows
     row_mask = rows < GROUP
@@ -119,29 +61,36 @@ def _decode_attention_kernel(
         q = q.to(tl.float32)
     elif FP8:
         q = fp8_dot_operand(q)
-    qt = tl.trans(q)
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_block_table
     head_offset = kv_head * stride_cache_head
     if FP8:
+        # The KV head's scales: one per cache slot, stride_scale_token (Hkv) apart.
         k_scale_ptr += kv_head
         v_scale_ptr += kv_head
+    pos = tl.zeros([BLOCK_H], tl.int32) + (end - 1)  # every row sees keys up to end - 1
+
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([HEAD_DIM, BLOCK_H], tl.float32)
-    v_ref = tl.full([], 1.0, tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    v_ref = tl.full([], 1.0, tl.float32)  # acc's unit (kernels/paged.py)
+    # start and split_len are multiples of BLOCK_N, so only the sequence's last tile is partial.
     full_end = start + (end - start) // BLOCK_N * BLOCK_N
     for n0 in range(start, full_end, BLOCK_N):
-        acc, m_i, l_i, v_ref = _tile_t(acc, m_i, l_i, v_ref, qt, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-                                       block_table_row, head_offset, n0, seq_len, qk_scale, stride_cache_block,
-                                       stride_cache_token, stride_scale_token, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
-                                       False, DOT_PRECISION, INTERPRET, FP8, V_KEY_MAJOR)
+        acc, m_i, l_i, v_ref = _attend_tile(acc, m_i, l_i, v_ref, q, k_cache_ptr, v_cache_ptr, k_scale_ptr,
+                                            v_scale_ptr, block_table_row, head_offset, n0, seq_len, pos, qk_scale,
+                                            stride_cache_block, stride_cache_token, stride_scale_token, HEAD_DIM,
+                                            BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, INTERPRET, False, FP8,
+                                            V_KEY_MAJOR)
     for n0 in range(full_end, end, BLOCK_N):
-        acc, m_i, l_i, v_ref = _tile_t(acc, m_i, l_i, v_ref, qt, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-                                       block_table_row, head_offset, n0, seq_len, qk_scale, stride_cache_block,
-                                       stride_cache_token, stride_scale_token, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
-                                       True, DOT_PRECISION, INTERPRET, FP8, V_KEY_MAJOR)
-    acc = tl.trans(acc * v_ref)
+        acc, m_i, l_i, v_ref = _attend_tile(acc, m_i, l_i, v_ref, q, k_cache_ptr, v_cache_ptr, k_scale_ptr,
+                                            v_scale_ptr, block_table_row, head_offset, n0, seq_len, pos, qk_scale,
+                                            stride_cache_block, stride_cache_token, stride_scale_token, HEAD_DIM,
+                                            BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, INTERPRET, False, FP8,
+                                            V_KEY_MAJOR)
+    acc = acc * v_ref
+
     if NUM_SPLITS == 1:
+        # seq_len 0 (a padding row of a captured batch) leaves l = 0 and acc = 0: write zeros.
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_rows = seq.to(tl.int64) * stride_o_batch + head * stride_o_head
         tl.store(o_ptr + o_rows[:, None] + offs_d[None, :], out.to(o_ptr.dtype.element_ty), mask=row_mask[:, None])
@@ -282,7 +231,7 @@ def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale=None, *,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
             k_scale.stride(1) if fp8 else None,
-            GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_H=max(8, triton.next_power_of_2(group)),
+            GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_H=max(16, triton.next_power_of_2(group)),
             DOT_PRECISION=dot_precision(q.dtype), INTERPRET=tuning.INTERPRET, FP8=fp8,
             V_KEY_MAJOR=v_key_major, **cfg)
         if num_splits > 1:
