@@ -6,7 +6,7 @@ import torch
 from tritonllm.engine.block_manager import BlockManager
 from tritonllm.engine.scheduler import Scheduler
 from tritonllm.engine.sequence import Sequence
-from tritonllm.engine.step_inputs import build_step_inputs, gather_tables
+from tritonllm.engine.step_inputs import block_copies, build_step_inputs
 from tritonllm.sampling_params import SamplingParams
 
 BS = 4
@@ -63,7 +63,7 @@ def test_decode_reads_pending_tokens_from_the_previous_samples():
 
 
 def check_copies(gathered, block_tables, held):
-    """gather_tables' answer: each distinct held block copied once, each table entry within a
+    """block_copies' answer: each distinct held block copied once, each table entry within a
     sequence's held blocks pointing at its block's copy, the rest zero."""
     blocks, tables = gathered
     assert blocks.dtype == torch.int32 and tables.shape == block_tables.shape
@@ -92,5 +92,5 @@ def test_block_copies_share_a_block_and_stop_at_the_limit():
         row[:len(table)] = table
     seq_lens = np.array([9, 5, 7])
     held = [[5, 2, 9], [5, 7], [3, 1]]
-    check_copies(gather_tables(tables, block_tables, seq_lens, BS, 6), block_tables, held)
-    assert gather_tables(tables, block_tables, seq_lens, BS, 5) is None
+    check_copies(block_copies(tables, block_tables, seq_lens, BS, 6), block_tables, held)
+    assert block_copies(tables, block_tables, seq_lens, BS, 5) is None

@@ -42,7 +42,7 @@ def block_table_array(seq: Sequence) -> np.ndarray:
     return cached[1]
 
 
-def gather_tables(tables: list[np.ndarray], block_tables: np.ndarray, seq_lens: np.ndarray, block_size: int,
+def block_copies(tables: list[np.ndarray], block_tables: np.ndarray, seq_lens: np.ndarray, block_size: int,
                   limit: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The distinct blocks [G] int32 the sequences hold (their first cdiv(seq_len, block_size) table
     entries) and block_tables rewritten to index them in that order, zero-padded; None past `limit` blocks."""
@@ -91,12 +91,12 @@ def build_step_inputs(batch: ScheduledBatch, previous_rows: dict[int, int], bloc
     slots = block_tables[seq_index, positions // block_size].astype(np.int64) * block_size + positions % block_size
     gathered = None
     if batch.is_prefill and gather_limit:
-        gathered = gather_tables(tables, block_tables, seq_lens, block_size, gather_limit)
-    gather_blocks, gather_block_tables = gathered or (None, None)
+        gathered = block_copies(tables, block_tables, seq_lens, block_size, gather_limit)
+    gather_blocks, gather_tables = gathered or (None, None)
     return StepInputs(
         is_prefill=batch.is_prefill, token_ids=torch.tensor(token_ids, dtype=torch.int64),
         positions=torch.from_numpy(positions), slot_mapping=torch.from_numpy(slots),
         seq_lens=torch.from_numpy(seq_lens.astype(np.int32)), block_tables=torch.from_numpy(block_tables),
         cu_seqlens_q=cu_seqlens_q, max_q_len=max(batch.num_new), max_seq_len=int(seq_lens.max()),
         logit_rows=torch.from_numpy(logit_rows), pending_rows=pending_rows, num_previous_samples=len(previous_rows),
-        gather_blocks=gather_blocks, gather_tables=gather_block_tables)
+        gather_blocks=gather_blocks, gather_tables=gather_tables)
