@@ -1,6 +1,7 @@
 """Decode attention at the shapes of the nano-vllm workload, with the engine's config and others.
 
     python bench/decode_workload.py [--stride 16] [--kv-cache-dtype auto|fp8] [--block-size 16] [--save] [--out PATH]
+                                    [--files OTHER/kernels/decode_attention.py ...]
 
 bench/throughput.py's workload (256 requests, prompts 100..1024, outputs 100..1024) decodes with
 batches that shrink from 256 as requests finish and contexts spread from 100 to 2k, under a
@@ -12,6 +13,9 @@ each, median), and estimates the workload's decode-attention seconds (28 layers)
 per batch bucket.
 With --kv-cache-dtype fp8 the cache is e4m3 with its per-(slot, head) scales (the engine's
 kv_cache_dtype="fp8"), and the fp8 buckets are the ones timed and saved.
+
+--files times the decode_attention of other files (other trees, prototypes) on the same inputs in
+the same process, with the same configs, each checked against the installed kernel.
 
 --save writes each bucket's best config into the tuned-config file under the engine's bucket key
 (context bound 4096). Run it after bench/kernels.py, which tunes the same keys on uniform contexts
@@ -25,6 +29,7 @@ from collections import defaultdict
 import torch
 
 from kernel_cases import paged_cache, randn
+from prefill_ab import load
 from throughput import workload
 from timing import COPY_BYTES_PER_S, graph_time_ms
 from tritonllm import kernels
@@ -41,6 +46,11 @@ def engine_bucket(batch, cache_dtype, block_size):
     """The decode tuning bucket of the engine's graph of `batch` rows: bf16, D 128, group 2, 8 kv heads,
     context bound max_model_len; the kernel's own builder, so saved configs are the ones it reads."""
     return decode_attention_bucket(torch.bfloat16, 128, 2, 8, block_size, batch, MAX_MODEL_LEN, cache_dtype)
+
+
+def fastest(times: dict) -> str:
+    """The key of the shortest time; NaN (a config that failed) never wins unless every one failed."""
+    return min(times, key=lambda key: (times[key] != times[key], times[key]))
 
 
 def candidates(fp8: bool):
@@ -60,7 +70,10 @@ def main():
     parser.add_argument("--out", help="write every timing as JSON here")
     parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto", help="auto: bf16")
     parser.add_argument("--block-size", type=int, choices=(16, 32, 64, 128, 256), default=16, help="keys a KV block")
+    parser.add_argument("--files", nargs="+", default=[], metavar="PATH",
+                        help="decode_attention.py files to time beside the installed kernel")
     args = parser.parse_args()
+    kernel_fns = {"installed": kernels.decode_attention} | {path: load(path).decode_attention for path in args.files}
     block_size = args.block_size
     fp8 = args.kv_cache_dtype == "fp8"
     prompts, params = workload(256, 1024, 1024)
@@ -77,7 +90,8 @@ def main():
     token_bytes = 8 * (128 + 4) * 2 if fp8 else 8 * 128 * 2 * 2  # K and V (and their float32 scales)
     configs = list(candidates(fp8))
     rows = []
-    by_bucket = defaultdict(lambda: defaultdict(float))  # batch bucket -> config key -> estimated s
+    # kernel -> batch bucket -> config key -> estimated s
+    by_bucket = defaultdict(lambda: defaultdict(lambda: defaultdict(float)))
     engine_keys = {}  # batch bucket -> the key of the config the engine runs there
     for step in range(0, max(o for _, o in requests), args.stride):
         lens = [p + step + 1 for p, o in requests if o > step]
@@ -90,14 +104,33 @@ def main():
         bucket = tuning.pow2(batch)
         engine_cfg = DECODE_TUNABLE.config(engine_bucket(batch, k_cache.dtype, block_size), None)
         engine_keys[bucket] = json.dumps(engine_cfg, sort_keys=True)
-        times = {}
-        for cfg in [engine_cfg] + configs:
-            key = json.dumps(cfg, sort_keys=True)
-            if key not in times:  # the engine's config is often one of the candidates: count it once
-                times[key] = graph_time_ms(lambda c=cfg: kernels.decode_attention(q, k_cache, v_cache, seq_lens, tables,
-                                                                                   config=c, **scales), [()], replays=20)
-                by_bucket[bucket][key] += times[key] * 1e-3 * args.stride * LAYERS
-        best = min(times, key=times.get)
+        expected = kernels.decode_attention(q, k_cache, v_cache, seq_lens, tables, config=engine_cfg, **scales).float()
+        step_times, errors = {}, {}
+        for name, fn in kernel_fns.items():
+            try:
+                out = fn(q, k_cache, v_cache, seq_lens, tables, config=engine_cfg, **scales).float()
+                errors[name] = ((out - expected).norm() / expected.norm()).item()
+            except Exception:  # a prototype that does not compile at the engine's config
+                if name == "installed":
+                    raise
+                errors[name] = float("inf")
+            times = step_times[name] = {}
+            for cfg in [engine_cfg] + configs:
+                key = json.dumps(cfg, sort_keys=True)
+                if key in times:  # the engine's config is often one of the candidates: count it once
+                    continue
+                try:
+                    times[key] = graph_time_ms(lambda c=cfg: fn(q, k_cache, v_cache, seq_lens, tables, config=c,
+                                                                **scales), [()], replays=20)
+                except Exception:  # a prototype's config that does not compile
+                    if name == "installed":
+                        raise
+                    times[key] = float("nan")
+                if errors[name] > 2e-2:  # a kernel that disagrees with the installed one counts for nothing
+                    times[key] = float("nan")
+                by_bucket[name][bucket][key] += times[key] * 1e-3 * args.stride * LAYERS
+        times = step_times["installed"]
+        best = fastest(times)
         engine_ms = times[engine_keys[bucket]]
         rows.append({"step": step, "batch": len(lens), "graph_batch": batch, "mean_context": sum(lens) / len(lens),
                      "engine": engine_cfg, "engine_us": engine_ms * 1e3, "best": json.loads(best),
@@ -105,20 +138,25 @@ def main():
         print(f"step {step:4d}: batch {len(lens):3d} (graph {batch:3d}), mean context {sum(lens) / len(lens):6.0f}: "
               f"engine {engine_ms * 1e3:7.1f} us ({moved / engine_ms / 1e6:5.0f} GB/s), best {times[best] * 1e3:7.1f} us "
               f"({moved / times[best] / 1e6:5.0f} GB/s) {best}", flush=True)
-    engine_total = best_total = 0.0
-    print("\n| batch bucket | engine config (s) | best single config (s) | that config |\n|---|---|---|---|")
-    for bucket, totals in sorted(by_bucket.items()):
-        key = min(totals, key=totals.get)
-        engine_s = totals[engine_keys[bucket]]
-        engine_total += engine_s
-        best_total += totals[key]
-        if args.save:
-            saved_key = tuning.bucket_key(engine_bucket(bucket, k_cache.dtype, block_size))
-            tuning.tuned_table().setdefault("decode_attention", {})[saved_key] = json.loads(key)
-        print(f"| {bucket} | {engine_s:.3f} | {totals[key]:.3f} | {key} |")
+        for name, other in step_times.items():
+            if name != "installed":
+                print(f"   {name}: engine config {other[engine_keys[bucket]] * 1e3:7.1f} us, best "
+                      f"{other[fastest(other)] * 1e3:7.1f} us, error {errors[name]:.1e}", flush=True)
     floor_total = sum(r["floor_us"] for r in rows) * 1e-6 * args.stride * LAYERS
-    print(f"\nworkload decode attention, estimated: engine configs {engine_total:.3f} s, best config per bucket "
-          f"{best_total:.3f} s, floor at {COPY_BYTES_PER_S / 1e12:.2f} TB/s {floor_total:.3f} s")
+    for name, buckets in by_bucket.items():
+        engine_total = best_total = 0.0
+        print(f"\n{name}\n\n| batch bucket | engine config (s) | best single config (s) | that config |\n|---|---|---|---|")
+        for bucket, totals in sorted(buckets.items()):
+            key = fastest(totals)
+            engine_s = totals[engine_keys[bucket]]
+            engine_total += engine_s
+            best_total += totals[key]
+            if args.save and name == "installed":
+                saved_key = tuning.bucket_key(engine_bucket(bucket, k_cache.dtype, block_size))
+                tuning.tuned_table().setdefault("decode_attention", {})[saved_key] = json.loads(key)
+            print(f"| {bucket} | {engine_s:.3f} | {totals[key]:.3f} | {key} |")
+        print(f"\nworkload decode attention, {name}, estimated: engine configs {engine_total:.3f} s, best config per "
+              f"bucket {best_total:.3f} s, floor at {COPY_BYTES_PER_S / 1e12:.2f} TB/s {floor_total:.3f} s")
     if args.save:
         print(f"saved to {tuning.save()}")
     if args.out:
