@@ -38,6 +38,18 @@ def test_fp8_greedy_tokens_mostly_equal_hf(tiny_qwen3):
     llm.close()
 
 
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2,
+                    reason="TP=2 on GPUs needs two of them; on CPU it runs under gloo")
+def test_fp8_tensor_parallel_2_equals_1(tiny_qwen3):
+    # Each rank quantizes, stores and copies out its own KV heads' blocks.
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    outputs = {}
+    for tp in (1, 2):
+        with LLM(str(tiny_qwen3), max_num_seqs=8, num_kv_blocks=64, kv_cache_dtype="fp8", tensor_parallel_size=tp) as llm:
+            outputs[tp] = [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    assert outputs[2] == outputs[1]
+
+
 def test_the_bundled_model_keeps_its_accuracy_with_fp8():
     tasks = problems(40, EVAL_SEED)
     llm = LLM(BUNDLED_MODEL, kv_cache_dtype="fp8")
