@@ -145,7 +145,8 @@ def main():
     floor_total = sum(r["floor_us"] for r in rows) * 1e-6 * args.stride * LAYERS
     for name, buckets in by_bucket.items():
         engine_total = best_total = 0.0
-        print(f"\n{name}\n\n| batch bucket | engine config (s) | best single config (s) | that config |\n|---|---|---|---|")
+        print(f"\n{name}\n\n| batch bucket | engine config (s) | best single config (s) | that config |\n"
+              "|---|---|---|---|")
         for bucket, totals in sorted(buckets.items()):
             key = fastest(totals)
             engine_s = totals[engine_keys[bucket]]

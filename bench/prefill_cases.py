@@ -144,7 +144,8 @@ def portable_cases(quick):
         def make_copies(s=seq, bs=block_size):
             args = make_fp8(s, bs)
             tables = args[5]
-            return (*args, tables.flatten(), torch.arange(tables.numel(), device="cuda", dtype=torch.int32).view_as(tables))
+            copies = torch.arange(tables.numel(), device="cuda", dtype=torch.int32).view_as(tables)
+            return (*args, tables.flatten(), copies)
 
         def on_copies(*a):
             # As the engine runs prefill over an e4m3 cache: its blocks copied out in q's dtype, then

@@ -45,7 +45,8 @@ def test_fp8_tensor_parallel_2_equals_1(tiny_qwen3):
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     outputs = {}
     for tp in (1, 2):
-        with LLM(str(tiny_qwen3), max_num_seqs=8, num_kv_blocks=64, kv_cache_dtype="fp8", tensor_parallel_size=tp) as llm:
+        with LLM(str(tiny_qwen3), max_num_seqs=8, num_kv_blocks=64, kv_cache_dtype="fp8",
+                 tensor_parallel_size=tp) as llm:
             outputs[tp] = [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     assert outputs[2] == outputs[1]
 

@@ -221,7 +221,8 @@ def test_store_kv_cache_rejects_bad_scales():
 # Copies of cache blocks (gather_kv_blocks): blocks in random order with a repeat, from caches whose
 # every other block is poison (NaN), so a copy of a wrong block or slot shows as NaN.
 GATHER_CASES = [(8, 128, 16), (2, 64, 256), (3, 80, 32)]  # KV heads, head dim, block size
-GATHER_TOLERANCE = {torch.float32: 0.0, torch.float16: 1e-3, torch.bfloat16: 1e-2}  # one rounding (truncation under the interpreter)
+# One rounding to the copy's dtype (a truncation under the interpreter).
+GATHER_TOLERANCE = {torch.float32: 0.0, torch.float16: 1e-3, torch.bfloat16: 1e-2}
 
 
 @pytest.mark.parametrize("cache_dtype", ["fp8", torch.float32, torch.bfloat16])
