@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 
 from tritonllm.kernels import tuning
-from tritonllm.kernels.fp8 import fp8_dot_operand, from_e4m3
-from tritonllm.kernels.paged import LOG2E, cache_bucket, check_paged_inputs, dot_precision
+from tritonllm.kernels.fp8 import fp8_dot_operand
+from tritonllm.kernels.paged import LOG2E, _attend_tile, cache_bucket, check_paged_inputs, dot_precision
 
 PROGRAMS_PER_SM = 3  # resident programs per SM that hide memory latency without extra splits
 
@@ -31,75 +31,6 @@ def _split_len(seq_len, NUM_SPLITS: tl.constexpr, SPLIT_MIN: tl.constexpr, BLOCK
 
 
 @triton.jit
-def _warp_tile(acc, m_i, l_i, v_ref, qt, k_cache, v_cache, k_scale_ptr, v_scale_ptr, block_table_row, head_offset,
-               n0, seq_len, qk_scale, stride_cache_block, stride_cache_token, stride_scale_token,
-               HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, WARPS: tl.constexpr, KEYS_PER_WARP: tl.constexpr,
-               MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr, FP8: tl.constexpr,
-               V_KEY_MAJOR: tl.constexpr):
-    """Transposed: scores^T [W, keys, heads] = K [W, keys, D] . q^T [W, D, heads]; out^T [W, D, heads] += V^T . p^T."""
-    keys = n0 + tl.arange(0, WARPS)[:, None] * KEYS_PER_WARP + tl.arange(0, KEYS_PER_WARP)[None, :]
-    in_seq = keys < seq_len
-    block = tl.load(block_table_row + keys // BLOCK_SIZE, mask=in_seq, other=0).to(tl.int64)
-    in_block = keys % BLOCK_SIZE
-    offs_d = tl.arange(0, HEAD_DIM)
-    k_offsets = (block * stride_cache_block + in_block * stride_cache_token)[:, :, None] + head_offset + offs_d[None, None, :]
-    if MASKED:
-        k = tl.load(k_cache + k_offsets, mask=in_seq[:, :, None], other=0.0)
-    else:
-        k = tl.load(k_cache + k_offsets)
-    row_scale = qk_scale
-    if FP8:
-        k = from_e4m3(k, qt.dtype, INTERPRET)
-        scale_offsets = (block * BLOCK_SIZE + in_block) * stride_scale_token
-        if MASKED:
-            row_scale = tl.load(k_scale_ptr + scale_offsets, mask=in_seq, other=0.0) * qk_scale
-        else:
-            row_scale = tl.load(k_scale_ptr + scale_offsets) * qk_scale
-        row_scale = row_scale[:, :, None]
-    elif INTERPRET:
-        k = k.to(tl.float32)
-    scores = tl.dot(k, qt, input_precision=DOT_PRECISION) * row_scale  # [W, keys, heads]
-    if MASKED:
-        scores = tl.where(in_seq[:, :, None], scores, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(scores, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(scores - m_safe[:, None, :])
-    alpha = tl.math.exp2(m_i - m_safe)
-    # V^T [W, D, keys]: from a key-major V the keys are the contiguous dimension.
-    if V_KEY_MAJOR:
-        run: tl.constexpr = min(KEYS_PER_WARP, BLOCK_SIZE)
-        key_offsets = tl.max_contiguous(tl.multiple_of(block * stride_cache_block + in_block, [1, run]), [1, run])
-        v = tl.load(v_cache + key_offsets[:, None, :] + head_offset * BLOCK_SIZE + (offs_d * BLOCK_SIZE)[None, :, None])
-    else:
-        v_offsets = (block * stride_cache_block + in_block * stride_cache_token)[:, None, :] + head_offset \
-            + offs_d[None, :, None]
-        if MASKED:
-            v = tl.load(v_cache + v_offsets, mask=in_seq[:, None, :], other=0.0)
-        else:
-            v = tl.load(v_cache + v_offsets)
-    if FP8:
-        v = from_e4m3(v, qt.dtype, INTERPRET)
-    elif INTERPRET:
-        v = v.to(tl.float32)
-    if V_KEY_MAJOR and MASKED:
-        v = tl.where(in_seq[:, None, :], v, 0.0)
-    if FP8:
-        if MASKED:
-            v_scales = tl.load(v_scale_ptr + scale_offsets, mask=in_seq, other=0.0)
-        else:
-            v_scales = tl.load(v_scale_ptr + scale_offsets)
-        v_max = tl.max(v_scales, 1)
-        v_max = tl.where(v_max == 0.0, 1.0, v_max)
-        p_v = p * (v_scales / v_max[:, None])[:, :, None]
-        acc = tl.dot(v, p_v.to(v.dtype), acc * (alpha * (v_ref / v_max)[:, None])[:, None, :], input_precision=DOT_PRECISION)
-        v_ref = v_max
-    else:
-        acc = tl.dot(v, p.to(v.dtype), acc * alpha[:, None, :], input_precision=DOT_PRECISION)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    return acc, m_new, l_i, v_ref
-
-
-@triton.jit
 def _decode_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, o_ptr, acc_ptr, m_ptr, l_ptr, seq_lens_ptr,
     block_tables_ptr, qk_scale, num_q_heads,
@@ -108,7 +39,6 @@ def _decode_attention_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_MIN: tl.constexpr,
     DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr, FP8: tl.constexpr, V_KEY_MAJOR: tl.constexpr,
-    WARPS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -118,9 +48,8 @@ def _decode_attention_kernel(
     start = split * split_len
     if NUM_SPLITS > 1:
         if start >= seq_len:
-            return
+            return  # an unused split: the merge reads only the splits that hold keys
     end = tl.minimum(start + split_len, seq_len)
-    KEYS_PER_WARP: tl.constexpr = BLOCK_N // WARPS
 
     rows = tl.arange(0, BLOCK_H)
     head = kv_head * GROUP + rows
@@ -132,37 +61,36 @@ def _decode_attention_kernel(
         q = q.to(tl.float32)
     elif FP8:
         q = fp8_dot_operand(q)
-    q3 = tl.broadcast_to(tl.trans(q)[None, :, :], (WARPS, HEAD_DIM, BLOCK_H))
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_block_table
     head_offset = kv_head * stride_cache_head
     if FP8:
+        # The KV head's scales: one per cache slot, stride_scale_token (Hkv) apart.
         k_scale_ptr += kv_head
         v_scale_ptr += kv_head
+    pos = tl.zeros([BLOCK_H], tl.int32) + (end - 1)  # every row sees keys up to end - 1
 
-    m_i = tl.full([WARPS, BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([WARPS, BLOCK_H], tl.float32)
-    acc = tl.zeros([WARPS, HEAD_DIM, BLOCK_H], tl.float32)
-    v_ref = tl.full([WARPS], 1.0, tl.float32)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    v_ref = tl.full([], 1.0, tl.float32)  # acc's unit (kernels/paged.py)
+    # start and split_len are multiples of BLOCK_N, so only the sequence's last tile is partial.
     full_end = start + (end - start) // BLOCK_N * BLOCK_N
     for n0 in range(start, full_end, BLOCK_N):
-        acc, m_i, l_i, v_ref = _warp_tile(acc, m_i, l_i, v_ref, q3, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-                                          block_table_row, head_offset, n0, seq_len, qk_scale, stride_cache_block,
-                                          stride_cache_token, stride_scale_token, HEAD_DIM, BLOCK_SIZE, WARPS,
-                                          KEYS_PER_WARP, False, DOT_PRECISION, INTERPRET, FP8, V_KEY_MAJOR)
+        acc, m_i, l_i, v_ref = _attend_tile(acc, m_i, l_i, v_ref, q, k_cache_ptr, v_cache_ptr, k_scale_ptr,
+                                            v_scale_ptr, block_table_row, head_offset, n0, seq_len, pos, qk_scale,
+                                            stride_cache_block, stride_cache_token, stride_scale_token, HEAD_DIM,
+                                            BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, INTERPRET, False, FP8,
+                                            V_KEY_MAJOR)
     for n0 in range(full_end, end, BLOCK_N):
-        acc, m_i, l_i, v_ref = _warp_tile(acc, m_i, l_i, v_ref, q3, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-                                          block_table_row, head_offset, n0, seq_len, qk_scale, stride_cache_block,
-                                          stride_cache_token, stride_scale_token, HEAD_DIM, BLOCK_SIZE, WARPS,
-                                          KEYS_PER_WARP, True, DOT_PRECISION, INTERPRET, FP8, V_KEY_MAJOR)
-    # The warps' partial results merged: weights relative to the overall row max.
-    m_all = tl.max(m_i, 0)
-    weight = tl.math.exp2(m_i - tl.where(m_all == float("-inf"), 0.0, m_all)[None, :])
-    l_all = tl.sum(l_i * weight, 0)
-    acc = tl.trans(tl.sum(acc * (weight * v_ref[:, None])[:, None, :], 0))
-    m_i = m_all
-    l_i = l_all
+        acc, m_i, l_i, v_ref = _attend_tile(acc, m_i, l_i, v_ref, q, k_cache_ptr, v_cache_ptr, k_scale_ptr,
+                                            v_scale_ptr, block_table_row, head_offset, n0, seq_len, pos, qk_scale,
+                                            stride_cache_block, stride_cache_token, stride_scale_token, HEAD_DIM,
+                                            BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, INTERPRET, False, FP8,
+                                            V_KEY_MAJOR)
+    acc = acc * v_ref
 
     if NUM_SPLITS == 1:
+        # seq_len 0 (a padding row of a captured batch) leaves l = 0 and acc = 0: write zeros.
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_rows = seq.to(tl.int64) * stride_o_batch + head * stride_o_head
         tl.store(o_ptr + o_rows[:, None] + offs_d[None, :], out.to(o_ptr.dtype.element_ty), mask=row_mask[:, None])
@@ -303,9 +231,9 @@ def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale=None, *,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
             k_scale.stride(1) if fp8 else None,
-            GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_H=max(8, triton.next_power_of_2(group)),
+            GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_H=max(16, triton.next_power_of_2(group)),
             DOT_PRECISION=dot_precision(q.dtype), INTERPRET=tuning.INTERPRET, FP8=fp8,
-            V_KEY_MAJOR=v_key_major, WARPS=cfg['num_warps'], **cfg)
+            V_KEY_MAJOR=v_key_major, **cfg)
         if num_splits > 1:
             _merge_splits_kernel[(batch, num_q_heads)](
                 scratch, m, l, seq_lens, out, num_q_heads, out.stride(0), out.stride(1),
