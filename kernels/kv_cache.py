@@ -188,10 +188,11 @@ def _gather_kv_blocks_kernel(cache_ptr, scale_ptr, blocks_ptr, out_ptr, NUM_HEAD
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_d < HEAD_DIM)[None, :]
     cols = (head * HEAD_DIM + offs_d)[None, :]
-    src = slot_offsets((block * BLOCK_SIZE + offs_t)[:, None], cols, NUM_HEADS * HEAD_DIM, BLOCK_SIZE, KEY_MAJOR)
+    slots = block * BLOCK_SIZE + offs_t
+    src = slot_offsets(slots[:, None], cols, NUM_HEADS * HEAD_DIM, BLOCK_SIZE, KEY_MAJOR)
     x = tl.load(cache_ptr + src, mask=mask, other=0.0)
     if FP8:
-        scales = tl.load(scale_ptr + (block * BLOCK_SIZE + offs_t) * NUM_HEADS + head)
+        scales = tl.load(scale_ptr + slots * NUM_HEADS + head)
         x = from_e4m3(x, tl.float32, INTERPRET) * scales[:, None]
     dst = (i * BLOCK_SIZE + offs_t)[:, None] * (NUM_HEADS * HEAD_DIM) + cols
     tl.store(out_ptr + dst, x.to(out_ptr.dtype.element_ty), mask=mask)
