@@ -1,8 +1,9 @@
 """Decode attention (one new token per sequence) over the paged KV cache, split-KV flash-decoding.
 
 Decode is bound by reading K/V. One program per (sequence, KV head, split) handles the G query
-heads of its KV head (padded to BLOCK_H >= 16 rows for tl.dot) over one contiguous segment of the
-keys, so each K/V byte is read once. The grid is fixed by the shapes (CUDA-graph capturable): it
+heads of its KV head over one contiguous segment of the keys, so each K/V byte is read once. Its
+dots are transposed (`_decode_tile`): keys are the MMA's M and the G heads its N, padded to
+BLOCK_H >= 8, which costs fewer instructions a key than heads as M padded to 16. The grid is fixed by the shapes (CUDA-graph capturable): it
 launches NUM_SPLITS splits per (sequence, KV head), a count chosen on the host from B, Hkv, the
 context bound and the SM count; each sequence then uses only min(NUM_SPLITS, cdiv(len, SPLIT_MIN))
 of them, computed on the GPU, and the others exit at once. Splits write an unnormalized
@@ -17,8 +18,9 @@ import triton
 import triton.language as tl
 
 from tritonllm.kernels import tuning
-from tritonllm.kernels.fp8 import fp8_dot_operand
-from tritonllm.kernels.paged import LOG2E, _attend_tile, cache_bucket, check_paged_inputs, dot_precision
+from tritonllm.kernels.fp8 import fp8_dot_operand, from_e4m3
+from tritonllm.kernels.paged import (LOG2E, _key_blocks, _key_major_keys, _load_scales, _relative_v_scales,
+                                    cache_bucket, check_paged_inputs, dot_precision)
 
 PROGRAMS_PER_SM = 3  # resident programs per SM that hide memory latency without extra splits
 
@@ -28,6 +30,68 @@ def _split_len(seq_len, NUM_SPLITS: tl.constexpr, SPLIT_MIN: tl.constexpr, BLOCK
     """Keys per split of one sequence: a multiple of BLOCK_N, about SPLIT_MIN or more, at most NUM_SPLITS splits."""
     splits = tl.maximum(tl.minimum(tl.cdiv(seq_len, SPLIT_MIN), NUM_SPLITS), 1)
     return tl.maximum(tl.cdiv(tl.cdiv(seq_len, splits), BLOCK_N) * BLOCK_N, BLOCK_N)
+
+
+@triton.jit
+def _decode_tile(acc, m_i, l_i, v_ref, qt, k_cache, v_cache, k_scale_ptr, v_scale_ptr, block_table_row, head_offset,
+                 n0, seq_len, qk_scale, stride_cache_block, stride_cache_token, stride_scale_token,
+                 HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr, FP8: tl.constexpr, V_KEY_MAJOR: tl.constexpr):
+    """One online-softmax step of the heads over keys n0 .. n0 + BLOCK_N - 1, with the dots transposed.
+
+    scores^T [BLOCK_N, BLOCK_H] = K . q^T and acc^T [D, BLOCK_H] += V^T . p^T: the keys are the MMA's
+    M and the few heads its N, which pads to 8 where an M pads to 16, and a key-major V is V^T as
+    stored. qt is q^T [D, BLOCK_H]; m_i, l_i [BLOCK_H] and v_ref as kernels/paged._attend_tile's.
+    MASKED: keys at or past seq_len count for nothing (only a sequence's last tile is partial).
+    """
+    keys = n0 + tl.arange(0, BLOCK_N)
+    in_seq = keys < seq_len
+    block, in_block = _key_blocks(block_table_row, n0, seq_len, BLOCK_SIZE, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    k_offsets = (block * stride_cache_block + in_block * stride_cache_token)[:, None] + head_offset + offs_d[None, :]
+    if MASKED:
+        k = tl.load(k_cache + k_offsets, mask=in_seq[:, None], other=0.0)
+    else:
+        k = tl.load(k_cache + k_offsets)
+    row_scale = qk_scale
+    if FP8:
+        k = from_e4m3(k, qt.dtype, INTERPRET)
+        scale_offsets = (block * BLOCK_SIZE + in_block) * stride_scale_token
+        row_scale = (_load_scales(k_scale_ptr, scale_offsets, in_seq, MASKED) * qk_scale)[:, None]
+    elif INTERPRET:
+        k = k.to(tl.float32)  # the interpreter's tl.dot multiplies raw bfloat16 bits
+    scores = tl.dot(k, qt, input_precision=DOT_PRECISION) * row_scale
+    if MASKED:
+        scores = tl.where(in_seq[:, None], scores, float("-inf"))
+    # Every split holds at least one key by its first tile, so m_new is finite and no NaN arises.
+    m_new = tl.maximum(m_i, tl.max(scores, 0))
+    p = tl.math.exp2(scores - m_new[None, :])
+    alpha = tl.math.exp2(m_i - m_new)
+    if V_KEY_MAJOR:
+        # Unmasked even past the sequence's end (as kernels/paged._attend_tile): padding keys read
+        # block 0, and their columns are zeroed below.
+        key_offsets = _key_major_keys(block, in_block, stride_cache_block, BLOCK_SIZE, BLOCK_N)
+        v = tl.load(v_cache + key_offsets[None, :] + head_offset * BLOCK_SIZE + (offs_d * BLOCK_SIZE)[:, None])
+    elif MASKED:
+        v = tl.load(v_cache + tl.trans(k_offsets), mask=in_seq[None, :], other=0.0)
+    else:
+        v = tl.load(v_cache + tl.trans(k_offsets))
+    if FP8:
+        v = from_e4m3(v, qt.dtype, INTERPRET)
+    elif INTERPRET:
+        v = v.to(tl.float32)
+    if V_KEY_MAJOR and MASKED:
+        v = tl.where(in_seq[None, :], v, 0.0)  # p is 0 there, 0 * NaN is not
+    if FP8:
+        # The V scales go on p's rows (keys), relative to the tile's largest; acc in units of v_ref.
+        v_rel, v_max = _relative_v_scales(v_scale_ptr, scale_offsets, in_seq, MASKED)
+        p_v = p * v_rel[:, None]
+        acc = tl.dot(v, p_v.to(v.dtype), acc * (alpha * (v_ref / v_max))[None, :], input_precision=DOT_PRECISION)
+        v_ref = v_max
+    else:
+        acc = tl.dot(v, p.to(v.dtype), acc * alpha[None, :], input_precision=DOT_PRECISION)
+    l_i = l_i * alpha + tl.sum(p, 0)
+    return acc, m_new, l_i, v_ref
 
 
 @triton.jit
@@ -61,33 +125,31 @@ def _decode_attention_kernel(
         q = q.to(tl.float32)
     elif FP8:
         q = fp8_dot_operand(q)
+    qt = tl.trans(q)
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_block_table
     head_offset = kv_head * stride_cache_head
     if FP8:
         # The KV head's scales: one per cache slot, stride_scale_token (Hkv) apart.
         k_scale_ptr += kv_head
         v_scale_ptr += kv_head
-    pos = tl.zeros([BLOCK_H], tl.int32) + (end - 1)  # every row sees keys up to end - 1
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    acc = tl.zeros([HEAD_DIM, BLOCK_H], tl.float32)  # transposed: see _decode_tile
     v_ref = tl.full([], 1.0, tl.float32)  # acc's unit (kernels/paged.py)
     # start and split_len are multiples of BLOCK_N, so only the sequence's last tile is partial.
     full_end = start + (end - start) // BLOCK_N * BLOCK_N
     for n0 in range(start, full_end, BLOCK_N):
-        acc, m_i, l_i, v_ref = _attend_tile(acc, m_i, l_i, v_ref, q, k_cache_ptr, v_cache_ptr, k_scale_ptr,
-                                            v_scale_ptr, block_table_row, head_offset, n0, seq_len, pos, qk_scale,
+        acc, m_i, l_i, v_ref = _decode_tile(acc, m_i, l_i, v_ref, qt, k_cache_ptr, v_cache_ptr, k_scale_ptr,
+                                            v_scale_ptr, block_table_row, head_offset, n0, seq_len, qk_scale,
                                             stride_cache_block, stride_cache_token, stride_scale_token, HEAD_DIM,
-                                            BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, INTERPRET, False, FP8,
-                                            V_KEY_MAJOR)
+                                            BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, INTERPRET, FP8, V_KEY_MAJOR)
     for n0 in range(full_end, end, BLOCK_N):
-        acc, m_i, l_i, v_ref = _attend_tile(acc, m_i, l_i, v_ref, q, k_cache_ptr, v_cache_ptr, k_scale_ptr,
-                                            v_scale_ptr, block_table_row, head_offset, n0, seq_len, pos, qk_scale,
+        acc, m_i, l_i, v_ref = _decode_tile(acc, m_i, l_i, v_ref, qt, k_cache_ptr, v_cache_ptr, k_scale_ptr,
+                                            v_scale_ptr, block_table_row, head_offset, n0, seq_len, qk_scale,
                                             stride_cache_block, stride_cache_token, stride_scale_token, HEAD_DIM,
-                                            BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, INTERPRET, False, FP8,
-                                            V_KEY_MAJOR)
-    acc = acc * v_ref
+                                            BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, INTERPRET, FP8, V_KEY_MAJOR)
+    acc = tl.trans(acc * v_ref)
 
     if NUM_SPLITS == 1:
         # seq_len 0 (a padding row of a captured batch) leaves l = 0 and acc = 0: write zeros.
@@ -231,7 +293,7 @@ def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale=None, *,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
             k_scale.stride(1) if fp8 else None,
-            GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_H=max(16, triton.next_power_of_2(group)),
+            GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_H=max(8, triton.next_power_of_2(group)),
             DOT_PRECISION=dot_precision(q.dtype), INTERPRET=tuning.INTERPRET, FP8=fp8,
             V_KEY_MAJOR=v_key_major, **cfg)
         if num_splits > 1:

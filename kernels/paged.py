@@ -1,9 +1,12 @@
 """The paged-attention core that prefill_attention.py and decode_attention.py share.
 
 A paged KV cache is [num_blocks, block_size, Hkv, D]; a sequence's block table maps its logical
-blocks to physical ones. `_attend_tile` is one online-softmax step of a tile of query rows over
-BLOCK_N keys read through the table (or through TMA descriptors); `_key_blocks` where those keys
-lie; `check_paged_inputs` the shape checks of both wrappers. V may be key-major (kernels/kv_cache.py).
+blocks to physical ones. `_attend_tile` is prefill's online-softmax step of a tile of query rows
+over BLOCK_N keys read through the table (or through TMA descriptors); decode has its own,
+transposed step (decode_attention.py) over the same helpers: `_key_blocks` where a tile's keys
+lie, `_key_major_keys` their offsets in a key-major V (kernels/kv_cache.py), `_load_scales` and
+`_relative_v_scales` an e4m3 tile's scales. `check_paged_inputs` holds the shape checks of both
+wrappers.
 
 An e4m3 cache (torch.float8_e4m3fn, kernels/fp8.py) holds K/V rows with a float32 scale per
 (slot, KV head) in k_scale / v_scale [num_blocks, block_size, Hkv]: the fp8 tile is converted to
@@ -48,6 +51,26 @@ def _load_scales(scale_ptr, offsets, in_seq, MASKED: tl.constexpr):
     else:
         scales = tl.load(scale_ptr + offsets)
     return scales
+
+
+@triton.jit
+def _relative_v_scales(v_scale_ptr, scale_offsets, in_seq, MASKED: tl.constexpr):
+    """A tile's V scales over their largest, and that largest (1.0 for an all-zero tile): the PV dot
+    takes the ratios on p, so a float16 p keeps small scales out of subnormals."""
+    v_scales = _load_scales(v_scale_ptr, scale_offsets, in_seq, MASKED)
+    v_max = tl.max(v_scales, 0)
+    v_max = tl.where(v_max == 0.0, 1.0, v_max)
+    return v_scales / v_max, v_max
+
+
+@triton.jit
+def _key_major_keys(block, in_block, stride_cache_block, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BLOCK_N] offsets of a tile's keys in a key-major V (add the head's and each D row's offsets).
+
+    A key's D values lie BLOCK_SIZE apart; keys of one block are adjacent. The compiler cannot see
+    that through the block-table gather: it is told, so the loads are vectors of keys."""
+    run: tl.constexpr = min(BLOCK_N, BLOCK_SIZE)
+    return tl.max_contiguous(tl.multiple_of(block * stride_cache_block + in_block, run), run)
 
 
 @triton.jit
@@ -112,10 +135,7 @@ def _attend_tile(acc, m_i, l_i, v_ref, q, k_cache, v_cache, k_scale_ptr, v_scale
     elif TMA:
         v = v_cache.load([row, head_offset])
     elif V_KEY_MAJOR:
-        # A key's D values lie BLOCK_SIZE apart; keys of one block are adjacent. The compiler cannot
-        # see that through the block-table gather: it is told, so the loads are vectors of keys.
-        run: tl.constexpr = min(BLOCK_N, BLOCK_SIZE)
-        key_offsets = tl.max_contiguous(tl.multiple_of(block * stride_cache_block + in_block, run), run)
+        key_offsets = _key_major_keys(block, in_block, stride_cache_block, BLOCK_SIZE, BLOCK_N)
         v_offsets = key_offsets[:, None] + head_offset * BLOCK_SIZE + (tl.arange(0, HEAD_DIM) * BLOCK_SIZE)[None, :]
         # No mask even on a tile past the sequence's end: a mask along the keys, the contiguous
         # dimension here, would split the vector copies into single bytes outside the pipeline.
@@ -134,13 +154,11 @@ def _attend_tile(acc, m_i, l_i, v_ref, q, k_cache, v_cache, k_scale_ptr, v_scale
         # Rows past the sequence hold whatever the block held before: p is 0 there, 0 * NaN is not.
         v = tl.where(in_seq, v, 0.0)
     if FP8:
-        # sum_j p_j * v_scale_j * v_j: the V scales go on p's columns, relative to the tile's largest
-        # so that a float16 p keeps small scales out of subnormals. acc moves to units of that
-        # largest scale (v_ref) and the dot accumulates into it in place: no second [rows, D] tile.
-        v_scales = _load_scales(v_scale_ptr, scale_offsets, keys < seq_len, MASKED)
-        v_max = tl.max(v_scales, 0)
-        v_max = tl.where(v_max == 0.0, 1.0, v_max)
-        p_v = p * (v_scales / v_max)[None, :]
+        # sum_j p_j * v_scale_j * v_j: the V scales go on p's columns, relative to the tile's largest.
+        # acc moves to units of that largest scale (v_ref) and the dot accumulates into it in place:
+        # no second [rows, D] tile.
+        v_rel, v_max = _relative_v_scales(v_scale_ptr, scale_offsets, keys < seq_len, MASKED)
+        p_v = p * v_rel[None, :]
         acc = tl.dot(p_v.to(v.dtype), v, acc * (alpha * (v_ref / v_max))[:, None], input_precision=DOT_PRECISION)
         v_ref = v_max
     else:

@@ -10,7 +10,7 @@ position is read. Online softmax in float32 with exp2 and scale * log2(e) folded
 Where each key tile lies inside one cache block (BLOCK_N <= block_size) on a GPU with TMA, K and
 V tiles arrive as TMA bulk copies through tensor descriptors: one block-table lookup a tile, no
 per-element address math, and the copies pipeline ahead of the dots. The tile step itself
-(`_attend_tile`) is kernels/paged.py's, shared with decode_attention.py.
+(`_attend_tile`) is kernels/paged.py's.
 
 An e4m3 cache (k_scale / v_scale given) takes the same paths: its TMA descriptors copy 1-byte
 tiles, which are converted to q's dtype in registers for the bf16/fp16 wgmma, and the per-key
