@@ -18,10 +18,12 @@ before moving right, so the blocks of one expert read its weight tile while it i
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tritonllm.kernels import tuning
 from tritonllm.kernels.moe_routing import moe_align
 from tritonllm.kernels.paged import dot_precision
+from tritonllm.kernels.prefill_attention import _has_tma
 
 
 GRAPH_TUNING_TOKENS = 256  # up to this many tokens a config is timed as a graph replay (each keeps its scratch)
@@ -43,7 +45,10 @@ def _tile(block_expert_ptr, num_n, GROUP_M: tl.constexpr):
 def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_pairs, top_k, inter, hidden,
                         stride_x, stride_we, stride_wn, stride_out,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                        EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
+                        EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+                        TMA: tl.constexpr):
+    # TMA: w_ptr is a descriptor over w13 as [E * 2N, H] of BLOCK_N x BLOCK_K tiles; rows past an
+    # expert's gate (or up) rows belong to columns that are not stored, and K past H reads zeros.
     pid_m, pid_n, expert = _tile(block_expert_ptr, tl.cdiv(inter, BLOCK_N), GROUP_M)
     if expert < 0:
         return
@@ -56,19 +61,27 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, num
     w_rows = (cols % inter).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + tokens.to(tl.int64)[:, None] * stride_x + offs_k[None, :]
-    w_base = w_ptr + expert.to(tl.int64) * stride_we + offs_k[:, None]
-    gate_ptrs = w_base + w_rows[None, :] * stride_wn
-    up_ptrs = w_base + (w_rows + inter)[None, :] * stride_wn
+    if TMA:
+        gate_row = expert * (2 * inter) + pid_n * BLOCK_N
+    else:
+        w_base = w_ptr + expert.to(tl.int64) * stride_we + offs_k[:, None]
+        gate_ptrs = w_base + w_rows[None, :] * stride_wn
+        up_ptrs = w_base + (w_rows + inter)[None, :] * stride_wn
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=(offs_k < hidden - k0)[None, :], other=0.0)
+        if TMA:
+            gate = tl.trans(w_ptr.load([gate_row, k0]))
+            up = tl.trans(w_ptr.load([gate_row + inter, k0]))
+        elif EVEN_K:
             gate = tl.load(gate_ptrs)
             up = tl.load(up_ptrs)
         else:
             k_mask = offs_k < hidden - k0
-            a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
             gate = tl.load(gate_ptrs, mask=k_mask[:, None], other=0.0)
             up = tl.load(up_ptrs, mask=k_mask[:, None], other=0.0)
         if INTERPRET:
@@ -77,8 +90,9 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, num
         acc_gate = tl.dot(a, gate, acc_gate, input_precision=DOT_PRECISION)
         acc_up = tl.dot(a, up, acc_up, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
-        gate_ptrs += BLOCK_K
-        up_ptrs += BLOCK_K
+        if not TMA:
+            gate_ptrs += BLOCK_K
+            up_ptrs += BLOCK_K
     # As HF and silu_and_mul: gate and up rounded to the model dtype, then silu(gate), then the product.
     dtype = out_ptr.dtype.element_ty
     gate = acc_gate.to(dtype).to(tl.float32)
@@ -91,7 +105,10 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, num
 def _moe_down_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, weights_ptr, num_pairs, inter, hidden,
                      stride_a, stride_we, stride_wn, stride_out,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                     EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
+                     EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+                     TMA: tl.constexpr):
+    # TMA: a_ptr and w_ptr are descriptors over the intermediate [P, N] (BLOCK_M x BLOCK_K tiles) and
+    # w2 as [E * H, N] (BLOCK_N x BLOCK_K tiles); K past N reads zeros.
     pid_m, pid_n, expert = _tile(block_expert_ptr, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     if expert < 0:
         return
@@ -101,12 +118,16 @@ def _moe_down_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, weight
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     # Every slot of a used block holds a finite intermediate row (padding: x[0]'s): no row mask.
-    a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_a + offs_k[None, :]
-    w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + (cols % hidden).to(tl.int64)[None, :] * stride_wn
-              + offs_k[:, None])
+    if not TMA:
+        a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_a + offs_k[None, :]
+        w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + (cols % hidden).to(tl.int64)[None, :] * stride_wn
+                  + offs_k[:, None])
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, inter, BLOCK_K):
-        if EVEN_K:
+        if TMA:
+            a = a_ptr.load([pid_m * BLOCK_M, k0])
+            w = tl.trans(w_ptr.load([expert * hidden + pid_n * BLOCK_N, k0]))
+        elif EVEN_K:
             a = tl.load(a_ptrs)
             w = tl.load(w_ptrs)
         else:
@@ -116,8 +137,9 @@ def _moe_down_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, weight
         if INTERPRET:
             a, w = a.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+        if not TMA:
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
     acc = acc * tl.load(weights_ptr + pairs, mask=valid, other=0.0)[:, None]
     out_offsets = pairs.to(tl.int64)[:, None] * stride_out + cols[None, :]
     tl.store(out_ptr + out_offsets, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (cols < hidden)[None, :])
@@ -234,21 +256,37 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         return y
     precision = dot_precision(x.dtype)
 
+    def descriptor(t, rows, block):
+        """A TMA descriptor over t as [rows, t.shape[-1]] of `block` tiles, or t itself (pointers)
+        where TMA does not apply: rows not 16-byte multiples, t not contiguous or aligned, no TMA."""
+        if not (t.is_contiguous() and t.data_ptr() % 16 == 0 and t.shape[-1] * t.element_size() % 16 == 0):
+            return t
+        if t.is_cuda and not _has_tma(t.device.index):
+            return t
+        shape = [rows, t.shape[-1]]
+        return TensorDescriptor(t.view(shape), shape, [shape[1], 1], block)
+
     def launch(cfg):
         up, down = _split(cfg)
         sorted_ids, block_expert, _ = moe_align(topk_ids, experts, up["BLOCK_M"])
         num_blocks = block_expert.shape[0]
         act = torch.empty(sorted_ids.shape[0], inter, dtype=x.dtype, device=x.device)
+        w13_tiles = descriptor(w13, experts * 2 * inter, [up["BLOCK_N"], up["BLOCK_K"]])
         _moe_gate_up_kernel[(num_blocks * triton.cdiv(inter, up["BLOCK_N"]),)](
-            x, w13, act, sorted_ids, block_expert, topk_ids.numel(), top_k, inter, hidden,
+            x, w13_tiles, act, sorted_ids, block_expert, topk_ids.numel(), top_k, inter, hidden,
             x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-            EVEN_K=hidden % up["BLOCK_K"] == 0, DOT_PRECISION=precision, INTERPRET=tuning.INTERPRET, **up)
+            EVEN_K=hidden % up["BLOCK_K"] == 0, DOT_PRECISION=precision, INTERPRET=tuning.INTERPRET,
+            TMA=w13_tiles is not w13, **up)
         # Rows summed in a fixed order by a second launch: atomics would reorder the adds run to run.
         rows = y if top_k == 1 else torch.empty(topk_ids.numel(), hidden, dtype=x.dtype, device=x.device)
+        w2_tiles = descriptor(w2, experts * hidden, [down["BLOCK_N"], down["BLOCK_K"]])
+        act_tiles = descriptor(act, act.shape[0], [down["BLOCK_M"], down["BLOCK_K"]])
+        tma = w2_tiles is not w2 and act_tiles is not act
         _moe_down_kernel[(num_blocks * triton.cdiv(hidden, down["BLOCK_N"]),)](
-            act, w2, rows, sorted_ids, block_expert, topk_weights, topk_ids.numel(), inter, hidden,
-            act.stride(0), w2.stride(0), w2.stride(1), rows.stride(0),
-            EVEN_K=inter % down["BLOCK_K"] == 0, DOT_PRECISION=precision, INTERPRET=tuning.INTERPRET, **down)
+            act_tiles if tma else act, w2_tiles if tma else w2, rows, sorted_ids, block_expert, topk_weights,
+            topk_ids.numel(), inter, hidden, act.stride(0), w2.stride(0), w2.stride(1), rows.stride(0),
+            EVEN_K=inter % down["BLOCK_K"] == 0, DOT_PRECISION=precision, INTERPRET=tuning.INTERPRET, TMA=tma,
+            **down)
         if top_k > 1:
             block_h = min(1024, tuning.pow2(hidden))
             _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
