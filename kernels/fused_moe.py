@@ -11,6 +11,10 @@
    rounded to x's dtype, to the pair's row of a [T*k, H] buffer (to y directly when k == 1).
 4. `_moe_sum_kernel` adds each token's k rows in float32 in order j = 0..k-1 and rounds once.
 
+Where their rows are 16-byte multiples (every real shape), the expert weights, and the down GEMM's
+intermediate rows, arrive as TMA tiles through tensor descriptors; x's gathered token rows, and
+every operand otherwise, through pointers.
+
 Grids depend on the shapes only (P // BLOCK_M blocks; those past the used ones exit at once), so
 decode steps can be captured in CUDA graphs. Programs walk GROUP_M blocks down a column of tiles
 before moving right, so the blocks of one expert read its weight tile while it is in L2.
