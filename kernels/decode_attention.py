@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from tritonllm.kernels import tuning
-from tritonllm.kernels.fp8 import _round_e4m3, e4m3_scale, from_e4m3
+from tritonllm.kernels.fp8 import fp8_dot_operand, from_e4m3
 from tritonllm.kernels.paged import (LOG2E, _key_blocks, _key_major_keys, _load_scales, _relative_v_scales,
                                     cache_bucket, check_paged_inputs, dot_precision)
 
@@ -30,17 +30,6 @@ def _split_len(seq_len, NUM_SPLITS: tl.constexpr, SPLIT_MIN: tl.constexpr, BLOCK
     """Keys per split of one sequence: a multiple of BLOCK_N, about SPLIT_MIN or more, at most NUM_SPLITS splits."""
     splits = tl.maximum(tl.minimum(tl.cdiv(seq_len, SPLIT_MIN), NUM_SPLITS), 1)
     return tl.maximum(tl.cdiv(tl.cdiv(seq_len, splits), BLOCK_N) * BLOCK_N, BLOCK_N)
-
-
-P_SCALE = tl.constexpr(256.0)  # p * v_rel in [0, 1] goes to e4m3 times this: subnormals reach 2^-17, not 2^-9
-
-
-@triton.jit
-def _e4m3(y, INTERPRET: tl.constexpr):
-    """y (float32, within +-448) rounded to e4m3, nearest even."""
-    if INTERPRET:
-        y = _round_e4m3(y)
-    return y.to(tl.float8e4nv)
 
 
 @triton.jit
@@ -64,17 +53,14 @@ def _decode_tile(acc, m_i, l_i, v_ref, qt, k_cache, v_cache, k_scale_ptr, v_scal
         k = tl.load(k_cache + k_offsets, mask=in_seq[:, None], other=0.0)
     else:
         k = tl.load(k_cache + k_offsets)
+    row_scale = qk_scale
     if FP8:
-        # e4m3 x e4m3 dot; qk_scale is [BLOCK_H]: the softmax scale times each head's q scale.
+        k = from_e4m3(k, qt.dtype, INTERPRET)
         scale_offsets = (block * BLOCK_SIZE + in_block) * stride_scale_token
-        k_scales = _load_scales(k_scale_ptr, scale_offsets, in_seq, MASKED)
-        if INTERPRET:
-            k = from_e4m3(k, tl.float32, INTERPRET)
-        scores = tl.dot(k, qt, out_dtype=tl.float32) * (k_scales[:, None] * qk_scale[None, :])
-    else:
-        if INTERPRET:
-            k = k.to(tl.float32)  # the interpreter's tl.dot multiplies raw bfloat16 bits
-        scores = tl.dot(k, qt, input_precision=DOT_PRECISION) * qk_scale
+        row_scale = (_load_scales(k_scale_ptr, scale_offsets, in_seq, MASKED) * qk_scale)[:, None]
+    elif INTERPRET:
+        k = k.to(tl.float32)  # the interpreter's tl.dot multiplies raw bfloat16 bits
+    scores = tl.dot(k, qt, input_precision=DOT_PRECISION) * row_scale
     if MASKED:
         scores = tl.where(in_seq[:, None], scores, float("-inf"))
     # Every split holds at least one key by its first tile, so m_new is finite and no NaN arises.
@@ -91,24 +77,18 @@ def _decode_tile(acc, m_i, l_i, v_ref, qt, k_cache, v_cache, k_scale_ptr, v_scal
     else:
         v = tl.load(v_cache + tl.trans(k_offsets))
     if FP8:
-        if V_KEY_MAJOR and MASKED:
-            # p is 0 there, 0 * NaN is not: zero the stale bytes, as bits so the tile stays e4m3.
-            v = tl.where(in_seq[None, :], v.to(tl.uint8, bitcast=True), 0).to(tl.float8e4nv, bitcast=True)
-        # e4m3 x e4m3 dot: p times each key's V scale over the tile's largest, times P_SCALE, as e4m3;
-        # acc in units of v_ref = that largest / P_SCALE.
+        v = from_e4m3(v, qt.dtype, INTERPRET)
+    elif INTERPRET:
+        v = v.to(tl.float32)
+    if V_KEY_MAJOR and MASKED:
+        v = tl.where(in_seq[None, :], v, 0.0)  # p is 0 there, 0 * NaN is not
+    if FP8:
+        # The V scales go on p's rows (keys), relative to the tile's largest; acc in units of v_ref.
         v_rel, v_max = _relative_v_scales(v_scale_ptr, scale_offsets, in_seq, MASKED)
-        p8 = _e4m3(p * (v_rel * P_SCALE)[:, None], INTERPRET)
-        if INTERPRET:
-            v = from_e4m3(v, tl.float32, INTERPRET)
-            p8 = p8.to(tl.float32)
-        v_max = v_max / P_SCALE
-        acc = tl.dot(v, p8, acc * (alpha * (v_ref / v_max))[None, :], out_dtype=tl.float32)
+        p_v = p * v_rel[:, None]
+        acc = tl.dot(v, p_v.to(v.dtype), acc * (alpha * (v_ref / v_max))[None, :], input_precision=DOT_PRECISION)
         v_ref = v_max
     else:
-        if INTERPRET:
-            v = v.to(tl.float32)
-        if V_KEY_MAJOR and MASKED:
-            v = tl.where(in_seq[None, :], v, 0.0)  # p is 0 there, 0 * NaN is not
         acc = tl.dot(v, p.to(v.dtype), acc * alpha[None, :], input_precision=DOT_PRECISION)
     l_i = l_i * alpha + tl.sum(p, 0)
     return acc, m_new, l_i, v_ref
@@ -141,16 +121,10 @@ def _decode_attention_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     q_rows = seq.to(tl.int64) * stride_q_batch + head * stride_q_head
     q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_mask[:, None], other=0.0)
-    if FP8:
-        # Each head's q as e4m3 with its own scale, which joins the softmax scale.
+    if INTERPRET:
         q = q.to(tl.float32)
-        q_scale = e4m3_scale(tl.max(tl.abs(q), 1))
-        q = _e4m3(q / q_scale[:, None], INTERPRET)
-        if INTERPRET:
-            q = from_e4m3(q, tl.float32, INTERPRET)
-        qk_scale = q_scale * qk_scale
-    elif INTERPRET:
-        q = q.to(tl.float32)
+    elif FP8:
+        q = fp8_dot_operand(q)
     qt = tl.trans(q)
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_block_table
     head_offset = kv_head * stride_cache_head
@@ -319,7 +293,7 @@ def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale=None, *,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
             k_scale.stride(1) if fp8 else None,
-            GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_H=max(16 if fp8 else 8, triton.next_power_of_2(group)),
+            GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_H=max(8, triton.next_power_of_2(group)),
             DOT_PRECISION=dot_precision(q.dtype), INTERPRET=tuning.INTERPRET, FP8=fp8,
             V_KEY_MAJOR=v_key_major, **cfg)
         if num_splits > 1:
