@@ -1,7 +1,7 @@
 """Decode attention at the shapes of the nano-vllm workload, with the engine's config and others.
 
-    python bench/decode_workload.py [--stride 16] [--kv-cache-dtype auto|fp8] [--block-size 16] [--save] [--out PATH]
-                                    [--files OTHER/kernels/decode_attention.py ...]
+    python bench/decode_workload.py [--stride 16] [--kv-cache-dtype auto|fp8] [--block-size 16] [--grid space|wide]
+                                    [--save] [--out PATH] [--files OTHER/kernels/decode_attention.py ...]
 
 bench/throughput.py's workload (256 requests, prompts 100..1024, outputs 100..1024) decodes with
 batches that shrink from 256 as requests finish and contexts spread from 100 to 2k, under a
@@ -9,7 +9,8 @@ context bound of max_model_len 4096. bench/kernels.py tunes on uniform contexts 
 This replays one layer of every `stride`-th decode step of the workload (Qwen3-0.6B heads: 16 q /
 8 kv, D 128, bf16, KV blocks of --block-size keys, batch padded to the engine's CUDA-graph size,
 block tables covering 4096 keys), times the engine's config and a grid of others (one CUDA graph
-each, median), and estimates the workload's decode-attention seconds (28 layers) for each config
+each, median: --grid space, the kernel's own tuning space of each bucket; --grid wide, 80 configs
+over an fp8 cache, each compiled once, which takes longer than a device call), and estimates the workload's decode-attention seconds (28 layers) for each config
 per batch bucket.
 With --kv-cache-dtype fp8 the cache is e4m3 with its per-(slot, head) scales (the engine's
 kv_cache_dtype="fp8"), and the fp8 buckets are the ones timed and saved.
@@ -53,7 +54,7 @@ def fastest(times: dict) -> str:
     return min(times, key=lambda key: (times[key] != times[key], times[key]))
 
 
-def candidates(fp8: bool):
+def wide_candidates(fp8: bool):
     warps = (4, 8) if fp8 else (4,)  # e4m3 tiles gain from more warps (NOTES-attention.md)
     for block_n, splits, split_min, stages, num_warps in itertools.product((64, 128), (1, 2, 4, 8), (128, 256, 512),
                                                                            (2, 3), warps):
@@ -70,6 +71,8 @@ def main():
     parser.add_argument("--out", help="write every timing as JSON here")
     parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto", help="auto: bf16")
     parser.add_argument("--block-size", type=int, choices=(16, 32, 64, 128, 256), default=16, help="keys a KV block")
+    parser.add_argument("--grid", choices=("space", "wide"), default="space",
+                        help="configs timed: each bucket's tuning space, or a wider fixed grid")
     parser.add_argument("--files", nargs="+", default=[], metavar="PATH",
                         help="decode_attention.py files to time beside the installed kernel")
     args = parser.parse_args()
@@ -88,7 +91,7 @@ def main():
         scales = {"k_scale": k_scale, "v_scale": v_scale}
     num_blocks = k_cache.shape[0]
     token_bytes = 8 * (128 + 4) * 2 if fp8 else 8 * 128 * 2 * 2  # K and V (and their float32 scales)
-    configs = list(candidates(fp8))
+    wide = list(wide_candidates(fp8)) if args.grid == "wide" else None
     rows = []
     # kernel -> batch bucket -> config key -> estimated s
     by_bucket = defaultdict(lambda: defaultdict(lambda: defaultdict(float)))
@@ -102,7 +105,9 @@ def main():
         q = randn(batch, 16, 128)
         moved = sum(lens) * token_bytes
         bucket = tuning.pow2(batch)
-        engine_cfg = DECODE_TUNABLE.config(engine_bucket(batch, k_cache.dtype, block_size), None)
+        step_bucket = engine_bucket(batch, k_cache.dtype, block_size)
+        engine_cfg = DECODE_TUNABLE.config(step_bucket, None)
+        configs = wide if wide is not None else DECODE_TUNABLE.space(*step_bucket)
         engine_keys[bucket] = json.dumps(engine_cfg, sort_keys=True)
         expected = kernels.decode_attention(q, k_cache, v_cache, seq_lens, tables, config=engine_cfg, **scales).float()
         step_times, errors = {}, {}
