@@ -15,11 +15,9 @@ Where their rows are 16-byte multiples (every real shape), the expert weights, a
 intermediate rows, arrive as TMA tiles through tensor descriptors; x's gathered token rows, and
 every operand otherwise, through pointers.
 
-Both GEMMs are persistent: a grid fixed by the shapes and the SM count (so decode steps can be
-captured in CUDA graphs) strides over the tiles of the used blocks, whose count moe_align leaves on
-the GPU; each program's loop nest is flattened so that Triton's pipeline runs on across tiles.
-Tiles go GROUP_M blocks down a column before moving right, so the blocks of one expert read its
-weight tile while it is in L2.
+Grids depend on the shapes only (P // BLOCK_M blocks; those past the used ones exit at once), so
+decode steps can be captured in CUDA graphs. Programs walk GROUP_M blocks down a column of tiles
+before moving right, so the blocks of one expert read its weight tile while it is in L2.
 """
 import torch
 import triton
@@ -27,7 +25,6 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tritonllm.kernels import tuning
-from tritonllm.kernels.decode_attention import num_sms
 from tritonllm.kernels.moe_routing import moe_align
 from tritonllm.kernels.paged import dot_precision
 from tritonllm.kernels.prefill_attention import _has_tma
@@ -37,116 +34,119 @@ GRAPH_TUNING_TOKENS = 256  # up to this many tokens a config is timed as a graph
 
 
 @triton.jit
-def _tile(tile, block_expert_ptr, num_m, num_n, GROUP_M: tl.constexpr):
-    """Tile `tile`'s block, column tile and the block's expert: GROUP_M blocks down a column of tiles
-    before moving right."""
+def _tile(block_expert_ptr, num_n, GROUP_M: tl.constexpr):
+    """This program's block, column tile and the block's expert (-1: an unused block)."""
+    pid = tl.program_id(0)
+    num_m = tl.num_programs(0) // num_n
     width = GROUP_M * num_n
-    first_m = tile // width * GROUP_M
+    first_m = pid // width * GROUP_M
     group = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (tile % width) % group
-    return pid_m, (tile % width) // group, tl.load(block_expert_ptr + pid_m)
+    pid_m = first_m + (pid % width) % group
+    return pid_m, (pid % width) // group, tl.load(block_expert_ptr + pid_m)
 
 
 @triton.jit
-def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, num_pairs, top_k, inter,
-                        hidden, stride_x, stride_we, stride_wn, stride_out,
+def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_pairs, top_k, inter, hidden,
+                        stride_x, stride_we, stride_wn, stride_out,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                         EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
                         TMA: tl.constexpr):
     # TMA: w_ptr is a descriptor over w13 as [E * 2N, H] of BLOCK_N x BLOCK_K tiles; rows past an
     # expert's gate (or up) rows belong to columns that are not stored, and K past H reads zeros.
-    # Persistent: the programs stride over the used blocks' tiles; the loop nest is flattened so the
-    # next tile's first loads are issued while this one finishes.
-    num_n = tl.cdiv(inter, BLOCK_N)
-    num_m = tl.load(num_padded_ptr) // BLOCK_M
+    pid_m, pid_n, expert = _tile(block_expert_ptr, tl.cdiv(inter, BLOCK_N), GROUP_M)
+    if expert < 0:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_ptr + rows)
+    # Padding slots read token 0, so the loads need no row mask.
+    tokens = tl.where(pairs < num_pairs, pairs // top_k, 0)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Columns past N wrap onto real weight rows (no mask in the loop); they are not stored.
+    w_rows = (cols % inter).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
-    for tile in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0), flatten=True):
-        pid_m, pid_n, expert = _tile(tile, block_expert_ptr, num_m, num_n, GROUP_M)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        pairs = tl.load(sorted_ptr + rows)
-        # Padding slots read token 0, so the loads need no row mask.
-        tokens = tl.where(pairs < num_pairs, pairs // top_k, 0)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        # Columns past N wrap onto real weight rows (no mask in the loop); they are not stored.
-        w_rows = (cols % inter).to(tl.int64)
-        a_ptrs = x_ptr + tokens.to(tl.int64)[:, None] * stride_x + offs_k[None, :]
-        if TMA:
-            gate_row = expert * (2 * inter) + pid_n * BLOCK_N
+    a_ptrs = x_ptr + tokens.to(tl.int64)[:, None] * stride_x + offs_k[None, :]
+    if TMA:
+        gate_row = expert * (2 * inter) + pid_n * BLOCK_N
+    else:
+        w_base = w_ptr + expert.to(tl.int64) * stride_we + offs_k[:, None]
+        gate_ptrs = w_base + w_rows[None, :] * stride_wn
+        up_ptrs = w_base + (w_rows + inter)[None, :] * stride_wn
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
         else:
-            w_base = w_ptr + expert.to(tl.int64) * stride_we + offs_k[:, None]
-            gate_ptrs = w_base + w_rows[None, :] * stride_wn
-            up_ptrs = w_base + (w_rows + inter)[None, :] * stride_wn
-        acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, hidden, BLOCK_K):
-            if EVEN_K:
-                a = tl.load(a_ptrs + k0)
-            else:
-                a = tl.load(a_ptrs + k0, mask=(offs_k < hidden - k0)[None, :], other=0.0)
-            if TMA:
-                gate = tl.trans(w_ptr.load([gate_row, k0]))
-                up = tl.trans(w_ptr.load([gate_row + inter, k0]))
-            elif EVEN_K:
-                gate = tl.load(gate_ptrs + k0)
-                up = tl.load(up_ptrs + k0)
-            else:
-                k_mask = offs_k < hidden - k0
-                gate = tl.load(gate_ptrs + k0, mask=k_mask[:, None], other=0.0)
-                up = tl.load(up_ptrs + k0, mask=k_mask[:, None], other=0.0)
-            if INTERPRET:
-                # The interpreter's tl.dot multiplies raw bfloat16 bits: compute in float32 there.
-                a, gate, up = a.to(tl.float32), gate.to(tl.float32), up.to(tl.float32)
-            acc_gate = tl.dot(a, gate, acc_gate, input_precision=DOT_PRECISION)
-            acc_up = tl.dot(a, up, acc_up, input_precision=DOT_PRECISION)
-        # As HF and silu_and_mul: gate and up rounded to the model dtype, then silu(gate), then the product.
-        dtype = out_ptr.dtype.element_ty
-        gate = acc_gate.to(dtype).to(tl.float32)
-        act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32) * acc_up.to(dtype).to(tl.float32)
-        out_offsets = rows.to(tl.int64)[:, None] * stride_out + cols[None, :]
-        tl.store(out_ptr + out_offsets, act.to(dtype), mask=(cols < inter)[None, :])
+            a = tl.load(a_ptrs, mask=(offs_k < hidden - k0)[None, :], other=0.0)
+        if TMA:
+            gate = tl.trans(w_ptr.load([gate_row, k0]))
+            up = tl.trans(w_ptr.load([gate_row + inter, k0]))
+        elif EVEN_K:
+            gate = tl.load(gate_ptrs)
+            up = tl.load(up_ptrs)
+        else:
+            k_mask = offs_k < hidden - k0
+            gate = tl.load(gate_ptrs, mask=k_mask[:, None], other=0.0)
+            up = tl.load(up_ptrs, mask=k_mask[:, None], other=0.0)
+        if INTERPRET:
+            # The interpreter's tl.dot multiplies raw bfloat16 bits: compute in float32 there.
+            a, gate, up = a.to(tl.float32), gate.to(tl.float32), up.to(tl.float32)
+        acc_gate = tl.dot(a, gate, acc_gate, input_precision=DOT_PRECISION)
+        acc_up = tl.dot(a, up, acc_up, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        if not TMA:
+            gate_ptrs += BLOCK_K
+            up_ptrs += BLOCK_K
+    # As HF and silu_and_mul: gate and up rounded to the model dtype, then silu(gate), then the product.
+    dtype = out_ptr.dtype.element_ty
+    gate = acc_gate.to(dtype).to(tl.float32)
+    act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32) * acc_up.to(dtype).to(tl.float32)
+    out_offsets = rows.to(tl.int64)[:, None] * stride_out + cols[None, :]
+    tl.store(out_ptr + out_offsets, act.to(dtype), mask=(cols < inter)[None, :])
 
 
 @triton.jit
-def _moe_down_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, weights_ptr, num_pairs,
-                     inter, hidden, stride_a, stride_we, stride_wn, stride_out,
+def _moe_down_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, weights_ptr, num_pairs, inter, hidden,
+                     stride_a, stride_we, stride_wn, stride_out,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                      EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
                      TMA: tl.constexpr):
     # TMA: a_ptr and w_ptr are descriptors over the intermediate [P, N] (BLOCK_M x BLOCK_K tiles) and
-    # w2 as [E * H, N] (BLOCK_N x BLOCK_K tiles); K past N reads zeros. Persistent as the gate/up kernel.
-    num_n = tl.cdiv(hidden, BLOCK_N)
-    num_m = tl.load(num_padded_ptr) // BLOCK_M
+    # w2 as [E * H, N] (BLOCK_N x BLOCK_K tiles); K past N reads zeros.
+    pid_m, pid_n, expert = _tile(block_expert_ptr, tl.cdiv(hidden, BLOCK_N), GROUP_M)
+    if expert < 0:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_ptr + rows)
+    valid = pairs < num_pairs
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    for tile in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0), flatten=True):
-        pid_m, pid_n, expert = _tile(tile, block_expert_ptr, num_m, num_n, GROUP_M)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        pairs = tl.load(sorted_ptr + rows)
-        valid = pairs < num_pairs
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        # Every slot of a used block holds a finite intermediate row (padding: x[0]'s): no row mask.
+    # Every slot of a used block holds a finite intermediate row (padding: x[0]'s): no row mask.
+    if not TMA:
+        a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_a + offs_k[None, :]
+        w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + (cols % hidden).to(tl.int64)[None, :] * stride_wn
+                  + offs_k[:, None])
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        if TMA:
+            a = a_ptr.load([pid_m * BLOCK_M, k0])
+            w = tl.trans(w_ptr.load([expert * hidden + pid_n * BLOCK_N, k0]))
+        elif EVEN_K:
+            a = tl.load(a_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            k_mask = offs_k < inter - k0
+            a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
+        if INTERPRET:
+            a, w = a.to(tl.float32), w.to(tl.float32)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
         if not TMA:
-            a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_a + offs_k[None, :]
-            w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + (cols % hidden).to(tl.int64)[None, :] * stride_wn
-                      + offs_k[:, None])
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, inter, BLOCK_K):
-            if TMA:
-                a = a_ptr.load([pid_m * BLOCK_M, k0])
-                w = tl.trans(w_ptr.load([expert * hidden + pid_n * BLOCK_N, k0]))
-            elif EVEN_K:
-                a = tl.load(a_ptrs + k0)
-                w = tl.load(w_ptrs + k0)
-            else:
-                k_mask = offs_k < inter - k0
-                a = tl.load(a_ptrs + k0, mask=k_mask[None, :], other=0.0)
-                w = tl.load(w_ptrs + k0, mask=k_mask[:, None], other=0.0)
-            if INTERPRET:
-                a, w = a.to(tl.float32), w.to(tl.float32)
-            acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
-        acc = acc * tl.load(weights_ptr + pairs, mask=valid, other=0.0)[:, None]
-        out_offsets = pairs.to(tl.int64)[:, None] * stride_out + cols[None, :]
-        tl.store(out_ptr + out_offsets, acc.to(out_ptr.dtype.element_ty),
-                 mask=valid[:, None] & (cols < hidden)[None, :])
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+    acc = acc * tl.load(weights_ptr + pairs, mask=valid, other=0.0)[:, None]
+    out_offsets = pairs.to(tl.int64)[:, None] * stride_out + cols[None, :]
+    tl.store(out_ptr + out_offsets, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (cols < hidden)[None, :])
 
 
 @triton.jit
@@ -272,15 +272,12 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 
     def launch(cfg):
         up, down = _split(cfg)
-        sorted_ids, block_expert, num_padded = moe_align(topk_ids, experts, up["BLOCK_M"])
+        sorted_ids, block_expert, _ = moe_align(topk_ids, experts, up["BLOCK_M"])
         num_blocks = block_expert.shape[0]
         act = torch.empty(sorted_ids.shape[0], inter, dtype=x.dtype, device=x.device)
         w13_tiles = descriptor(w13, experts * 2 * inter, [up["BLOCK_N"], up["BLOCK_K"]])
-        # Persistent: 128 / BLOCK_M programs an SM (small decode-sized tiles need several resident to
-        # keep weight bytes in flight), fewer where there are fewer tiles.
-        programs = num_sms() * max(1, 128 // up["BLOCK_M"])
-        _moe_gate_up_kernel[(min(num_blocks * triton.cdiv(inter, up["BLOCK_N"]), programs),)](
-            x, w13_tiles, act, sorted_ids, block_expert, num_padded, topk_ids.numel(), top_k, inter, hidden,
+        _moe_gate_up_kernel[(num_blocks * triton.cdiv(inter, up["BLOCK_N"]),)](
+            x, w13_tiles, act, sorted_ids, block_expert, topk_ids.numel(), top_k, inter, hidden,
             x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
             EVEN_K=hidden % up["BLOCK_K"] == 0, DOT_PRECISION=precision, INTERPRET=tuning.INTERPRET,
             TMA=w13_tiles is not w13, **up)
@@ -289,8 +286,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         w2_tiles = descriptor(w2, experts * hidden, [down["BLOCK_N"], down["BLOCK_K"]])
         act_tiles = descriptor(act, act.shape[0], [down["BLOCK_M"], down["BLOCK_K"]])
         tma = w2_tiles is not w2 and act_tiles is not act
-        _moe_down_kernel[(min(num_blocks * triton.cdiv(hidden, down["BLOCK_N"]), programs),)](
-            act_tiles if tma else act, w2_tiles if tma else w2, rows, sorted_ids, block_expert, num_padded, topk_weights,
+        _moe_down_kernel[(num_blocks * triton.cdiv(hidden, down["BLOCK_N"]),)](
+            act_tiles if tma else act, w2_tiles if tma else w2, rows, sorted_ids, block_expert, topk_weights,
             topk_ids.numel(), inter, hidden, act.stride(0), w2.stride(0), w2.stride(1), rows.stride(0),
             EVEN_K=inter % down["BLOCK_K"] == 0, DOT_PRECISION=precision, INTERPRET=tuning.INTERPRET, TMA=tma,
             **down)
