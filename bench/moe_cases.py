@@ -20,7 +20,6 @@ from kernel_cases import Case, randn, reference_anchors
 from timing import L2_BYTES
 from tritonllm import kernels
 from tritonllm.kernels import reference
-from tritonllm.kernels.fused_moe import _TUNING as FUSED_MOE_TUNABLE, fused_moe_bucket
 
 SHAPES = {"30B-A3B": (128, 8, 768, 2048), "30B-A3B TP2": (128, 8, 384, 2048), "235B-A22B": (128, 8, 1536, 4096)}
 TOKENS = (1, 16, 64, 256, 4096, 16384)
@@ -76,16 +75,9 @@ def moe_cases(quick):
         def torch_moe(logits, x, w13, w2, *dense, k=top_k):
             return reference.fused_moe(x, w13, w2, *reference.moe_route(logits, k, True))
 
-        def portable_moe(logits, x, w13, w2, *dense, k=top_k):
-            # The portable Triton GEMMs at their tuned config: fused_moe takes them when given a config.
-            bucket = fused_moe_bucket(x.dtype, w13.shape[0], w2.shape[2], x.shape[1], x.shape[0])
-            return kernels.fused_moe(x, w13, w2, *kernels.moe_route(logits, k, True),
-                                     config=FUSED_MOE_TUNABLE.config(bucket, None))
-
         anchors = {"torch": torch_moe}
         if not decode:
             anchors["cuBLAS dense pair"] = lambda logits, x, w13, w2, a1, a2: (a1 @ w13[0].T, a2 @ w2[0].T)
-            anchors["portable kernels"] = portable_moe
         label = f"{name} E{experts} k{top_k} N{inter} H{hidden} T{tokens} bf16"
         size = {"bytes": touched_bytes(tokens, experts, top_k, inter, hidden)} if decode else {
             "flops": 2 * tokens * top_k * 3 * inter * hidden}

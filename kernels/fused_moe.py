@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from tritonllm.kernels import fused_moe_hopper, tuning
+from tritonllm.kernels import tuning
 from tritonllm.kernels.moe_routing import moe_align
 from tritonllm.kernels.paged import dot_precision
 from tritonllm.kernels.prefill_attention import _has_tma
@@ -218,14 +218,6 @@ def _split(config: dict) -> tuple[dict, dict]:
     return up, down
 
 
-def _sum_rows(rows, y, top_k):
-    """y[t] = the sum of rows t*k .. t*k + k - 1, in float32, in order."""
-    hidden = y.shape[1]
-    block_h = min(1024, tuning.pow2(hidden))
-    _moe_sum_kernel[(y.shape[0], triton.cdiv(hidden, block_h))](rows, y, top_k, hidden, y.stride(0), BLOCK_H=block_h,
-                                                                num_warps=4)
-
-
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, *, out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
     """y[t] = sum_j topk_weights[t, j] * w2[e] @ (silu(gate) * up), e = topk_ids[t, j], [gate; up] = w13[e] @ x[t].
@@ -300,21 +292,10 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
             EVEN_K=inter % down["BLOCK_K"] == 0, DOT_PRECISION=precision, INTERPRET=tuning.INTERPRET, TMA=tma,
             **down)
         if top_k > 1:
-            _sum_rows(rows, y, top_k)
+            block_h = min(1024, tuning.pow2(hidden))
+            _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
+                rows, y, top_k, hidden, y.stride(0), BLOCK_H=block_h, num_warps=4)
 
-    if config is None and fused_moe_hopper.supports(x, w13, w2, _rows_per_expert(experts, num_tokens)):
-        def launch_hopper(cfg):
-            sorted_ids, block_expert, num_padded = moe_align(topk_ids, experts, cfg["BLOCK_M"])
-            act = torch.empty(sorted_ids.shape[0], inter, dtype=x.dtype, device=x.device)
-            rows = y if top_k == 1 else torch.empty(topk_ids.numel(), hidden, dtype=x.dtype, device=x.device)
-            fused_moe_hopper.moe_gemms_hopper(x, w13, w2, topk_weights, sorted_ids, block_expert, num_padded, act,
-                                              rows, top_k, cfg)
-            if top_k > 1:
-                _sum_rows(rows, y, top_k)
-
-        bucket = fused_moe_bucket(x.dtype, experts, inter, hidden, num_tokens)
-        launch_hopper(fused_moe_hopper.HOPPER_TUNABLE.config(bucket, launch_hopper))
-        return y
     if config is None:
         bucket = fused_moe_bucket(x.dtype, experts, inter, hidden, num_tokens)
         graphed = x.is_cuda and num_tokens <= GRAPH_TUNING_TOKENS  # decode-sized: five launches' overhead

@@ -217,18 +217,6 @@ def cases():
                 torch.zeros(t, 2048, dtype=d), torch.zeros(8, 1536, 2048, dtype=d), torch.zeros(8, 2048, 768, dtype=d),
                 torch.zeros(t, k), torch.zeros(t, k, dtype=torch.int32)))
     calls.append(lambda: moe_route(torch.zeros(1, 512), 8, False))
-    from tritonllm.kernels.fused_moe_hopper import HOPPER_TUNABLE as MOE_HOPPER, moe_gemms_hopper
-
-    # The Hopper path of fused_moe (GPUs only, so called directly): 30B's shapes at 4096 tokens, the
-    # default config and the smallest tiles.
-    for dtype in (torch.float16, torch.bfloat16):
-        for cfg in (MOE_HOPPER.default("bfloat16", 128, 768, 2048, 4096),
-                    {"BLOCK_M": 64, "BLOCK_N": 64, "DOWN_BLOCK_N": 128, "NUM_STAGES": 4, "GROUP_M": 8}):
-            slots = 32768 + 8 * cfg["BLOCK_M"]
-            calls.append(lambda d=dtype, c=cfg, p=slots: moe_gemms_hopper(
-                torch.zeros(4096, 2048, dtype=d), torch.zeros(8, 1536, 2048, dtype=d), torch.zeros(8, 2048, 768, dtype=d),
-                torch.zeros(4096, 8), i32(p), i32(p // c["BLOCK_M"]), i32(1), torch.zeros(p, 768, dtype=d),
-                torch.zeros(32768, 2048, dtype=d), 8, c))
     return calls
 
 
