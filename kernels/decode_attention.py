@@ -218,10 +218,13 @@ def _decode_space(dtype_name, head_dim, group, num_kv_heads, block_size, batch, 
         return [{"BLOCK_N": block_n, "NUM_SPLITS": num_splits, "SPLIT_MIN": 256, "num_warps": num_warps,
                  "num_stages": 3} for block_n in (32, 64, 128) for num_splits in splits]
     # e4m3 tiles carry half the bytes a key, so longer tiles keep as many bytes in flight; from a
-    # key-major V, 256 keys a tile fit in registers and shared memory (NOTES-attention.md).
-    return [{"BLOCK_N": block_n, "NUM_SPLITS": num_splits, "SPLIT_MIN": 256, "num_warps": warps, "num_stages": stages}
-            for block_n in (64, 128, 256) for num_splits in splits[-2:] for warps in (num_warps, 8)
-            for stages in (2, 3)]
+    # key-major V, 256 keys a tile fit in registers and shared memory. The loop is latency-bound at
+    # 168 registers a thread (3 programs of 4 warps an SM); capped at 128 it compiles without spills,
+    # so a fourth program fits (NOTES-attention.md).
+    configs = [{"BLOCK_N": block_n, "NUM_SPLITS": num_splits, "SPLIT_MIN": 256, "num_warps": warps,
+                "num_stages": stages} for block_n in (64, 128, 256) for num_splits in splits[-2:]
+               for warps in (num_warps, 8) for stages in (2, 3)]
+    return configs + [config | {"maxnreg": 128} for config in configs if config["BLOCK_N"] <= 128]
 
 
 def _decode_default(dtype_name, head_dim, group, num_kv_heads, block_size, batch, context, cache_dtype_name=None):

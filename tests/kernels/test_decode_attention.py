@@ -119,6 +119,18 @@ def shipped_decode_configs():
     return [found[key] for key in sorted(found)]
 
 
+# The e4m3 tuning space's register-capped configs (a launch option the others lack), over a key-major V.
+@pytest.mark.parametrize("config", [c for c in decode_module.DECODE_TUNABLE.space(
+    "bfloat16", 64, 2, 2, 16, 4, 4096, "float8_e4m3fn") if "maxnreg" in c], ids=str)
+def test_decode_register_capped_configs(config):
+    seq_lens = [1, 130, 300]
+    k_cache, v_cache, tables, scales = paged_caches(seq_lens, 2, 64, 16, torch.bfloat16, True, v_layout="key_major")
+    q = randn(len(seq_lens), 4, 64, dtype=torch.bfloat16, scale=2.0)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    out, ref = run_decode(q, k_cache, v_cache, lens, tables, scales, config=config)
+    assert_close(out, ref, torch.bfloat16, ATTN)
+
+
 # What the engine runs: lengths around SPLIT_MIN (128..512) and BLOCK_N (64, 128) boundaries.
 @FP8
 @pytest.mark.parametrize("config", shipped_decode_configs(),
