@@ -32,13 +32,14 @@ def test_pow2_buckets():
 
 @pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
 def test_shipped_configs_match_their_kernels(path):
-    # A tuned config must carry exactly the meta-parameters its kernel takes today.
+    # A tuned config must carry exactly the meta-parameters its kernel takes today, plus at most the
+    # launch options a tuning space may add (decode's register cap).
     body = json.loads(path.read_text())
     assert body["kernels"]
     for name, rows in body["kernels"].items():
         tunable = tuning.REGISTRY[name]
         for key, config in rows.items():
-            assert set(config) == set(tunable.default(*parse_bucket(key))), (name, key)
+            assert set(config) - {"maxnreg"} == set(tunable.default(*parse_bucket(key))), (name, key)
 
 
 @pytest.fixture
