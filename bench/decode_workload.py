@@ -10,8 +10,8 @@ This replays one layer of every `stride`-th decode step of the workload (Qwen3-0
 8 kv, D 128, bf16, KV blocks of --block-size keys, batch padded to the engine's CUDA-graph size,
 block tables covering 4096 keys), times the engine's config and a grid of others (one CUDA graph
 each, median: --grid space, the kernel's own tuning space of each bucket; --grid wide, 80 configs
-over an fp8 cache, each compiled once, which takes longer than a device call), and estimates the workload's decode-attention seconds (28 layers) for each config
-per batch bucket.
+over an fp8 cache, each compiled once, which takes longer than a device call), and estimates the
+workload's decode-attention seconds (28 layers) for each config per batch bucket.
 With --kv-cache-dtype fp8 the cache is e4m3 with its per-(slot, head) scales (the engine's
 kv_cache_dtype="fp8"), and the fp8 buckets are the ones timed and saved.
 
@@ -124,15 +124,14 @@ def main():
                 key = json.dumps(cfg, sort_keys=True)
                 if key in times:  # the engine's config is often one of the candidates: count it once
                     continue
-                try:
-                    times[key] = graph_time_ms(lambda c=cfg: fn(q, k_cache, v_cache, seq_lens, tables, config=c,
-                                                                **scales), [()], replays=20)
-                except Exception:  # a prototype's config that does not compile
-                    if name == "installed":
-                        raise
-                    times[key] = float("nan")
-                if errors[name] > 2e-2:  # a kernel that disagrees with the installed one counts for nothing
-                    times[key] = float("nan")
+                times[key] = float("nan")  # a kernel that disagrees with the installed one counts for nothing
+                if not errors[name] > 2e-2:
+                    try:
+                        times[key] = graph_time_ms(lambda c=cfg: fn(q, k_cache, v_cache, seq_lens, tables, config=c,
+                                                                    **scales), [()], replays=20)
+                    except Exception:  # a prototype's config that does not compile stays NaN
+                        if name == "installed":
+                            raise
                 by_bucket[name][bucket][key] += times[key] * 1e-3 * args.stride * LAYERS
         times = step_times["installed"]
         best = fastest(times)
