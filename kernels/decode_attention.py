@@ -33,6 +33,31 @@ def _split_len(seq_len, NUM_SPLITS: tl.constexpr, SPLIT_MIN: tl.constexpr, BLOCK
 
 
 @triton.jit
+def _key_major_v_tile(v_cache, block_table_row, block, in_block, head_offset, n0, seq_len, stride_cache_block,
+                      HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """V^T [D, BLOCK_N] of keys n0 .. n0 + BLOCK_N - 1 from a key-major V (block, in_block: _key_blocks').
+
+    A head's D x BLOCK_SIZE values in a block are one contiguous run. Where a tile spans several
+    blocks it is loaded as [blocks, D * BLOCK_SIZE] runs, so a warp reads consecutive D rows of one
+    block: loaded as [D, BLOCK_N] the lanes would spread over the blocks, each taking a BLOCK_SIZE
+    piece of a row, and small blocks would use half of every 32-byte sector each request fetches.
+    """
+    if BLOCK_N <= BLOCK_SIZE:
+        key_offsets = _key_major_keys(block, in_block, stride_cache_block, BLOCK_SIZE, BLOCK_N)
+        v = tl.load(v_cache + key_offsets[None, :] + head_offset * BLOCK_SIZE
+                    + (tl.arange(0, HEAD_DIM) * BLOCK_SIZE)[:, None])
+    else:
+        BLOCKS: tl.constexpr = BLOCK_N // BLOCK_SIZE
+        offs_b = tl.arange(0, BLOCKS)
+        blocks = tl.load(block_table_row + n0 // BLOCK_SIZE + offs_b, mask=n0 + offs_b * BLOCK_SIZE < seq_len,
+                         other=0).to(tl.int64)
+        runs = tl.load(v_cache + (blocks * stride_cache_block + head_offset * BLOCK_SIZE)[:, None]
+                       + tl.arange(0, HEAD_DIM * BLOCK_SIZE)[None, :])
+        v = tl.reshape(tl.permute(tl.reshape(runs, (BLOCKS, HEAD_DIM, BLOCK_SIZE)), (1, 0, 2)), (HEAD_DIM, BLOCK_N))
+    return v
+
+
+@triton.jit
 def _decode_tile(acc, m_i, l_i, v_ref, qt, k_cache, v_cache, k_scale_ptr, v_scale_ptr, block_table_row, head_offset,
                  n0, seq_len, qk_scale, stride_cache_block, stride_cache_token, stride_scale_token,
                  HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
@@ -70,8 +95,8 @@ def _decode_tile(acc, m_i, l_i, v_ref, qt, k_cache, v_cache, k_scale_ptr, v_scal
     if V_KEY_MAJOR:
         # Unmasked even past the sequence's end (as kernels/paged._attend_tile): padding keys read
         # block 0, and their columns are zeroed below.
-        key_offsets = _key_major_keys(block, in_block, stride_cache_block, BLOCK_SIZE, BLOCK_N)
-        v = tl.load(v_cache + key_offsets[None, :] + head_offset * BLOCK_SIZE + (offs_d * BLOCK_SIZE)[:, None])
+        v = _key_major_v_tile(v_cache, block_table_row, block, in_block, head_offset, n0, seq_len,
+                              stride_cache_block, HEAD_DIM, BLOCK_SIZE, BLOCK_N)
     elif MASKED:
         v = tl.load(v_cache + tl.trans(k_offsets), mask=in_seq[None, :], other=0.0)
     else:
