@@ -26,12 +26,13 @@ def e4m3_scale(amax):
 def _round_e4m3(x):
     # x float32 within +-448, rounded to the e4m3 grid: 3 mantissa bits, exponents down to -6 (below
     # that a fixed step of 2^-9). |x| / step is exact and below 16, so adding and subtracting
-    # 1.5 * 2^23 rounds it to an integer, ties to even. The sign is put back from the bits, -0 included.
+    # 1.5 * 2^23 rounds it to an integer, ties to even. The sign is put back from the bits, -0 included
+    # (by a multiply: Triton 3.6's interpreter negates 0.0 to +0).
     bits = x.to(tl.int32, bitcast=True)
     exponent = ((bits >> 23) & 0xFF) - 127
     step = ((tl.maximum(exponent, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)
     rounded = ((tl.abs(x) / step + 12582912.0) - 12582912.0) * step
-    return tl.where(bits < 0, -rounded, rounded)
+    return tl.where(bits < 0, -1.0, 1.0) * rounded
 
 
 @triton.jit
