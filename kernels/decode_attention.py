@@ -3,10 +3,11 @@
 Decode is bound by reading K/V. One program per (sequence, KV head, split) handles the G query
 heads of its KV head over one contiguous segment of the keys, so each K/V byte is read once. Its
 dots are transposed (`_decode_tile`): keys are the MMA's M and the G heads its N, padded to
-BLOCK_H >= 8, which costs fewer instructions a key than heads as M padded to 16. The grid is fixed by the shapes (CUDA-graph capturable): it
-launches NUM_SPLITS splits per (sequence, KV head), a count chosen on the host from B, Hkv, the
-context bound and the SM count; each sequence then uses only min(NUM_SPLITS, cdiv(len, SPLIT_MIN))
-of them, computed on the GPU, and the others exit at once. Splits write an unnormalized
+BLOCK_H >= 8, which costs fewer instructions a key than heads as M padded to 16. The grid is
+fixed by the shapes (CUDA-graph capturable): it launches NUM_SPLITS splits per (sequence, KV
+head), a count chosen on the host from B, Hkv, the context bound and the SM count; each sequence
+then uses only min(NUM_SPLITS, cdiv(len, SPLIT_MIN)) of them, computed on the GPU, and the others
+exit at once. Splits write an unnormalized
 accumulator, row max and row sum to float32 scratch; a second launch merges them. With
 NUM_SPLITS == 1 the first launch writes o itself. An e4m3 cache (k_scale / v_scale given) halves
 the K/V bytes; each tile also reads its keys' scales (kernels/paged.py).

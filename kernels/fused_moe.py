@@ -61,13 +61,13 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, num
     # Padding slots read token 0, so the loads need no row mask.
     tokens = tl.where(pairs < num_pairs, pairs // top_k, 0)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    # Columns past N wrap onto real weight rows (no mask in the loop); they are not stored.
-    w_rows = (cols % inter).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + tokens.to(tl.int64)[:, None] * stride_x + offs_k[None, :]
     if TMA:
         gate_row = expert * (2 * inter) + pid_n * BLOCK_N
     else:
+        # Columns past N wrap onto real weight rows (no mask in the loop); they are not stored.
+        w_rows = (cols % inter).to(tl.int64)
         w_base = w_ptr + expert.to(tl.int64) * stride_we + offs_k[:, None]
         gate_ptrs = w_base + w_rows[None, :] * stride_wn
         up_ptrs = w_base + (w_rows + inter)[None, :] * stride_wn
