@@ -38,6 +38,7 @@ from tritonllm.kernels import reference
 from tritonllm.engine.model_runner import graph_batch_sizes
 from tritonllm.kernels import tuning
 from tritonllm.kernels.decode_attention import DECODE_TUNABLE, decode_attention_bucket
+from tritonllm.kernels.fp8 import head_major_copy
 from tritonllm.kernels.kv_cache import key_major_copy
 
 LAYERS, MAX_MODEL_LEN = 28, 4096
@@ -87,8 +88,9 @@ def main():
     scales = {}
     if fp8:
         (k_cache, k_scale), (v_cache, v_scale) = reference.quantize_e4m3(k_cache), reference.quantize_e4m3(v_cache)
-        v_cache = key_major_copy(v_cache)  # as the engine keeps an e4m3 V
-        scales = {"k_scale": k_scale, "v_scale": v_scale}
+        # As the engine keeps an e4m3 cache: V key-major, the scales head-major.
+        v_cache = key_major_copy(v_cache)
+        scales = {"k_scale": head_major_copy(k_scale), "v_scale": head_major_copy(v_scale)}
     num_blocks = k_cache.shape[0]
     token_bytes = 8 * (128 + 4) * 2 if fp8 else 8 * 128 * 2 * 2  # K and V (and their float32 scales)
     wide = list(wide_candidates(fp8)) if args.grid == "wide" else None

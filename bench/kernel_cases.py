@@ -6,6 +6,7 @@ import torch
 
 from tritonllm import kernels
 from tritonllm.kernels import reference
+from tritonllm.kernels.fp8 import head_major_copy
 from tritonllm.kernels.kv_cache import key_major_copy
 from tritonllm.layers import rotary
 
@@ -222,7 +223,8 @@ def decode_attention_cases(quick):
         def make(b=batch, c=context, bs=block_size):
             k_cache, v_cache, tables = paged_cache(c, b, bs)
             (k8, k_scale), (v8, v_scale) = reference.quantize_e4m3(k_cache), reference.quantize_e4m3(v_cache)
-            v8 = key_major_copy(v8)  # as the engine keeps an e4m3 V
+            v8 = key_major_copy(v8)  # as the engine keeps an e4m3 V, and its scales
+            k_scale, v_scale = head_major_copy(k_scale), head_major_copy(v_scale)
             seq_lens = torch.full((b,), c, device="cuda", dtype=torch.int32)
             return randn(b, 16, 128), k8, v8, seq_lens, tables, k_scale, v_scale, k_cache, v_cache
 

@@ -19,6 +19,7 @@ from torch.nn.attention import SDPBackend
 from kernel_cases import Case, dense, paged_cache, randn, sdpa
 from tritonllm import kernels
 from tritonllm.kernels import reference
+from tritonllm.kernels.fp8 import head_major_copy
 from tritonllm.kernels.kv_cache import key_major_copy
 
 SEQS = (512, 1024, 2048, 4096, 16384)
@@ -132,6 +133,7 @@ def portable_cases(quick):
         def make_fp8(s=seq, bs=block_size):
             q, k_cache, v_cache, cu, seq_lens, tables, max_q = batch_inputs([s] * (TOKENS // s), 0, bs)[:7]
             (k8, k_scale), (v8, v_scale) = reference.quantize_e4m3(k_cache), reference.quantize_e4m3(v_cache)
+            k_scale, v_scale = head_major_copy(k_scale), head_major_copy(v_scale)  # the engine's layouts
             return q, k8, key_major_copy(v8), cu, seq_lens, tables, max_q, k_scale, v_scale, k_cache, v_cache
 
         cases.append(Case(

@@ -60,9 +60,10 @@ def _key_major_v_tile(v_cache, block_table_row, block, in_block, head_offset, n0
 
 @triton.jit
 def _decode_tile(acc, m_i, l_i, v_ref, qt, k_cache, v_cache, k_scale_ptr, v_scale_ptr, block_table_row, head_offset,
-                 n0, seq_len, qk_scale, stride_cache_block, stride_cache_token, stride_scale_token,
-                 HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr, FP8: tl.constexpr, V_KEY_MAJOR: tl.constexpr):
+                 n0, seq_len, qk_scale, stride_cache_block, stride_cache_token, stride_scale_block,
+                 stride_scale_token, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr, FP8: tl.constexpr,
+                 V_KEY_MAJOR: tl.constexpr):
     """One online-softmax step of the heads over keys n0 .. n0 + BLOCK_N - 1, with the dots transposed.
 
     scores^T [BLOCK_N, BLOCK_H] = K . q^T and acc^T [D, BLOCK_H] += V^T . p^T: the keys are the MMA's
@@ -82,7 +83,7 @@ def _decode_tile(acc, m_i, l_i, v_ref, qt, k_cache, v_cache, k_scale_ptr, v_scal
     row_scale = qk_scale
     if FP8:
         k = from_e4m3(k, qt.dtype, INTERPRET)
-        scale_offsets = (block * BLOCK_SIZE + in_block) * stride_scale_token
+        scale_offsets = block * stride_scale_block + in_block * stride_scale_token
         row_scale = (_load_scales(k_scale_ptr, scale_offsets, in_seq, MASKED) * qk_scale)[:, None]
     elif INTERPRET:
         k = k.to(tl.float32)  # the interpreter's tl.dot multiplies raw bfloat16 bits
@@ -125,7 +126,8 @@ def _decode_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, o_ptr, acc_ptr, m_ptr, l_ptr, seq_lens_ptr,
     block_tables_ptr, qk_scale, num_q_heads,
     stride_q_batch, stride_q_head, stride_o_batch, stride_o_head,
-    stride_cache_block, stride_cache_token, stride_cache_head, stride_block_table, stride_scale_token,
+    stride_cache_block, stride_cache_token, stride_cache_head, stride_block_table,
+    stride_scale_block, stride_scale_token, stride_scale_head,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_MIN: tl.constexpr,
     DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr, FP8: tl.constexpr, V_KEY_MAJOR: tl.constexpr,
@@ -155,9 +157,8 @@ def _decode_attention_kernel(
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_block_table
     head_offset = kv_head * stride_cache_head
     if FP8:
-        # The KV head's scales: one per cache slot, stride_scale_token (Hkv) apart.
-        k_scale_ptr += kv_head
-        v_scale_ptr += kv_head
+        k_scale_ptr += kv_head * stride_scale_head
+        v_scale_ptr += kv_head * stride_scale_head
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -168,13 +169,15 @@ def _decode_attention_kernel(
     for n0 in range(start, full_end, BLOCK_N):
         acc, m_i, l_i, v_ref = _decode_tile(acc, m_i, l_i, v_ref, qt, k_cache_ptr, v_cache_ptr, k_scale_ptr,
                                             v_scale_ptr, block_table_row, head_offset, n0, seq_len, qk_scale,
-                                            stride_cache_block, stride_cache_token, stride_scale_token, HEAD_DIM,
-                                            BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, INTERPRET, FP8, V_KEY_MAJOR)
+                                            stride_cache_block, stride_cache_token, stride_scale_block,
+                                            stride_scale_token, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION,
+                                            INTERPRET, FP8, V_KEY_MAJOR)
     for n0 in range(full_end, end, BLOCK_N):
         acc, m_i, l_i, v_ref = _decode_tile(acc, m_i, l_i, v_ref, qt, k_cache_ptr, v_cache_ptr, k_scale_ptr,
                                             v_scale_ptr, block_table_row, head_offset, n0, seq_len, qk_scale,
-                                            stride_cache_block, stride_cache_token, stride_scale_token, HEAD_DIM,
-                                            BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, INTERPRET, FP8, V_KEY_MAJOR)
+                                            stride_cache_block, stride_cache_token, stride_scale_block,
+                                            stride_scale_token, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION,
+                                            INTERPRET, FP8, V_KEY_MAJOR)
     acc = tl.trans(acc * v_ref)
 
     if NUM_SPLITS == 1:
@@ -282,11 +285,12 @@ def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale=None, *,
     q: [B, Hq, D] float32/float16/bfloat16 (contiguous in D). k_cache, v_cache: [num_blocks,
     block_size, Hkv, D] (v_cache with k_cache's strides, or key-major beside a contiguous k_cache:
     kernels/kv_cache.py) of q's dtype, or float8_e4m3fn with k_scale, v_scale: float32 [num_blocks,
-    block_size, Hkv] contiguous, the scale of each stored row (its value is cache_row.float() *
-    scale); the new token's K/V already stored; block_size a power of two; D a power of two >= 16;
-    Hq a multiple of Hkv. seq_lens: [B] int32, sequence b attends to keys [0, seq_lens[b]); a
-    length of 0 (a padding row) gives zeros. block_tables: [B, max_blocks] int32; entries past a
-    sequence's length are never read. scale defaults to D ** -0.5; math in float32.
+    block_size, Hkv] contiguous or head-major (kernels/fp8.empty_kv_scales), the scale of each stored
+    row (its value is cache_row.float() * scale); the new token's K/V already stored; block_size a
+    power of two; D a power of two >= 16; Hq a multiple of Hkv. seq_lens: [B] int32, sequence b
+    attends to keys [0, seq_lens[b]); a length of 0 (a padding row) gives zeros. block_tables: [B,
+    max_blocks] int32; entries past a sequence's length are never read. scale defaults to D ** -0.5;
+    math in float32.
 
     No host sync and a grid fixed by (B, Hq, Hkv, D, block_size, dtypes, context bound): the split
     count is chosen from the context bound, `max_seq_len` if given (the engine's max_model_len),
@@ -321,7 +325,7 @@ def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale=None, *,
             q, k_cache, v_cache, k_scale, v_scale, out, scratch, m, l, seq_lens, block_tables, qk_scale, num_q_heads,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-            k_scale.stride(1) if fp8 else None,
+            *(k_scale.stride() if fp8 else (None, None, None)),
             GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_H=max(8, triton.next_power_of_2(group)),
             DOT_PRECISION=dot_precision(q.dtype), INTERPRET=tuning.INTERPRET, FP8=fp8,
             V_KEY_MAJOR=v_key_major, **cfg)

@@ -67,12 +67,39 @@ def fp8_dot_operand(q):
     return q
 
 
+@triton.jit
+def scale_offsets(slots, heads, stride_block, stride_token, stride_head, BLOCK_SIZE: tl.constexpr):
+    """int64 element offsets of the scales of cache slots `slots` (int64) and KV heads `heads`, broadcast
+    together, in scales [num_blocks, BLOCK_SIZE, Hkv] of the given strides (contiguous or head-major)."""
+    return (slots // BLOCK_SIZE) * stride_block + (slots % BLOCK_SIZE) * stride_token + heads * stride_head
+
+
+def empty_kv_scales(num_blocks: int, block_size: int, num_kv_heads: int, device=None, *,
+                    head_major: bool = False) -> torch.Tensor:
+    """Uninitialized float32 scales [num_blocks, block_size, Hkv] of an e4m3 cache: contiguous, or
+    head-major (memory [num_blocks, Hkv, block_size], the same shape through permuted strides), where
+    one head's scales in a block are adjacent and an attention tile reads them as one run."""
+    if not head_major:
+        return torch.empty(num_blocks, block_size, num_kv_heads, dtype=torch.float32, device=device)
+    return torch.empty(num_blocks, num_kv_heads, block_size, dtype=torch.float32, device=device).transpose(1, 2)
+
+
+def head_major_copy(scale: torch.Tensor) -> torch.Tensor:
+    """A copy of scales [num_blocks, block_size, Hkv] in the head-major layout (same values)."""
+    return empty_kv_scales(*scale.shape, scale.device, head_major=True).copy_(scale)
+
+
+def _is_head_major(scale: torch.Tensor) -> bool:
+    _, block_size, num_kv_heads = scale.shape
+    return scale.stride() == (num_kv_heads * block_size, 1, block_size)
+
+
 def check_kv_scales(k_cache, v_cache, k_scale, v_scale) -> bool:
     """Check the scales passed with caches [num_blocks, block_size, Hkv, D]; True for an e4m3 cache.
 
-    A torch.float8_e4m3fn cache needs k_scale and v_scale, float32 contiguous [num_blocks,
-    block_size, Hkv] like their cache; any other cache takes neither. Raises ValueError naming the
-    offending argument.
+    A torch.float8_e4m3fn cache needs k_scale and v_scale, float32 [num_blocks, block_size, Hkv]
+    like their cache, contiguous or head-major (empty_kv_scales), v_scale with k_scale's strides;
+    any other cache takes neither. Raises ValueError naming the offending argument.
     """
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     if (v_cache.dtype == torch.float8_e4m3fn) != fp8:
@@ -85,7 +112,11 @@ def check_kv_scales(k_cache, v_cache, k_scale, v_scale) -> bool:
             continue
         if scale is None:
             raise ValueError(f"{name} is required with a float8_e4m3fn cache")
-        if scale.shape != cache.shape[:3] or scale.dtype != torch.float32 or not scale.is_contiguous():
-            raise ValueError(f"{name} must be a contiguous float32 {list(cache.shape[:3])}, "
-                             f"got {list(scale.shape)} {scale.dtype}")
+        if scale.shape != cache.shape[:3] or scale.dtype != torch.float32 or not (
+                scale.is_contiguous() or _is_head_major(scale)):
+            raise ValueError(f"{name} must be a float32 {list(cache.shape[:3])}, contiguous or head-major "
+                             f"(kernels/fp8.empty_kv_scales), got {list(scale.shape)} {scale.dtype} "
+                             f"strides {scale.stride()}")
+    if fp8 and v_scale.stride() != k_scale.stride():
+        raise ValueError(f"v_scale must have k_scale's strides {k_scale.stride()}, got {v_scale.stride()}")
     return fp8

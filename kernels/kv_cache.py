@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tritonllm.kernels.fp8 import check_kv_scales, e4m3_scale, from_e4m3, to_e4m3
+from tritonllm.kernels.fp8 import check_kv_scales, e4m3_scale, from_e4m3, scale_offsets, to_e4m3
 from tritonllm.kernels.tuning import INTERPRET, Tunable, dtype_name, pow2
 
 
@@ -77,10 +77,11 @@ def _store_e4m3_rows(x_ptrs, load_mask, cache_ptrs, store_mask, scale_ptrs, scal
 @triton.jit(do_not_specialize=["n_tokens"])
 def _store_kv_cache_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr, n_tokens,
-    k_token_stride, k_head_stride, v_token_stride, v_head_stride,
+    k_token_stride, k_head_stride, v_token_stride, v_head_stride, stride_scale_block, stride_scale_token,
+    stride_scale_head,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_ROW: tl.constexpr, TOKENS: tl.constexpr,
     FP8: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr,
-    V_BLOCK_SIZE: tl.constexpr, V_KEY_MAJOR: tl.constexpr,
+    V_BLOCK_SIZE: tl.constexpr, V_KEY_MAJOR: tl.constexpr, SCALE_BLOCK: tl.constexpr,
 ):
     # Each program copies TOKENS rows of Hkv * D elements; a cache row is contiguous.
     tokens = (tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)).to(tl.int64)
@@ -96,12 +97,13 @@ def _store_kv_cache_kernel(
         cols3 = heads3 * HEAD_DIM + dims3
         k_offsets = slot_offsets(slots[:, None, None], cols3, NUM_HEADS * HEAD_DIM, 1, False)
         v_offsets = slot_offsets(slots[:, None, None], cols3, NUM_HEADS * HEAD_DIM, V_BLOCK_SIZE, V_KEY_MAJOR)
-        scale_offsets = slots[:, None] * NUM_HEADS + heads[None, :]
+        scale_offs = scale_offsets(slots[:, None], heads[None, :], stride_scale_block, stride_scale_token,
+                                   stride_scale_head, SCALE_BLOCK)
         scale_mask = (slots >= 0)[:, None] & (heads < NUM_HEADS)[None, :]
         _store_e4m3_rows(k_ptr + tokens[:, None, None] * k_token_stride + heads3 * k_head_stride + dims3, load_mask,
-                         k_cache_ptr + k_offsets, store_mask, k_scale_ptr + scale_offsets, scale_mask, INTERPRET)
+                         k_cache_ptr + k_offsets, store_mask, k_scale_ptr + scale_offs, scale_mask, INTERPRET)
         _store_e4m3_rows(v_ptr + tokens[:, None, None] * v_token_stride + heads3 * v_head_stride + dims3, load_mask,
-                         v_cache_ptr + v_offsets, store_mask, v_scale_ptr + scale_offsets, scale_mask, INTERPRET)
+                         v_cache_ptr + v_offsets, store_mask, v_scale_ptr + scale_offs, scale_mask, INTERPRET)
         return
     cols = tl.arange(0, BLOCK_ROW)
     heads, dims = cols // HEAD_DIM, cols % HEAD_DIM
@@ -146,9 +148,10 @@ def store_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scal
     k, v [T, Hkv, D] float32/float16/bfloat16 (last dim contiguous, token and head strides free);
     k_cache, v_cache [num_blocks, block_size, Hkv, D], slot = block * block_size + offset; k_cache
     contiguous, v_cache contiguous or key-major (empty_kv_cache); slot_mapping [T] int32 or int64.
-    Modifies the caches in place; values are cast to the cache dtype. A torch.float8_e4m3fn cache needs k_scale, v_scale [num_blocks, block_size, Hkv]
-    float32 contiguous: each (token, head) row is stored as e4m3(row / scale), scale = max|row| / 448
-    (1.0 for a zero row), and its scale is written at [slot, head] (kernels/fp8.py).
+    Modifies the caches in place; values are cast to the cache dtype. A torch.float8_e4m3fn cache
+    needs k_scale, v_scale [num_blocks, block_size, Hkv] float32, contiguous or head-major
+    (kernels/fp8.empty_kv_scales): each (token, head) row is stored as e4m3(row / scale), scale =
+    max|row| / 448 (1.0 for a zero row), and its scale is written at [slot, head] (kernels/fp8.py).
     """
     n_tokens, num_heads, head_dim = k.shape
     if v.shape != k.shape or k.stride(2) != 1 or v.stride(2) != 1:
@@ -165,18 +168,19 @@ def store_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scal
     def launch(config):
         _store_kv_cache_kernel[(triton.cdiv(n_tokens, config["TOKENS"]),)](
             k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale, n_tokens,
-            k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1), *(k_scale.stride() if fp8 else (None, None, None)),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_ROW=block_row, FP8=fp8, BLOCK_H=block_h, BLOCK_D=block_d,
             # V_BLOCK_SIZE only shapes key-major addresses: 1 otherwise, so block sizes share a compile.
             INTERPRET=INTERPRET, V_BLOCK_SIZE=k_cache.shape[1] if v_key_major else 1, V_KEY_MAJOR=v_key_major,
-            **config,
+            SCALE_BLOCK=k_cache.shape[1] if fp8 else 1, **config,
         )
 
     launch(_TUNING.config(store_kv_cache_bucket(k.dtype, num_heads, head_dim, n_tokens), launch))
 
 
 @triton.jit
-def _gather_kv_blocks_kernel(cache_ptr, scale_ptr, blocks_ptr, out_ptr, NUM_HEADS: tl.constexpr,
+def _gather_kv_blocks_kernel(cache_ptr, scale_ptr, blocks_ptr, out_ptr, stride_scale_block, stride_scale_token,
+                             stride_scale_head, NUM_HEADS: tl.constexpr,
                              HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TOKENS: tl.constexpr,
                              BLOCK_D: tl.constexpr, FP8: tl.constexpr, KEY_MAJOR: tl.constexpr,
                              INTERPRET: tl.constexpr):
@@ -192,7 +196,8 @@ def _gather_kv_blocks_kernel(cache_ptr, scale_ptr, blocks_ptr, out_ptr, NUM_HEAD
     src = slot_offsets(slots[:, None], cols, NUM_HEADS * HEAD_DIM, BLOCK_SIZE, KEY_MAJOR)
     x = tl.load(cache_ptr + src, mask=mask, other=0.0)
     if FP8:
-        scales = tl.load(scale_ptr + slots * NUM_HEADS + head)
+        scales = tl.load(scale_ptr + block * stride_scale_block + offs_t * stride_scale_token
+                         + head * stride_scale_head)
         x = from_e4m3(x, tl.float32, INTERPRET) * scales[:, None]
     dst = (i * BLOCK_SIZE + offs_t)[:, None] * (NUM_HEADS * HEAD_DIM) + cols
     tl.store(out_ptr + dst, x.to(out_ptr.dtype.element_ty), mask=mask)
@@ -203,10 +208,10 @@ def gather_kv_blocks(k_cache, v_cache, blocks, dtype, *, k_scale=None, v_scale=N
 
     k_cache, v_cache [num_blocks, block_size, Hkv, D] as store_kv_cache takes them (k_cache contiguous,
     v_cache contiguous or key-major), float32/float16/bfloat16, or float8_e4m3fn with k_scale, v_scale
-    [num_blocks, block_size, Hkv] float32. blocks [N] int32/int64 block ids; dtype float32, float16 or
-    bfloat16. out[i] holds block blocks[i]: each value, for an e4m3 cache times its row's scale in
-    float32, rounded to dtype. A copy is in the plain layout whatever the cache's. The caches are
-    only read. Prefill over an e4m3 cache runs on such copies (layers/attention.py).
+    [num_blocks, block_size, Hkv] float32 (contiguous or head-major). blocks [N] int32/int64 block
+    ids; dtype float32, float16 or bfloat16. out[i] holds block blocks[i]: each value, for an e4m3
+    cache times its row's scale in float32, rounded to dtype. A copy is in the plain layout whatever
+    the cache's. The caches are only read. Prefill over an e4m3 cache runs on such copies (layers/attention.py).
     """
     if blocks.dim() != 1 or blocks.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"blocks must be a 1-D int32/int64 tensor, got {blocks.dtype} of shape {tuple(blocks.shape)}")
@@ -226,7 +231,8 @@ def gather_kv_blocks(k_cache, v_cache, blocks, dtype, *, k_scale=None, v_scale=N
     tokens = min(block_size, max(1, 4096 // block_d))
     grid = (blocks.shape[0], num_heads, block_size // tokens)
     for cache, scale, out, major in ((k_cache, k_scale, k, False), (v_cache, v_scale, v, key_major)):
-        _gather_kv_blocks_kernel[grid](cache, scale, blocks, out, NUM_HEADS=num_heads, HEAD_DIM=head_dim,
+        strides = scale.stride() if fp8 else (None, None, None)
+        _gather_kv_blocks_kernel[grid](cache, scale, blocks, out, *strides, NUM_HEADS=num_heads, HEAD_DIM=head_dim,
                                        BLOCK_SIZE=block_size, TOKENS=tokens, BLOCK_D=block_d, FP8=fp8,
                                        KEY_MAJOR=major, INTERPRET=INTERPRET, num_warps=4)
     return k, v

@@ -75,8 +75,8 @@ def _key_major_keys(block, in_block, stride_cache_block, BLOCK_SIZE: tl.constexp
 
 @triton.jit
 def _attend_tile(acc, m_i, l_i, v_ref, q, k_cache, v_cache, k_scale_ptr, v_scale_ptr, block_table_row, head_offset,
-                 n0, seq_len, pos, qk_scale, stride_cache_block, stride_cache_token, stride_scale_token,
-                 HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 n0, seq_len, pos, qk_scale, stride_cache_block, stride_cache_token, stride_scale_block,
+                 stride_scale_token, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                  MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
                  TMA: tl.constexpr, FP8: tl.constexpr, V_KEY_MAJOR: tl.constexpr):
     """One online-softmax step of the rows of q over keys n0 .. n0 + BLOCK_N - 1.
@@ -89,9 +89,10 @@ def _attend_tile(acc, m_i, l_i, v_ref, q, k_cache, v_cache, k_scale_ptr, v_scale
     tiles must lie entirely inside every row's visible range. TMA: k_cache/v_cache are tensor
     descriptors over the cache as [cache rows, Hkv * D] with BLOCK_N <= BLOCK_SIZE, head_offset
     the head's first column; otherwise pointers, head_offset an element offset. FP8: the cache is
-    e4m3 and k_scale_ptr / v_scale_ptr point at the KV head's scales, stride_scale_token apart
-    per cache slot (unused otherwise). V_KEY_MAJOR: v_cache is key-major (kernels/kv_cache.py; the
-    caches contiguous), a TMA descriptor over it [blocks * Hkv * D, BLOCK_SIZE] of D x BLOCK_N tiles.
+    e4m3 and k_scale_ptr / v_scale_ptr point at the KV head's scales, stride_scale_block apart per
+    cache block and stride_scale_token per slot in it (unused otherwise). V_KEY_MAJOR: v_cache is
+    key-major (kernels/kv_cache.py; the caches contiguous), a TMA descriptor over it
+    [blocks * Hkv * D, BLOCK_SIZE] of D x BLOCK_N tiles.
     """
     keys = n0 + tl.arange(0, BLOCK_N)
     in_seq = (keys < seq_len)[:, None]
@@ -101,7 +102,8 @@ def _attend_tile(acc, m_i, l_i, v_ref, q, k_cache, v_cache, k_scale_ptr, v_scale
         row = block * BLOCK_SIZE + n0 % BLOCK_SIZE
         k = k_cache.load([row, head_offset])
         if FP8:
-            scale_offsets = (row + tl.arange(0, BLOCK_N)).to(tl.int64) * stride_scale_token
+            scale_offsets = block.to(tl.int64) * stride_scale_block \
+                + (n0 % BLOCK_SIZE + tl.arange(0, BLOCK_N)) * stride_scale_token
     else:
         block, in_block = _key_blocks(block_table_row, n0, seq_len, BLOCK_SIZE, BLOCK_N)
         offsets = (block * stride_cache_block + in_block * stride_cache_token)[:, None] + head_offset \
@@ -111,8 +113,7 @@ def _attend_tile(acc, m_i, l_i, v_ref, q, k_cache, v_cache, k_scale_ptr, v_scale
         else:
             k = tl.load(k_cache + offsets)
         if FP8:
-            # The scales are a contiguous [blocks, BLOCK_SIZE, Hkv].
-            scale_offsets = (block * BLOCK_SIZE + in_block) * stride_scale_token
+            scale_offsets = block * stride_scale_block + in_block * stride_scale_token
     col_scale = qk_scale
     if FP8:
         # e4m3 converts exactly to q's dtype; each key's scale goes on its column of scores.

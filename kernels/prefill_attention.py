@@ -36,7 +36,8 @@ def _prefill_attention_kernel(
     q_ptr, k_cache, v_cache, k_scale_ptr, v_scale_ptr, o_ptr, cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
     qk_scale,
     stride_q_token, stride_q_head, stride_o_token, stride_o_head,
-    stride_cache_block, stride_cache_token, stride_cache_head, stride_block_table, stride_scale_token,
+    stride_cache_block, stride_cache_token, stride_cache_head, stride_block_table,
+    stride_scale_block, stride_scale_token, stride_scale_head,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr, TMA: tl.constexpr, FP8: tl.constexpr,
@@ -71,9 +72,8 @@ def _prefill_attention_kernel(
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_block_table
     head_offset = kv_head * stride_cache_head
     if FP8:
-        # The KV head's scales: one per cache slot, stride_scale_token (Hkv) apart.
-        k_scale_ptr += kv_head
-        v_scale_ptr += kv_head
+        k_scale_ptr += kv_head * stride_scale_head
+        v_scale_ptr += kv_head * stride_scale_head
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -84,17 +84,17 @@ def _prefill_attention_kernel(
     for n0 in range(0, full_end, BLOCK_N):
         acc, m_i, l_i, v_ref = _attend_tile(acc, m_i, l_i, v_ref, q, k_cache, v_cache, k_scale_ptr, v_scale_ptr,
                                             block_table_row, head_offset, n0, seq_len, pos, qk_scale,
-                                            stride_cache_block, stride_cache_token, stride_scale_token, HEAD_DIM,
-                                            BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, INTERPRET, TMA, FP8,
-                                            V_KEY_MAJOR)
+                                            stride_cache_block, stride_cache_token, stride_scale_block,
+                                            stride_scale_token, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION,
+                                            INTERPRET, TMA, FP8, V_KEY_MAJOR)
     # The diagonal: up to the last row's position (rows past q_len are idle, hence the clamp).
     diag_end = tl.minimum(seq_len, context + q0 + BLOCK_Q)
     for n0 in range(full_end, diag_end, BLOCK_N):
         acc, m_i, l_i, v_ref = _attend_tile(acc, m_i, l_i, v_ref, q, k_cache, v_cache, k_scale_ptr, v_scale_ptr,
                                             block_table_row, head_offset, n0, seq_len, pos, qk_scale,
-                                            stride_cache_block, stride_cache_token, stride_scale_token, HEAD_DIM,
-                                            BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, INTERPRET, TMA, FP8,
-                                            V_KEY_MAJOR)
+                                            stride_cache_block, stride_cache_token, stride_scale_block,
+                                            stride_scale_token, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION,
+                                            INTERPRET, TMA, FP8, V_KEY_MAJOR)
     out = acc * (v_ref / l_i)[:, None]
     o_rows = (q_start + token).to(tl.int64) * stride_o_token + head * stride_o_head
     tl.store(o_ptr + o_rows[:, None] + offs_d[None, :], out.to(o_ptr.dtype.element_ty), mask=row_mask[:, None])
@@ -178,9 +178,10 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
     q: [T, Hq, D] float32/float16/bfloat16, the new tokens of the B sequences packed one after the
     other (contiguous in D). k_cache, v_cache: [num_blocks, block_size, Hkv, D] (v_cache with
     k_cache's strides, or key-major beside a contiguous k_cache: kernels/kv_cache.py) of q's dtype, or
-    float8_e4m3fn with k_scale, v_scale: float32 [num_blocks, block_size, Hkv] contiguous, the
-    scale of each stored row (its value is cache_row.float() * scale); the new tokens' K/V already
-    stored; block_size a power of two; D a power of two >= 16; Hq a multiple of Hkv.
+    float8_e4m3fn with k_scale, v_scale: float32 [num_blocks, block_size, Hkv] contiguous or
+    head-major (kernels/fp8.empty_kv_scales), the scale of each stored row (its value is
+    cache_row.float() * scale); the new tokens' K/V already stored; block_size a power of two; D a
+    power of two >= 16; Hq a multiple of Hkv.
     cu_seqlens_q: [B + 1] int32, sequence b owns q rows cu[b] .. cu[b+1] - 1.
     seq_lens: [B] int32, cached plus new tokens. block_tables: [B, max_blocks] int32, physical
     block of each logical block; entries past a sequence's length are never read.
@@ -227,7 +228,7 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
             q, *(descriptors or (k_cache, v_cache)), k_scale, v_scale, out, cu_seqlens_q, seq_lens, block_tables,
             qk_scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-            k_scale.stride(1) if fp8 else None,
+            *(k_scale.stride() if fp8 else (None, None, None)),
             GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_Q=block_q,
             DOT_PRECISION=dot_precision(q.dtype), INTERPRET=tuning.INTERPRET, TMA=descriptors is not None,
             FP8=fp8, V_KEY_MAJOR=v_key_major, **cfg)

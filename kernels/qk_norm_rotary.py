@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tritonllm.kernels.fp8 import check_kv_scales, e4m3_scale, to_e4m3
+from tritonllm.kernels.fp8 import check_kv_scales, e4m3_scale, scale_offsets, to_e4m3
 from tritonllm.kernels.kv_cache import check_store_caches, slot_offsets
 from tritonllm.kernels.tuning import INTERPRET, Tunable, dtype_name, pow2
 
@@ -52,9 +52,11 @@ def _qk_norm_rotary_store_kernel(
     positions_ptr, qkv_ptr, q_weight_ptr, k_weight_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, q_out_ptr,
     k_scale_ptr, v_scale_ptr,
     n_tokens, qkv_token_stride, cos_sin_stride, q_out_token_stride, q_out_head_stride, eps,
+    stride_scale_block, stride_scale_token, stride_scale_head,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr, TOKENS: tl.constexpr,
     FP8: tl.constexpr, INTERPRET: tl.constexpr, V_BLOCK_SIZE: tl.constexpr, V_KEY_MAJOR: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
 ):
     # Each program handles TOKENS tokens: all their q, k and v heads. Tensors are
     # [TOKENS, heads, BLOCK_HALF]; a head is processed as its two rotary halves.
@@ -95,10 +97,11 @@ def _qk_norm_rotary_store_kernel(
     if FP8:
         # K from its rotated float32 value, unrounded; a scale per (token, head) at [slot, head].
         heads = tl.arange(0, BLOCK_KH)[None, :]
-        scale_offsets = slots[:, None] * NUM_KV_HEADS + heads
+        scale_offs = scale_offsets(slots[:, None], heads, stride_scale_block, stride_scale_token, stride_scale_head,
+                                   SCALE_BLOCK)
         scale_mask = (token_mask & (slots >= 0))[:, None] & (heads < NUM_KV_HEADS)
         _store_e4m3_heads(k1, k2, k_cache_ptr + k_offsets, k_cache_ptr + k_offsets + HALF, kv_mask,
-                          k_scale_ptr + scale_offsets, scale_mask, INTERPRET)
+                          k_scale_ptr + scale_offs, scale_mask, INTERPRET)
     else:
         tl.store(k_cache_ptr + k_offsets, k1.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
         tl.store(k_cache_ptr + k_offsets + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
@@ -110,7 +113,7 @@ def _qk_norm_rotary_store_kernel(
                                          V_KEY_MAJOR)
     if FP8:
         _store_e4m3_heads(v1.to(tl.float32), v2.to(tl.float32), v_ptrs1, v_ptrs2, kv_mask,
-                          v_scale_ptr + scale_offsets, scale_mask, INTERPRET)
+                          v_scale_ptr + scale_offs, scale_mask, INTERPRET)
     else:
         tl.store(v_ptrs1, v1.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
         tl.store(v_ptrs2, v2.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
@@ -164,10 +167,11 @@ def qk_norm_rotary_store(positions, qkv, q_weight, k_weight, eps, cos_sin_cache,
     of qkv's dtype, a new contiguous tensor, or `out` ([T, Hq, D], qkv's dtype, last dim
     contiguous) when given.
 
-    A torch.float8_e4m3fn cache needs k_scale, v_scale [num_blocks, block_size, Hkv] float32
-    contiguous: each (token, head) row of k (rotated, in float32, before rounding to qkv's dtype)
-    and of v is stored as e4m3(row / scale), scale = max|row| / 448 (1.0 for a zero row), and its
-    scale is written at [slot, head] (kernels/fp8.py); slot < 0 skips the scales too.
+    A torch.float8_e4m3fn cache needs k_scale, v_scale [num_blocks, block_size, Hkv] float32,
+    contiguous or head-major (kernels/fp8.empty_kv_scales): each (token, head) row of k (rotated,
+    in float32, before rounding to qkv's dtype) and of v is stored as e4m3(row / scale), scale =
+    max|row| / 448 (1.0 for a zero row), and its scale is written at [slot, head] (kernels/fp8.py);
+    slot < 0 skips the scales too.
     """
     if qkv.dim() != 2 or qkv.stride(1) != 1:
         raise ValueError(f"qkv must be [T, (Hq + 2*Hkv) * D] with a contiguous last dim, got {tuple(qkv.shape)} strides {qkv.stride()}")
@@ -199,9 +203,11 @@ def qk_norm_rotary_store(positions, qkv, q_weight, k_weight, eps, cos_sin_cache,
         _qk_norm_rotary_store_kernel[(triton.cdiv(n_tokens, config["TOKENS"]),)](
             positions, qkv, q_weight, k_weight, cos_sin_cache, k_cache, v_cache, slot_mapping, out, k_scale, v_scale,
             n_tokens, qkv.stride(0), cos_sin_cache.stride(0), out.stride(0), out.stride(1), eps,
+            *(k_scale.stride() if fp8 else (None, None, None)),
             NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
             BLOCK_QH=block_qh, BLOCK_KH=block_kh, BLOCK_HALF=block_half, FP8=fp8, INTERPRET=INTERPRET,
-            V_BLOCK_SIZE=k_cache.shape[1] if v_key_major else 1, V_KEY_MAJOR=v_key_major, **config,
+            V_BLOCK_SIZE=k_cache.shape[1] if v_key_major else 1, V_KEY_MAJOR=v_key_major,
+            SCALE_BLOCK=k_cache.shape[1] if fp8 else 1, **config,
         )
 
     # The launch only writes q_out and cache slots it fully determines: repeating it is harmless.

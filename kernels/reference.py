@@ -33,10 +33,11 @@ def store_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scal
     slots = slot_mapping[keep].long()
     for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
         rows = x[keep]
+        # Indexed by (block, offset) rather than through a flat view: a key-major V and head-major
+        # scales have none.
         if fp8:
             rows, row_scales = quantize_e4m3(rows)
-            scale.view(-1, scale.shape[2])[slots] = row_scales
-        # Indexed by (block, offset) rather than through a flat view: a key-major V has no flat view.
+            scale[slots // scale.shape[1], slots % scale.shape[1]] = row_scales
         cache[slots // cache.shape[1], slots % cache.shape[1]] = rows.to(cache.dtype)
 
 

@@ -25,6 +25,8 @@ def test_an_fp8_token_takes_half_the_bytes_plus_its_scales(tiny_qwen3):
     assert kv_bytes_per_token(model, torch.bfloat16) == 2 * 2 * 2 * 32 * 2
     attention = next(m for m in model.modules() if hasattr(m, "k_scale"))
     assert attention.k_cache.dtype == torch.float8_e4m3fn and attention.k_scale.shape == (8, 16, 2)
+    # Head-major scales (kernels/fp8.empty_kv_scales): a head's 16 scales of a block are adjacent.
+    assert attention.k_scale.stride() == attention.v_scale.stride() == (32, 1, 16)
     llm.close()
 
 

@@ -3,6 +3,7 @@ import torch
 from numerics import rel_err  # noqa: F401  (re-exported for the kernel tests)
 
 from tritonllm.kernels import reference
+from tritonllm.kernels.fp8 import head_major_copy
 from tritonllm.kernels.kv_cache import is_key_major, key_major_copy
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -11,6 +12,8 @@ HOPPER = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0)
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # The memory layouts of a V cache (kernels/kv_cache.py): k_cache's own, or key-major.
 V_LAYOUTS = ["contiguous", "key_major"]
+# The memory layouts of e4m3 scales (kernels/fp8.empty_kv_scales): contiguous, or head-major.
+SCALE_LAYOUTS = ["contiguous", "head_major"]
 
 # Relative error ||out - ref|| / ||ref|| allowed against a float64 reference: about one rounding
 # of the output dtype (the interpreter truncates float32 -> bfloat16 instead of rounding).
@@ -82,13 +85,28 @@ def with_v_layout(v_cache, v_layout):
     return key_major(v_cache) if v_layout == "key_major" else v_cache
 
 
-def paged_caches(seq_lens, num_kv_heads, head_dim, block_size, dtype, fp8=False, v_layout="contiguous", **layout):
+def with_scale_layout(scale, scale_layout):
+    """Scales [num_blocks, block_size, Hkv] as they are ("contiguous") or copied head-major
+    ("head_major": memory [num_blocks, Hkv, block_size]), the same values bit for bit."""
+    assert scale_layout in SCALE_LAYOUTS, scale_layout
+    if scale_layout == "contiguous":
+        return scale
+    num_blocks, block_size, num_kv_heads = scale.shape
+    copy = head_major_copy(scale)
+    assert copy.stride() == (num_kv_heads * block_size, 1, block_size)
+    assert torch.equal(copy.nan_to_num(7.0), scale.nan_to_num(7.0))
+    return copy
+
+
+def paged_caches(seq_lens, num_kv_heads, head_dim, block_size, dtype, fp8=False, v_layout="contiguous",
+                 scale_layout="contiguous", **layout):
     """paged_kv's k_cache, v_cache, block_tables, and the scales to pass as keywords to the wrappers
     and references: {} for a cache of `dtype`, {"k_scale", "v_scale"} for an e4m3 cache (fp8).
 
     fp8: the random float32 rows are quantized with reference.quantize_e4m3, so the reference reads
     exactly the values stored; rows no sequence owns are NaN in the caches and the scales.
-    v_layout "key_major": v_cache is a key-major copy of the same values (with_v_layout).
+    v_layout "key_major": v_cache is a key-major copy of the same values (with_v_layout);
+    scale_layout "head_major": the scales are head-major copies (with_scale_layout).
     """
     if not fp8:
         k_cache, v_cache, tables = paged_kv(seq_lens, num_kv_heads, head_dim, block_size, dtype, **layout)
@@ -97,7 +115,8 @@ def paged_caches(seq_lens, num_kv_heads, head_dim, block_size, dtype, fp8=False,
     (k_cache, k_scale), (v_cache, v_scale) = reference.quantize_e4m3(k), reference.quantize_e4m3(v)
     # NaN rows stay NaN through the quantizer: e4m3 0x7F, and a NaN scale.
     assert (k_cache.view(torch.uint8)[k.isnan()] & 0x7F == 0x7F).all() and k_scale[k[..., 0].isnan()].isnan().all()
-    return k_cache, with_v_layout(v_cache, v_layout), tables, {"k_scale": k_scale, "v_scale": v_scale}
+    scales = {"k_scale": with_scale_layout(k_scale, scale_layout), "v_scale": with_scale_layout(v_scale, scale_layout)}
+    return k_cache, with_v_layout(v_cache, v_layout), tables, scales
 
 
 def exact(cache):
@@ -107,12 +126,12 @@ def exact(cache):
 
 
 def prefill_inputs(context_lens, q_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, fp8=False,
-                   v_layout="contiguous"):
+                   v_layout="contiguous", scale_layout="contiguous"):
     """q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scales for sequences of cached + new
-    tokens; scales ({} unless fp8) and v_cache's layout as paged_caches gives them."""
+    tokens; scales ({} unless fp8) and the layouts as paged_caches gives them."""
     seq_lens = [c + n for c, n in zip(context_lens, q_lens)]
     k_cache, v_cache, tables, scales = paged_caches(seq_lens, num_kv_heads, head_dim, block_size, dtype, fp8,
-                                                    v_layout)
+                                                    v_layout, scale_layout)
     cu = torch.tensor([0] + q_lens, device=DEVICE).cumsum(0).to(torch.int32)
     # Scaled queries make the softmax peaked enough that a misplaced key shows.
     q = randn(sum(q_lens), num_q_heads, head_dim, dtype=dtype, scale=2.0)

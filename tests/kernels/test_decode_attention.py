@@ -79,13 +79,16 @@ def test_decode_splits(num_splits, split_min, block_n, dtype, fp8):
 
 # A key-major V (kernels/kv_cache.py, the engine's fp8 layout): GQA 1 over blocks of 16 with lengths
 # around them, GQA 8 over blocks of 128, an odd group over blocks of 256; e4m3 and model-dtype caches.
-@pytest.mark.parametrize("dtype, fp8", [(torch.bfloat16, True), (torch.float32, True), (torch.float32, False)],
-                         ids=["bf16-fp8-cache", "fp32-fp8-cache", "fp32-model-cache"])
+@pytest.mark.parametrize("dtype, fp8, scale_layout", [
+    (torch.bfloat16, True, "contiguous"), (torch.bfloat16, True, "head_major"), (torch.float32, True, "contiguous"),
+    (torch.float32, True, "head_major"), (torch.float32, False, "contiguous"),
+], ids=["bf16-fp8-cache", "bf16-fp8-cache-head-major-scales", "fp32-fp8-cache", "fp32-fp8-cache-head-major-scales",
+        "fp32-model-cache"])
 @pytest.mark.parametrize("head_dim, num_q_heads, num_kv_heads, block_size, seq_lens",
                          [DECODE_CASES[0], DECODE_CASES[3], DECODE_CASES[4]], ids=["block16", "block128", "block256"])
-def test_decode_key_major_v(head_dim, num_q_heads, num_kv_heads, block_size, seq_lens, dtype, fp8):
+def test_decode_key_major_v(head_dim, num_q_heads, num_kv_heads, block_size, seq_lens, dtype, fp8, scale_layout):
     k_cache, v_cache, tables, scales = paged_caches(seq_lens, num_kv_heads, head_dim, block_size, dtype, fp8,
-                                                    v_layout="key_major")
+                                                    v_layout="key_major", scale_layout=scale_layout)
     assert is_key_major(v_cache) and k_cache.is_contiguous()
     q = randn(len(seq_lens), num_q_heads, head_dim, dtype=dtype, scale=2.0)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
@@ -99,7 +102,8 @@ def test_decode_key_major_v(head_dim, num_q_heads, num_kv_heads, block_size, seq
 @pytest.mark.parametrize("num_splits, split_min, block_n", [(3, 16, 16), (5, 16, 64), (1, 256, 32)])
 def test_decode_splits_key_major_v(num_splits, split_min, block_n):
     seq_lens = [1, 17, 100, 300, 64]
-    k_cache, v_cache, tables, scales = paged_caches(seq_lens, 2, 64, 16, torch.bfloat16, fp8=True)
+    k_cache, v_cache, tables, scales = paged_caches(seq_lens, 2, 64, 16, torch.bfloat16, fp8=True,
+                                                    scale_layout="head_major")  # as the engine keeps them
     q = randn(len(seq_lens), 4, 64, dtype=torch.bfloat16, scale=2.0)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     config = decode_config(num_splits, split_min, block_n)

@@ -5,7 +5,7 @@ import triton.language as tl
 from kernel_utils import DEVICE, DTYPES, rel_err
 
 from tritonllm.kernels import reference
-from tritonllm.kernels.fp8 import check_kv_scales, e4m3_scale, from_e4m3, to_e4m3
+from tritonllm.kernels.fp8 import check_kv_scales, e4m3_scale, empty_kv_scales, from_e4m3, to_e4m3
 from tritonllm.kernels.tuning import INTERPRET
 
 E4M3 = torch.float8_e4m3fn
@@ -166,5 +166,10 @@ def test_check_kv_scales():
         check_kv_scales(cache, cache, scale, scale.half())
     with pytest.raises(ValueError, match="v_scale must be"):
         check_kv_scales(cache, cache, scale, scale.transpose(0, 1).contiguous().transpose(0, 1))
+    head_major = empty_kv_scales(2, 16, 4, head_major=True)
+    assert head_major.shape == scale.shape and head_major.stride() == (64, 1, 16)
+    assert check_kv_scales(cache, cache, head_major, head_major.clone())
+    with pytest.raises(ValueError, match="v_scale must have k_scale's strides"):
+        check_kv_scales(cache, cache, head_major, scale)
     with pytest.raises(ValueError, match="k_cache and v_cache"):
         check_kv_scales(cache, cache.half(), scale, scale)

@@ -1,6 +1,7 @@
 import pytest
 import torch
-from kernel_utils import DEVICE, DTYPES, V_LAYOUTS, key_major, poisoned, randn, with_v_layout
+from kernel_utils import (DEVICE, DTYPES, SCALE_LAYOUTS, V_LAYOUTS, key_major, poisoned, randn, with_scale_layout,
+                          with_v_layout)
 from test_fp8 import assert_e4m3_rows_match, e4m3_poisoned
 
 from tritonllm.kernels import gather_kv_blocks, reference, store_kv_cache
@@ -36,19 +37,19 @@ def same_bits(a, b):
     return torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
 
 
-def fp8_caches(num_blocks, block_size, heads, head_dim):
-    """k_cache, v_cache of NaN patterns and k_scale, v_scale of NaN: untouched rows stay NaN."""
+def fp8_caches(num_blocks, block_size, heads, head_dim, scale_layout="contiguous"):
+    """k_cache, v_cache of NaN patterns and k_scale, v_scale of NaN (in scale_layout): untouched rows stay NaN."""
     cache = e4m3_poisoned(num_blocks, block_size, heads, head_dim)
     scale = poisoned(num_blocks, block_size, heads, dtype=torch.float32)
-    return cache, cache.clone(), scale, scale.clone()
+    return cache, cache.clone(), with_scale_layout(scale, scale_layout), with_scale_layout(scale.clone(), scale_layout)
 
 
-def check_fp8(k, v, slots, block_size, v_layout="contiguous"):
-    """store_kv_cache of k, v into poisoned e4m3 caches (V in v_layout) against the reference; a
-    key-major V also against the contiguous one stored by the kernel, bit for bit."""
+def check_fp8(k, v, slots, block_size, v_layout="contiguous", scale_layout="contiguous"):
+    """store_kv_cache of k, v into poisoned e4m3 caches (V in v_layout, scales in scale_layout) against
+    the reference; a key-major V also against the contiguous one stored by the kernel, bit for bit."""
     tokens, heads, head_dim = k.shape
     num_blocks = (tokens + block_size - 1) // block_size + 3
-    k_cache, v_cache, k_scale, v_scale = fp8_caches(num_blocks, block_size, heads, head_dim)
+    k_cache, v_cache, k_scale, v_scale = fp8_caches(num_blocks, block_size, heads, head_dim, scale_layout)
     v_cache = with_v_layout(v_cache, v_layout)
     ref = [t.clone() for t in (k_cache, v_cache, k_scale, v_scale)]
     ref[1] = with_v_layout(ref[1].contiguous(), v_layout)  # the reference writes the same layout
@@ -126,7 +127,8 @@ def test_store_kv_cache_key_major_v(tokens, heads, head_dim, block_size, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens, heads, head_dim, block_size", [CASES[1], CASES[2], CASES[3]])
-def test_store_kv_cache_fp8_key_major_v(tokens, heads, head_dim, block_size, dtype):
+@pytest.mark.parametrize("scale_layout", SCALE_LAYOUTS)
+def test_store_kv_cache_fp8_key_major_v(tokens, heads, head_dim, block_size, dtype, scale_layout):
     num_blocks = (tokens + block_size - 1) // block_size + 3
     magnitudes = torch.logspace(-8, 8, tokens * heads, base=2.0, device=DEVICE).view(tokens, heads, 1)
     k = (torch.randn(tokens, heads, head_dim, device=DEVICE) * magnitudes).to(dtype)
@@ -136,7 +138,7 @@ def test_store_kv_cache_fp8_key_major_v(tokens, heads, head_dim, block_size, dty
     slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:tokens]
     slots[1::5] = -1
     slots[3::7] = -9
-    check_fp8(k, v, slots, block_size, "key_major")
+    check_fp8(k, v, slots, block_size, "key_major", scale_layout)
 
 
 def test_check_cache_layouts():
@@ -232,8 +234,9 @@ GATHER_TOLERANCE = {torch.float32: 0.0, torch.float16: 1e-3, torch.bfloat16: 1e-
 def test_gather_kv_blocks(heads, head_dim, block_size, v_layout, dtype, cache_dtype):
     num_blocks, fp8 = 7, cache_dtype == "fp8"
     blocks = torch.tensor([5, 0, 3, 5, 2], dtype=torch.int32, device=DEVICE)
-    if fp8:
-        k_cache, v_cache, k_scale, v_scale = fp8_caches(num_blocks, block_size, heads, head_dim)
+    if fp8:  # head-major scales beside a key-major V, as the engine keeps them
+        scale_layout = "head_major" if v_layout == "key_major" else "contiguous"
+        k_cache, v_cache, k_scale, v_scale = fp8_caches(num_blocks, block_size, heads, head_dim, scale_layout)
     else:
         k_cache, v_cache = (poisoned(num_blocks, block_size, heads, head_dim, dtype=cache_dtype) for _ in range(2))
         k_scale = v_scale = None

@@ -156,14 +156,16 @@ KEY_MAJOR_TILINGS = {
 }
 
 
-@pytest.mark.parametrize("fp8, tiling", [
-    (True, "multi-block-tile"), (True, "tile-in-block"), (True, "gqa4-bq4"), (True, "gqa8-bq16"),
-    (False, "multi-block-tile"), (False, "tile-in-block"),
-], ids=lambda x: {True: "fp8-cache", False: "model-cache"}.get(x, x))
-def test_prefill_tilings_key_major_v(monkeypatch, fp8, tiling):
+@pytest.mark.parametrize("fp8, tiling, scale_layout", [
+    (True, "multi-block-tile", "contiguous"), (True, "tile-in-block", "contiguous"), (True, "gqa4-bq4", "contiguous"),
+    (True, "gqa8-bq16", "contiguous"), (True, "multi-block-tile", "head_major"), (True, "tile-in-block", "head_major"),
+    (False, "multi-block-tile", "contiguous"), (False, "tile-in-block", "contiguous"),
+], ids=lambda x: {True: "fp8-cache", False: "model-cache", "head_major": "head-major-scales",
+                  "contiguous": "scales-contiguous"}.get(x, x))
+def test_prefill_tilings_key_major_v(monkeypatch, fp8, tiling, scale_layout):
     num_q_heads, num_kv_heads, block_size, config = KEY_MAJOR_TILINGS[tiling]
     inputs = prefill_inputs([0, 33, 3], [70, 100, 1], num_q_heads, num_kv_heads, 64, block_size, torch.float32, fp8,
-                            v_layout="key_major")
+                            v_layout="key_major", scale_layout=scale_layout)
     v_cache = inputs[2]
     assert is_key_major(v_cache) and inputs[1].is_contiguous()
     before = v_cache.clone()

@@ -1,7 +1,7 @@
 import pytest
 import torch
 import kernel_utils
-from kernel_utils import DEVICE, DTYPES, key_major, poisoned, randn, with_v_layout
+from kernel_utils import DEVICE, DTYPES, key_major, poisoned, randn, with_scale_layout, with_v_layout
 from test_fp8 import assert_e4m3_rows_match, e4m3_poisoned
 
 from tritonllm.kernels import qk_norm_rotary_store, reference
@@ -45,13 +45,14 @@ def make_inputs(tokens, q_heads, kv_heads, head_dim, block_size, dtype, pad=0, i
 
 
 def check(tokens, q_heads, kv_heads, head_dim, block_size, dtype, pad=0, index_dtype=torch.int64, with_out=False,
-          yarn=None, fp8=False, v_layout="contiguous"):
+          yarn=None, fp8=False, v_layout="contiguous", scale_layout="contiguous"):
     buffer, qkv, q_weight, k_weight, positions, slots, k_cache, v_cache = make_inputs(
         tokens, q_heads, kv_heads, head_dim, block_size, dtype, pad, index_dtype)
     scales = {}
     if fp8:  # e4m3 caches of NaN patterns, NaN scales
         k_cache, v_cache = e4m3_poisoned(*k_cache.shape), e4m3_poisoned(*k_cache.shape)
-        scales = {name: poisoned(*k_cache.shape[:3], dtype=torch.float32) for name in ("k_scale", "v_scale")}
+        scales = {name: with_scale_layout(poisoned(*k_cache.shape[:3], dtype=torch.float32), scale_layout)
+                  for name in ("k_scale", "v_scale")}
     v_cache = with_v_layout(v_cache, v_layout)  # "key_major": the reference writes the same layout
     cache = cos_sin_cache(MAX_POS, head_dim, yarn)
     buffer_before = buffer.clone()
@@ -115,14 +116,17 @@ def test_qk_norm_rotary_store_fp8(tokens, q_heads, kv_heads, head_dim, block_siz
 
 # A key-major V (kernels/kv_cache.py): the same checks, the reference storing into the same layout;
 # GQA 4 over blocks of 16, one KV head over blocks of 16 with padded qkv rows, a head dim of 80.
-@pytest.mark.parametrize("fp8", [False, True], ids=["model-cache", "fp8-cache"])
+@pytest.mark.parametrize("fp8, scale_layout", [(False, "contiguous"), (True, "contiguous"), (True, "head_major")],
+                         ids=["model-cache", "fp8-cache", "fp8-cache-head-major-scales"])
 @pytest.mark.parametrize("tokens, q_heads, kv_heads, head_dim, block_size, pad, dtype", [
     (100, 8, 2, 64, 16, 0, torch.bfloat16),
     (7, 8, 1, 128, 256, 24, torch.float32),
     (5, 6, 2, 80, 16, 8, torch.float16),
 ])
-def test_qk_norm_rotary_store_key_major_v(tokens, q_heads, kv_heads, head_dim, block_size, pad, dtype, fp8):
-    check(tokens, q_heads, kv_heads, head_dim, block_size, dtype, pad, fp8=fp8, v_layout="key_major")
+def test_qk_norm_rotary_store_key_major_v(tokens, q_heads, kv_heads, head_dim, block_size, pad, dtype, fp8,
+                                          scale_layout):
+    check(tokens, q_heads, kv_heads, head_dim, block_size, dtype, pad, fp8=fp8, v_layout="key_major",
+          scale_layout=scale_layout)
 
 
 def test_key_major_v_equals_contiguous_v():

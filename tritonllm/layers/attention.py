@@ -4,6 +4,7 @@ import torch
 from torch import nn
 
 from tritonllm.context import get_context
+from tritonllm.kernels.fp8 import empty_kv_scales
 from tritonllm.kernels.kv_cache import empty_kv_cache
 from tritonllm.layers.norm import RMSNorm
 from tritonllm.layers.rotary import RotaryEmbedding
@@ -61,7 +62,8 @@ def allocate_kv_caches(model: nn.Module, num_blocks: int, block_size: int, dtype
     """Give every attention layer of model its [num_blocks, block_size, Hkv, D] caches of `dtype`
     and, for float8_e4m3fn, their [num_blocks, block_size, Hkv] float32 scales (uninitialized, or
     filled with `fill`). An fp8 V cache is key-major (kernels/kv_cache.py): its e4m3 tiles then
-    reach the PV dot without a byte-wise transpose."""
+    reach the PV dot without a byte-wise transpose. The scales are head-major (kernels/fp8.py), so
+    an attention tile reads one head's scales of a block as one run."""
     fp8 = dtype == torch.float8_e4m3fn
 
     def filled(t):
@@ -73,7 +75,7 @@ def allocate_kv_caches(model: nn.Module, num_blocks: int, block_size: int, dtype
             module.k_cache = filled(empty_kv_cache(*shape, dtype, device))
             module.v_cache = filled(empty_kv_cache(*shape, dtype, device, key_major=fp8))
             if fp8:
-                module.k_scale = filled(torch.empty(shape[:3], dtype=torch.float32, device=device))
-                module.v_scale = filled(torch.empty(shape[:3], dtype=torch.float32, device=device))
+                module.k_scale = filled(empty_kv_scales(*shape[:3], device, head_major=True))
+                module.v_scale = filled(empty_kv_scales(*shape[:3], device, head_major=True))
             else:
                 module.k_scale = module.v_scale = None
