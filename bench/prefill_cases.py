@@ -8,6 +8,9 @@ bf16, 16k new tokens a call, K/V read from shuffled cache blocks.
   kernel (shipped configs), SDPA cuDNN and flash and varlen_attn on contiguous K/V (expanded to 16
   heads: cuDNN has no GQA). Timed as CUDA-graph replays, varlen_attn eagerly.
 - "prefill_attention": the portable kernel itself (path="portable"), bf16 and over an e4m3 cache.
+- "prologue + attention" (kernel prefill_attention_hopper): one attention layer's whole prefill step
+  over an e4m3 cache as the engine runs it (store, copies, Hopper kernel), against the same step over
+  the bf16 cache.
 
 TFLOP/s counts the causal part only: 2 * 2 * Hq * D * (keys each query sees, summed).
 """
@@ -16,7 +19,7 @@ import random
 import torch
 from torch.nn.attention import SDPBackend
 
-from kernel_cases import Case, dense, paged_cache, randn, sdpa
+from kernel_cases import Case, cos_sin_cache, dense, paged_cache, randn, sdpa
 from tritonllm import kernels
 from tritonllm.kernels import reference
 from tritonllm.kernels.fp8 import head_major_copy
@@ -164,5 +167,59 @@ def portable_cases(quick):
     return cases
 
 
+def layer_inputs(new, context, block_size):
+    """One prefill step of B = 16k / new sequences, each `new` tokens over `context` cached ones, as
+    layers/attention.py runs it: the packed QKV, the prologue's weights and slots, bf16 caches
+    (context random), e4m3 caches holding the same context (key-major V, head-major scales), and the
+    step's copies of its blocks, the ones holding cached tokens first (engine/step_inputs.block_copies)."""
+    batch, per_seq, cached = TOKENS // new, -(-(context + new) // block_size), -(-context // block_size)
+    k_cache, v_cache, tables = paged_cache(context + new, batch, block_size)
+    (k8, k_scale), (v8, v_scale) = reference.quantize_e4m3(k_cache), reference.quantize_e4m3(v_cache)
+    fp8 = k8, key_major_copy(v8), head_major_copy(k_scale), head_major_copy(v_scale)
+    positions = torch.arange(context, context + new, device="cuda")
+    copy_tables = torch.cat([torch.arange(batch * cached, device="cuda").view(batch, cached),
+                             batch * cached + torch.arange(batch * (per_seq - cached), device="cuda").view(batch, -1)],
+                            dim=1).to(torch.int32)
+    slots, copy_slots = ((t.long() * block_size)[:, positions // block_size] + positions % block_size
+                         for t in (tables, copy_tables))
+    lens = torch.full((batch,), new, device="cuda", dtype=torch.int32)
+    cu_q = torch.nn.functional.pad(lens.cumsum(0), (1, 0)).to(torch.int32)
+    prologue = (positions.repeat(batch), randn(TOKENS, 32 * 128), randn(128), randn(128), 1e-6,
+                cos_sin_cache(context + new, 128))
+    return (prologue, slots.flatten(), (k_cache, v_cache), fp8, tables, cu_q, lens + context, new,
+            tables[:, :cached].flatten(), copy_tables, copy_slots.flatten())
+
+
+def layer_bf16(prologue, slots, caches, fp8, tables, cu_q, seq_lens, max_q, *copies):
+    q = kernels.qk_norm_rotary_store(*prologue, *caches, slots, 16, 8)
+    return kernels.prefill_attention(q, *caches, cu_q, seq_lens, tables, max_q_len=max_q)
+
+
+def layer_fp8(prologue, slots, caches, fp8, tables, cu_q, seq_lens, max_q, gather_blocks, copy_tables, copy_slots):
+    k8, v8, k_scale, v_scale = fp8
+    copy_shape = (copy_tables.numel(), *k8.shape[1:])
+    k, v = prologue[1].new_empty(copy_shape), prologue[1].new_empty(copy_shape)
+    q = kernels.qk_norm_rotary_store(*prologue, k8, v8, slots, 16, 8, k_scale=k_scale, v_scale=v_scale, k_copy=k,
+                                     v_copy=v, copy_slots=copy_slots)
+    kernels.gather_kv_blocks(k8, v8, gather_blocks, q.dtype, k_scale=k_scale, v_scale=v_scale, out=(k, v))
+    return kernels.prefill_attention(q, k, v, cu_q, seq_lens, copy_tables, max_q_len=max_q)
+
+
+def layer_cases(quick):
+    """A whole prefill step of one attention layer (layers/attention.py): the fused prologue storing
+    the new K/V, then attention. Over an e4m3 cache the store also writes the new rows' copies, the
+    blocks holding cached tokens are gathered into the rest, and prefill runs on the copies; the
+    anchor is the same step over the bf16 cache, read in place. Timed as graph replays."""
+    shapes = [(1024, 0, 16)] if quick else [(1024, 0, 16), (1024, 0, 256), (4096, 0, 16), (16384, 0, 256),
+                                             (512, 512, 16)]
+    return [Case("prefill_attention_hopper",
+                 f"B{TOKENS // new} x {new} new over {context} cached, 16/8 heads D128 block {block_size} bf16, "
+                 "fp8 cache, prologue + attention",
+                 lambda n=new, c=context, bs=block_size: layer_inputs(n, c, bs), layer_fp8,
+                 {"bf16 cache, prologue + attention": layer_bf16}, bytes=cache_bytes([new] * (TOKENS // new), context),
+                 flops=causal_flops([new] * (TOKENS // new), context), graph=True)
+            for new, context, block_size in shapes]
+
+
 def prefill_cases(quick):
-    return hopper_cases(quick) + portable_cases(quick)
+    return hopper_cases(quick) + portable_cases(quick) + layer_cases(quick)

@@ -203,8 +203,9 @@ def _gather_kv_blocks_kernel(cache_ptr, scale_ptr, blocks_ptr, out_ptr, stride_s
     tl.store(out_ptr + dst, x.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def gather_kv_blocks(k_cache, v_cache, blocks, dtype, *, k_scale=None, v_scale=None):
-    """Copies of cache blocks, in `dtype`: returns new tensors (k, v), each [N, block_size, Hkv, D] contiguous.
+def gather_kv_blocks(k_cache, v_cache, blocks, dtype, *, k_scale=None, v_scale=None, out=None):
+    """Copies of cache blocks, in `dtype`: returns (k, v), each [N, block_size, Hkv, D] contiguous, new
+    tensors, or `out` when given.
 
     k_cache, v_cache [num_blocks, block_size, Hkv, D] as store_kv_cache takes them (k_cache contiguous,
     v_cache contiguous or key-major), float32/float16/bfloat16, or float8_e4m3fn with k_scale, v_scale
@@ -212,6 +213,9 @@ def gather_kv_blocks(k_cache, v_cache, blocks, dtype, *, k_scale=None, v_scale=N
     ids; dtype float32, float16 or bfloat16. out[i] holds block blocks[i]: each value, for an e4m3
     cache times its row's scale in float32, rounded to dtype. A copy is in the plain layout whatever
     the cache's. The caches are only read. Prefill over an e4m3 cache runs on such copies (layers/attention.py).
+
+    out: optional (k, v), each [M, block_size, Hkv, D] contiguous of `dtype` with M >= N; in place,
+    out[0][i], out[1][i] for i < N are written and the rest is left as it is.
     """
     if blocks.dim() != 1 or blocks.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"blocks must be a 1-D int32/int64 tensor, got {blocks.dtype} of shape {tuple(blocks.shape)}")
@@ -222,17 +226,25 @@ def gather_kv_blocks(k_cache, v_cache, blocks, dtype, *, k_scale=None, v_scale=N
     _, block_size, num_heads, head_dim = k_cache.shape
     key_major = check_store_caches(k_cache, v_cache, num_heads, head_dim)
     fp8 = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
-    k, v = (torch.empty(blocks.shape[0], block_size, num_heads, head_dim, dtype=dtype, device=k_cache.device)
-            for _ in range(2))
+    if out is None:
+        k, v = (torch.empty(blocks.shape[0], block_size, num_heads, head_dim, dtype=dtype, device=k_cache.device)
+                for _ in range(2))
+    else:
+        k, v = out
+        for name, c in (("out[0]", k), ("out[1]", v)):
+            if (c.dim() != 4 or c.shape[0] < blocks.shape[0] or c.shape[1:] != k_cache.shape[1:] or c.dtype != dtype
+                    or not c.is_contiguous()):
+                raise ValueError(f"{name} must be a contiguous [M >= {blocks.shape[0]}, {block_size}, {num_heads}, "
+                                 f"{head_dim}] {dtype}, got {tuple(c.shape)} {c.dtype}")
     if blocks.shape[0] == 0:
         return k, v
     block_d = triton.next_power_of_2(head_dim)
     # A copy: bound by bytes, so a fixed tile of up to 4096 values a program, no tuning.
     tokens = min(block_size, max(1, 4096 // block_d))
     grid = (blocks.shape[0], num_heads, block_size // tokens)
-    for cache, scale, out, major in ((k_cache, k_scale, k, False), (v_cache, v_scale, v, key_major)):
+    for cache, scale, copy, major in ((k_cache, k_scale, k, False), (v_cache, v_scale, v, key_major)):
         strides = scale.stride() if fp8 else (None, None, None)
-        _gather_kv_blocks_kernel[grid](cache, scale, blocks, out, *strides, NUM_HEADS=num_heads, HEAD_DIM=head_dim,
+        _gather_kv_blocks_kernel[grid](cache, scale, blocks, copy, *strides, NUM_HEADS=num_heads, HEAD_DIM=head_dim,
                                        BLOCK_SIZE=block_size, TOKENS=tokens, BLOCK_D=block_d, FP8=fp8,
                                        KEY_MAJOR=major, INTERPRET=INTERPRET, num_warps=4)
     return k, v

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tritonllm.kernels.fp8 import check_kv_scales, e4m3_scale, scale_offsets, to_e4m3
+from tritonllm.kernels.fp8 import check_kv_scales, e4m3_scale, from_e4m3, scale_offsets, to_e4m3
 from tritonllm.kernels.kv_cache import check_store_caches, slot_offsets
 from tritonllm.kernels.tuning import INTERPRET, Tunable, dtype_name, pow2
 
@@ -40,23 +40,27 @@ def _norm_rotate(x_ptrs, mask, weight_ptr, cos, sin, eps,
 @triton.jit
 def _store_e4m3_heads(x1, x2, ptrs1, ptrs2, mask, scale_ptrs, scale_mask, INTERPRET: tl.constexpr):
     """Heads given as float32 halves [TOKENS, H, BLOCK_HALF] (0 where masked) quantized per (token,
-    head) into the cache at ptrs1 / ptrs2 (first / second halves), their scales [TOKENS, H] at scale_ptrs."""
+    head) into the cache at ptrs1 / ptrs2 (first / second halves), their scales [TOKENS, H] at scale_ptrs.
+    Returns the stored halves' values (code times scale, float32), as a reader of the cache gets them."""
     scale = e4m3_scale(tl.maximum(tl.max(tl.abs(x1), axis=2), tl.max(tl.abs(x2), axis=2)))
-    tl.store(ptrs1, to_e4m3(x1, scale[:, :, None], INTERPRET), mask=mask)
-    tl.store(ptrs2, to_e4m3(x2, scale[:, :, None], INTERPRET), mask=mask)
     tl.store(scale_ptrs, scale, mask=scale_mask)
+    scale = scale[:, :, None]
+    q1, q2 = to_e4m3(x1, scale, INTERPRET), to_e4m3(x2, scale, INTERPRET)
+    tl.store(ptrs1, q1, mask=mask)
+    tl.store(ptrs2, q2, mask=mask)
+    return from_e4m3(q1, tl.float32, INTERPRET) * scale, from_e4m3(q2, tl.float32, INTERPRET) * scale
 
 
 @triton.jit(do_not_specialize=["n_tokens", "eps"])
 def _qk_norm_rotary_store_kernel(
     positions_ptr, qkv_ptr, q_weight_ptr, k_weight_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, q_out_ptr,
-    k_scale_ptr, v_scale_ptr,
+    k_scale_ptr, v_scale_ptr, copy_slot_ptr, k_copy_ptr, v_copy_ptr,
     n_tokens, qkv_token_stride, cos_sin_stride, q_out_token_stride, q_out_head_stride, eps,
     stride_scale_block, stride_scale_token, stride_scale_head,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr, TOKENS: tl.constexpr,
     FP8: tl.constexpr, INTERPRET: tl.constexpr, V_BLOCK_SIZE: tl.constexpr, V_KEY_MAJOR: tl.constexpr,
-    SCALE_BLOCK: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr, COPY: tl.constexpr,
 ):
     # Each program handles TOKENS tokens: all their q, k and v heads. Tensors are
     # [TOKENS, heads, BLOCK_HALF]; a head is processed as its two rotary halves.
@@ -100,11 +104,12 @@ def _qk_norm_rotary_store_kernel(
         scale_offs = scale_offsets(slots[:, None], heads, stride_scale_block, stride_scale_token, stride_scale_head,
                                    SCALE_BLOCK)
         scale_mask = (token_mask & (slots >= 0))[:, None] & (heads < NUM_KV_HEADS)
-        _store_e4m3_heads(k1, k2, k_cache_ptr + k_offsets, k_cache_ptr + k_offsets + HALF, kv_mask,
-                          k_scale_ptr + scale_offs, scale_mask, INTERPRET)
+        k1, k2 = _store_e4m3_heads(k1, k2, k_cache_ptr + k_offsets, k_cache_ptr + k_offsets + HALF, kv_mask,
+                                   k_scale_ptr + scale_offs, scale_mask, INTERPRET)
     else:
-        tl.store(k_cache_ptr + k_offsets, k1.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
-        tl.store(k_cache_ptr + k_offsets + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
+        k1, k2 = k1.to(k_cache_ptr.dtype.element_ty), k2.to(k_cache_ptr.dtype.element_ty)
+        tl.store(k_cache_ptr + k_offsets, k1, mask=kv_mask)
+        tl.store(k_cache_ptr + k_offsets + HALF, k2, mask=kv_mask)
     v_ptrs = rows + (NUM_Q_HEADS + NUM_KV_HEADS + kv_heads) * HEAD_DIM + dims3
     v1 = tl.load(v_ptrs, mask=kv_mask, other=0.0)
     v2 = tl.load(v_ptrs + HALF, mask=kv_mask, other=0.0)
@@ -112,14 +117,25 @@ def _qk_norm_rotary_store_kernel(
     v_ptrs2 = v_cache_ptr + slot_offsets(slots[:, None, None], cols + HALF, NUM_KV_HEADS * HEAD_DIM, V_BLOCK_SIZE,
                                          V_KEY_MAJOR)
     if FP8:
-        _store_e4m3_heads(v1.to(tl.float32), v2.to(tl.float32), v_ptrs1, v_ptrs2, kv_mask,
-                          v_scale_ptr + scale_offs, scale_mask, INTERPRET)
+        v1, v2 = _store_e4m3_heads(v1.to(tl.float32), v2.to(tl.float32), v_ptrs1, v_ptrs2, kv_mask,
+                                   v_scale_ptr + scale_offs, scale_mask, INTERPRET)
     else:
-        tl.store(v_ptrs1, v1.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
-        tl.store(v_ptrs2, v2.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
+        v1, v2 = v1.to(v_cache_ptr.dtype.element_ty), v2.to(v_cache_ptr.dtype.element_ty)
+        tl.store(v_ptrs1, v1, mask=kv_mask)
+        tl.store(v_ptrs2, v2, mask=kv_mask)
+    if COPY:
+        # The stored rows again, as values in the copies' dtype at their copy slots (plain layout).
+        copy_slots = tl.load(copy_slot_ptr + tokens, mask=token_mask, other=-1).to(tl.int64)
+        copy_mask = kv_mask & (copy_slots >= 0)[:, None, None]
+        copy_offsets = copy_slots[:, None, None] * (NUM_KV_HEADS * HEAD_DIM) + cols
+        dtype = k_copy_ptr.dtype.element_ty
+        tl.store(k_copy_ptr + copy_offsets, k1.to(dtype), mask=copy_mask)
+        tl.store(k_copy_ptr + copy_offsets + HALF, k2.to(dtype), mask=copy_mask)
+        tl.store(v_copy_ptr + copy_offsets, v1.to(dtype), mask=copy_mask)
+        tl.store(v_copy_ptr + copy_offsets + HALF, v2.to(dtype), mask=copy_mask)
 
 
-def _space(dtype, row_bucket, tokens_bucket):
+def _space(dtype, row_bucket, tokens_bucket, cache_dtype=None):
     # row_bucket: the padded elements of one token's q, k and v heads. At least 8 elements a thread.
     return [
         {"TOKENS": tokens, "num_warps": warps, "num_stages": 1}
@@ -129,9 +145,13 @@ def _space(dtype, row_bucket, tokens_bucket):
     ]
 
 
-def _default(dtype, row_bucket, tokens_bucket):
+def _default(dtype, row_bucket, tokens_bucket, cache_dtype=None):
     # One token a program (16/8 heads x 128: 4096 elements, 4 warps); small rows (TP shards) share
-    # a program when there are many tokens.
+    # a program when there are many tokens. Into an e4m3 cache (the engine's V key-major, where a
+    # token's V bytes lie a block apart) many tokens go 4 to a program, for runs of 4 adjacent bytes.
+    if cache_dtype == "float8_e4m3fn" and tokens_bucket >= 1024:
+        tokens = max(1, min(4, 16384 // row_bucket))
+        return {"TOKENS": tokens, "num_warps": min(8, max(1, tokens * row_bucket // 2048)), "num_stages": 1}
     tokens = max(1, min(4, 2048 // row_bucket)) if tokens_bucket >= 1024 else 1
     return {"TOKENS": tokens, "num_warps": min(8, max(1, tokens * row_bucket // 1024)), "num_stages": 1}
 
@@ -140,15 +160,36 @@ _TUNING = Tunable("qk_norm_rotary_store", _space, _default)
 
 
 def qk_norm_rotary_store_bucket(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
-                                n_tokens: int) -> tuple:
+                                n_tokens: int, cache_dtype: torch.dtype | None = None) -> tuple:
     """The tuning bucket of qk_norm_rotary_store on a qkv of `dtype` holding n_tokens tokens: the
-    padded elements of one token's q, k and v heads, and the tokens."""
+    padded elements of one token's q, k and v heads, the tokens, and for an e4m3 cache its dtype."""
     padded = (pow2(num_heads) + 2 * pow2(num_kv_heads)) * 2 * pow2(head_dim // 2)
-    return dtype_name(dtype), pow2(padded), pow2(n_tokens)
+    bucket = dtype_name(dtype), pow2(padded), pow2(n_tokens)
+    return bucket + (dtype_name(cache_dtype),) if cache_dtype == torch.float8_e4m3fn else bucket
+
+
+def _check_copies(k_copy, v_copy, copy_slots, block_shape, dtype, n_tokens) -> bool:
+    """Check qk_norm_rotary_store's optional copies; True when given."""
+    given = [x is not None for x in (k_copy, v_copy, copy_slots)]
+    if not any(given):
+        return False
+    if not all(given):
+        raise ValueError("k_copy, v_copy and copy_slots go together: pass all three or none")
+    for name, c in (("k_copy", k_copy), ("v_copy", v_copy)):
+        if c.dim() != 4 or c.shape[1:] != block_shape or c.dtype != dtype or not c.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous [G, {', '.join(map(str, block_shape))}] {dtype}, "
+                             f"got {tuple(c.shape)} {c.dtype}")
+    if v_copy.shape != k_copy.shape:
+        raise ValueError(f"v_copy must have k_copy's shape {tuple(k_copy.shape)}, got {tuple(v_copy.shape)}")
+    if copy_slots.shape != (n_tokens,) or copy_slots.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"copy_slots must be int32/int64 of shape ({n_tokens},), got {copy_slots.dtype} "
+                         f"{tuple(copy_slots.shape)}")
+    return True
 
 
 def qk_norm_rotary_store(positions, qkv, q_weight, k_weight, eps, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                         num_heads, num_kv_heads, out=None, *, k_scale=None, v_scale=None):
+                         num_heads, num_kv_heads, out=None, *, k_scale=None, v_scale=None, k_copy=None, v_copy=None,
+                         copy_slots=None):
     """Qwen3's attention prologue on the packed QKV GEMM output, in one launch; returns q [T, Hq, D].
 
     qkv [T, (Hq + 2*Hkv) * D] float32/float16/bfloat16: per token the Hq q heads, then the Hkv k
@@ -172,6 +213,12 @@ def qk_norm_rotary_store(positions, qkv, q_weight, k_weight, eps, cos_sin_cache,
     in float32, before rounding to qkv's dtype) and of v is stored as e4m3(row / scale), scale =
     max|row| / 448 (1.0 for a zero row), and its scale is written at [slot, head] (kernels/fp8.py);
     slot < 0 skips the scales too.
+
+    Copies (optional, all three or none): k_copy, v_copy [G, block_size, Hkv, D] of qkv's dtype,
+    contiguous (the plain layout), and copy_slots [T] int32/int64. Each stored row of k and v is also
+    written, as the cache now holds it (for e4m3, code times scale in float32, then rounded), to slot
+    copy_slots[t] of the copies, exactly as gather_kv_blocks would copy it out; copy_slots[t] < 0 (or
+    slot_mapping[t] < 0) skips. Prefill over an e4m3 cache runs on such copies (layers/attention.py).
     """
     if qkv.dim() != 2 or qkv.stride(1) != 1:
         raise ValueError(f"qkv must be [T, (Hq + 2*Hkv) * D] with a contiguous last dim, got {tuple(qkv.shape)} strides {qkv.stride()}")
@@ -188,6 +235,7 @@ def qk_norm_rotary_store(positions, qkv, q_weight, k_weight, eps, cos_sin_cache,
     if positions.shape != (n_tokens,) or slot_mapping.shape != (n_tokens,):
         raise ValueError(f"positions and slot_mapping must have shape ({n_tokens},), got {tuple(positions.shape)}, {tuple(slot_mapping.shape)}")
     fp8 = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
+    copy = _check_copies(k_copy, v_copy, copy_slots, k_cache.shape[1:], qkv.dtype, n_tokens)
     if out is None:
         out = torch.empty(n_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     elif out.shape != (n_tokens, num_heads, head_dim) or out.dtype != qkv.dtype or out.stride(2) != 1:
@@ -202,14 +250,16 @@ def qk_norm_rotary_store(positions, qkv, q_weight, k_weight, eps, cos_sin_cache,
     def launch(config):
         _qk_norm_rotary_store_kernel[(triton.cdiv(n_tokens, config["TOKENS"]),)](
             positions, qkv, q_weight, k_weight, cos_sin_cache, k_cache, v_cache, slot_mapping, out, k_scale, v_scale,
+            copy_slots, k_copy, v_copy,
             n_tokens, qkv.stride(0), cos_sin_cache.stride(0), out.stride(0), out.stride(1), eps,
             *(k_scale.stride() if fp8 else (None, None, None)),
             NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
             BLOCK_QH=block_qh, BLOCK_KH=block_kh, BLOCK_HALF=block_half, FP8=fp8, INTERPRET=INTERPRET,
             V_BLOCK_SIZE=k_cache.shape[1] if v_key_major else 1, V_KEY_MAJOR=v_key_major,
-            SCALE_BLOCK=k_cache.shape[1] if fp8 else 1, **config,
+            SCALE_BLOCK=k_cache.shape[1] if fp8 else 1, COPY=copy, **config,
         )
 
     # The launch only writes q_out and cache slots it fully determines: repeating it is harmless.
-    launch(_TUNING.config(qk_norm_rotary_store_bucket(qkv.dtype, num_heads, num_kv_heads, head_dim, n_tokens), launch))
+    bucket = qk_norm_rotary_store_bucket(qkv.dtype, num_heads, num_kv_heads, head_dim, n_tokens, k_cache.dtype)
+    launch(_TUNING.config(bucket, launch))
     return out

@@ -41,18 +41,26 @@ def store_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scal
         cache[slots // cache.shape[1], slots % cache.shape[1]] = rows.to(cache.dtype)
 
 
-def gather_kv_blocks(k_cache, v_cache, blocks, dtype, *, k_scale=None, v_scale=None):
-    """Blocks `blocks` [N] of the caches as new contiguous (k, v) [N, block_size, Hkv, D] of `dtype`; an
-    e4m3 cache's values times their row scales, in float32 (float64 for a float64 dtype), then rounded."""
-    fp8 = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
+def _cache_values(cache, scale, index, dtype):
+    """cache[index] (any leading index) in `dtype`: an e4m3 cache's codes times their row scales, in
+    float32 (float64 for a float64 dtype), then rounded."""
+    values = cache[index].to(_compute_dtype(dtype))
+    if scale is not None:
+        values = values * scale[index][..., None].to(values.dtype)
+    return values.to(dtype)
+
+
+def gather_kv_blocks(k_cache, v_cache, blocks, dtype, *, k_scale=None, v_scale=None, out=None):
+    """Blocks `blocks` [N] of the caches as contiguous (k, v) [N, block_size, Hkv, D] of `dtype` (_cache_values),
+    new tensors, or written into the first N blocks of `out` (k, v) and returned."""
+    check_kv_scales(k_cache, v_cache, k_scale, v_scale)
     index = blocks.long()
-    copies = []
-    for cache, scale in ((k_cache, k_scale), (v_cache, v_scale)):
-        values = cache[index].to(_compute_dtype(dtype))
-        if fp8:
-            values = values * scale[index][..., None].to(values.dtype)
-        copies.append(values.to(dtype).contiguous())
-    return tuple(copies)
+    copies = [_cache_values(k_cache, k_scale, index, dtype), _cache_values(v_cache, v_scale, index, dtype)]
+    if out is None:
+        return tuple(c.contiguous() for c in copies)
+    for target, c in zip(out, copies):
+        target[:len(index)] = c
+    return out
 
 
 def rms_norm(x, weight, eps):
@@ -83,10 +91,13 @@ def rotary_embedding(positions, q, k, cos_sin_cache):
 
 
 def qk_norm_rotary_store(positions, qkv, q_weight, k_weight, eps, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                         num_heads, num_kv_heads, out=None, *, k_scale=None, v_scale=None):
+                         num_heads, num_kv_heads, out=None, *, k_scale=None, v_scale=None, k_copy=None, v_copy=None,
+                         copy_slots=None):
     """rms_norm on the q and k heads of qkv [T, (Hq + 2*Hkv) * D], rotary_embedding, store_kv_cache
     of k and v (in place, slot < 0 skips); returns q [T, Hq, D] (written into `out` when given).
-    An e4m3 cache quantizes k as rotated in float32, before any rounding to qkv's dtype."""
+    An e4m3 cache quantizes k as rotated in float32, before any rounding to qkv's dtype. With copies,
+    each stored row is also written, as the cache holds it (_cache_values), to slot copy_slots[t] of
+    k_copy / v_copy (copy_slots[t] < 0 or slot_mapping[t] < 0 skips)."""
     n_tokens = qkv.shape[0]
     head_dim = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
@@ -97,6 +108,13 @@ def qk_norm_rotary_store(positions, qkv, q_weight, k_weight, eps, cos_sin_cache,
     q, k = rotary_embedding(positions, q, k, cos_sin_cache)
     store_kv_cache(k, v.reshape(n_tokens, num_kv_heads, head_dim), k_cache, v_cache, slot_mapping,
                    k_scale=k_scale, v_scale=v_scale)
+    if k_copy is not None:
+        keep = (slot_mapping >= 0) & (copy_slots >= 0)
+        slots, targets = slot_mapping[keep].long(), copy_slots[keep].long()
+        block_size = k_cache.shape[1]
+        index = (slots // block_size, slots % block_size)
+        for cache, scale, copy in ((k_cache, k_scale, k_copy), (v_cache, v_scale, v_copy)):
+            copy[targets // block_size, targets % block_size] = _cache_values(cache, scale, index, copy.dtype)
     if out is None:
         return q.contiguous()
     out.copy_(q)

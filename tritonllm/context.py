@@ -18,9 +18,13 @@ class Context:
     cu_seqlens_q: torch.Tensor | None = None  # [B + 1] int32, prefill only
     max_q_len: int = 1  # host-side bounds of the new and of all tokens per sequence, for the kernels' grids
     max_seq_len: int = 0
-    # Prefill over an fp8 cache: the blocks to copy out and block tables into the copies (or None).
+    # Prefill over an fp8 cache (else None; engine/step_inputs.StepInputs): num_copies copies of the
+    # step's blocks, of which the first len(gather_blocks) come from those cache blocks, the new
+    # tokens' rows from the store at copy_slots; block tables into the copies.
     gather_blocks: torch.Tensor | None = None
     gather_tables: torch.Tensor | None = None
+    copy_slots: torch.Tensor | None = None
+    num_copies: int = 0
 
 
 _context: Context | None = None

@@ -62,15 +62,31 @@ def test_decode_reads_pending_tokens_from_the_previous_samples():
 
 
 
-def check_copies(gathered, block_tables, held):
-    """block_copies' answer: each distinct held block copied once, each table entry within a
-    sequence's held blocks pointing at its block's copy, the rest zero."""
-    blocks, tables = gathered
-    assert blocks.dtype == torch.int32 and tables.shape == block_tables.shape
-    assert sorted(blocks.tolist()) == sorted({b for table in held for b in table})
+def check_copies(gathered, block_tables, held, cached):
+    """block_copies' answer: one copy of each distinct held block; the blocks holding cached tokens
+    (the first cached[i] of held[i]) are gathered and take the first copies, in gather order; each
+    table entry within a sequence's held blocks points at its block's copy, the rest zero."""
+    blocks, tables, num_copies = gathered
+    assert blocks.dtype == np.int32 and tables.shape == block_tables.shape
+    assert num_copies == len({b for table in held for b in table})
+    assert sorted(blocks.tolist()) == sorted({b for table, c in zip(held, cached) for b in table[:c]})
+    block_of = {}
     for row, table in zip(tables.tolist(), held):
-        assert [blocks[i].item() for i in row[:len(table)]] == table
+        for copy, block in zip(row, table):
+            assert block_of.setdefault(copy, block) == block  # a copy holds one block
         assert row[len(table):] == [0] * (len(row) - len(table))
+    assert sorted(block_of) == list(range(num_copies))
+    assert [block_of[i] for i in range(len(blocks))] == blocks.tolist()
+
+
+def check_step_copies(inputs, seqs, starts, counts):
+    gathered = (inputs.gather_blocks.numpy(), inputs.gather_tables.numpy(), inputs.num_copies)
+    held = [seq.block_table[:-(-(s + n) // BS)] for seq, s, n in zip(seqs, starts, counts)]
+    check_copies(gathered, inputs.block_tables.numpy(), held, [-(-s // BS) for s in starts])
+    # Each new token's copy slot: its position within its block's copy.
+    expected = [int(inputs.gather_tables[i, p // BS]) * BS + p % BS
+                for i, (s, n) in enumerate(zip(starts, counts)) for p in range(s, s + n)]
+    assert inputs.copy_slots.dtype == torch.int64 and inputs.copy_slots.tolist() == expected
 
 
 def test_prefill_over_block_copies_of_a_scheduled_step():
@@ -78,19 +94,30 @@ def test_prefill_over_block_copies_of_a_scheduled_step():
     batch = scheduler.schedule()
     assert batch.num_new == [9, 5, 6]
     inputs = build_step_inputs(batch, {}, BS, gather_limit=64)
-    held = [seq.block_table[:-(-n // BS)] for seq, n in zip(seqs, [9, 5, 6])]
-    check_copies((inputs.gather_blocks, inputs.gather_tables), inputs.block_tables, held)
-    assert build_step_inputs(batch, {}, BS).gather_blocks is None  # no limit: the cache is read in place
+    check_step_copies(inputs, seqs, [0, 0, 0], [9, 5, 6])
+    assert len(inputs.gather_blocks) == 0  # nothing cached yet: the store writes every copied row
+    plain = build_step_inputs(batch, {}, BS)  # no limit: the cache is read in place
+    assert plain.gather_blocks is None and plain.copy_slots is None and plain.num_copies == 0
+    scheduler.launched(batch)
+    # The third prompt's last token over its 6 cached ones, the first in a block it shares with them.
+    batch = scheduler.schedule()
+    assert batch.seqs == [seqs[2]] and batch.num_new == [1]
+    inputs = build_step_inputs(batch, {seqs[0].seq_id: 0, seqs[1].seq_id: 1}, BS, gather_limit=64)
+    check_step_copies(inputs, seqs[2:], [6], [1])
+    assert inputs.gather_blocks.tolist() == seqs[2].block_table[:2]
 
 
 def test_block_copies_share_a_block_and_stop_at_the_limit():
     # A block two sequences hold (a prefix hit) is copied once; past the limit there are no copies.
+    # The first holds 4 cached tokens, the second 6 (its second block partly), the third none.
     tables = [np.array([5, 2, 9], dtype=np.int32), np.array([5, 7], dtype=np.int32),
               np.array([3, 1, 8, 4], dtype=np.int32)]  # the third's last two blocks past its 7 tokens
     block_tables = np.zeros((3, 4), dtype=np.int32)
     for row, table in zip(block_tables, tables):
         row[:len(table)] = table
-    seq_lens = np.array([9, 5, 7])
-    held = [[5, 2, 9], [5, 7], [3, 1]]
-    check_copies(block_copies(tables, block_tables, seq_lens, BS, 6), block_tables, held)
-    assert block_copies(tables, block_tables, seq_lens, BS, 5) is None
+    starts, seq_lens = np.array([4, 6, 0]), np.array([9, 8, 7])
+    held, cached = [[5, 2, 9], [5, 7], [3, 1]], [1, 2, 0]
+    gathered = block_copies(tables, block_tables, starts, seq_lens, BS, 6)
+    check_copies(gathered, block_tables, held, cached)
+    assert sorted(gathered[0].tolist()) == [5, 7]
+    assert block_copies(tables, block_tables, starts, seq_lens, BS, 5) is None

@@ -274,3 +274,25 @@ def test_gather_kv_blocks_of_nothing_and_bad_inputs():
         gather_kv_blocks(k_cache, v_cache, blocks, torch.bfloat16)
     with pytest.raises(ValueError, match="v_cache must have"):
         gather_kv_blocks(k_cache, v_cache[:1], blocks, torch.bfloat16, k_scale=k_scale, v_scale=v_scale)
+    buffer = poisoned(3, 16, 2, 64, dtype=torch.bfloat16)
+    for bad in (buffer[:2], buffer.float(), buffer[:, :8], buffer.transpose(1, 2)):
+        with pytest.raises(ValueError, match=r"out\[1\] must be"):
+            gather_kv_blocks(k_cache, v_cache, blocks, torch.bfloat16, k_scale=k_scale, v_scale=v_scale,
+                             out=(buffer, bad))
+    assert buffer.isnan().all()
+
+
+@pytest.mark.parametrize("kernel", [gather_kv_blocks, reference.gather_kv_blocks], ids=["triton", "reference"])
+def test_gather_kv_blocks_into_the_first_blocks_of_out(kernel):
+    # out holds more blocks than are gathered: the first ones take the copies, the rest stay as they were.
+    k_cache, v_cache, k_scale, v_scale = fp8_caches(4, 16, 2, 64, "head_major")
+    slots = torch.arange(4 * 16, device=DEVICE)
+    reference.store_kv_cache(randn(64, 2, 64), randn(64, 2, 64), k_cache, v_cache, slots, k_scale=k_scale,
+                             v_scale=v_scale)
+    blocks = torch.tensor([3, 1], dtype=torch.int64, device=DEVICE)
+    out = tuple(poisoned(5, 16, 2, 64, dtype=torch.bfloat16) for _ in range(2))
+    result = kernel(k_cache, v_cache, blocks, torch.bfloat16, k_scale=k_scale, v_scale=v_scale, out=out)
+    new = kernel(k_cache, v_cache, blocks, torch.bfloat16, k_scale=k_scale, v_scale=v_scale)
+    for o, r, n in zip(out, result, new):
+        assert r is o
+        assert torch.equal(o[:2], n) and o[2:].isnan().all()

@@ -4,10 +4,10 @@ import kernel_utils
 from kernel_utils import DEVICE, DTYPES, key_major, poisoned, randn, with_scale_layout, with_v_layout
 from test_fp8 import assert_e4m3_rows_match, e4m3_poisoned
 
-from tritonllm.kernels import qk_norm_rotary_store, reference
+from tritonllm.kernels import gather_kv_blocks, qk_norm_rotary_store, reference
 from tritonllm.kernels import qk_norm_rotary as module
 from tritonllm.kernels.kv_cache import is_key_major
-from tritonllm.kernels.tuning import INTERPRET
+from tritonllm.kernels.tuning import INTERPRET, bucket_key
 from tritonllm.layers import rotary
 
 MAX_POS = 4096
@@ -146,6 +146,76 @@ def test_key_major_v_equals_contiguous_v():
     assert not caches[1][1][written // 16, written % 16].float().isnan().any()
 
 
+# Copies (k_copy, v_copy, copy_slots), as prefill over an fp8 cache takes them: each stored row
+# again at its copy slot, bit for bit what gather_kv_blocks copies out of the kernel's own cache
+# (layers/attention.py mixes the two) and close to the reference store's copies; rows whose slot or
+# copy slot is negative, and every other copy slot, stay NaN.
+@pytest.mark.parametrize("fp8, v_layout, scale_layout", [(False, "contiguous", "contiguous"),
+                                                         (True, "contiguous", "contiguous"),
+                                                         (True, "key_major", "head_major")],
+                         ids=["model-cache", "fp8-cache", "fp8-key-major-v-head-major-scales"])
+@pytest.mark.parametrize("tokens, q_heads, kv_heads, head_dim, block_size, dtype", [
+    (37, 8, 2, 64, 16, torch.bfloat16),
+    (7, 4, 1, 128, 256, torch.float32),
+    (5, 6, 2, 80, 16, torch.float16),
+])
+def test_copies_of_the_stored_rows(tokens, q_heads, kv_heads, head_dim, block_size, dtype, fp8, v_layout,
+                                   scale_layout):
+    _, qkv, q_weight, k_weight, positions, slots, k_cache, v_cache = make_inputs(
+        tokens, q_heads, kv_heads, head_dim, block_size, dtype, pad=8)
+    scales = {}
+    if fp8:
+        k_cache, v_cache = e4m3_poisoned(*k_cache.shape), e4m3_poisoned(*k_cache.shape)
+        scales = {name: with_scale_layout(poisoned(*k_cache.shape[:3], dtype=torch.float32), scale_layout)
+                  for name in ("k_scale", "v_scale")}
+    v_cache = with_v_layout(v_cache, v_layout)
+    num_copies = -(-tokens // block_size) + 1
+    copy_slots = torch.randperm(num_copies * block_size, device=DEVICE)[:tokens]
+    copy_slots[2::5] = -1
+    copies = [poisoned(num_copies, block_size, kv_heads, head_dim, dtype=dtype) for _ in range(2)]
+    ref_caches = k_cache.clone(), with_v_layout(v_cache.contiguous(), v_layout)
+    ref_scales = {name: scale.clone() for name, scale in scales.items()}
+    ref_copies = [c.clone() for c in copies]
+    cache, eps = cos_sin_cache(MAX_POS, head_dim), 1e-6
+    qk_norm_rotary_store(positions, qkv, q_weight, k_weight, eps, cache, k_cache, v_cache, slots, q_heads, kv_heads,
+                         **scales, k_copy=copies[0], v_copy=copies[1], copy_slots=copy_slots)
+    reference.qk_norm_rotary_store(positions, qkv, q_weight, k_weight, eps, cache, *ref_caches, slots, q_heads,
+                                   kv_heads, **ref_scales, k_copy=ref_copies[0], v_copy=ref_copies[1],
+                                   copy_slots=copy_slots)
+
+    keep = (slots >= 0) & (copy_slots >= 0)
+    assert 0 < int(keep.sum()) < tokens or tokens < 5
+    src, dst = slots[keep].long(), copy_slots[keep].long()
+    held = gather_kv_blocks(k_cache, v_cache, torch.arange(k_cache.shape[0], device=DEVICE), dtype, **scales)
+    untouched = torch.ones(num_copies * block_size, dtype=torch.bool, device=DEVICE)
+    untouched[dst] = False
+    for copy, ref_copy, values in zip(copies, ref_copies, held):
+        rows = copy.view(-1, kv_heads, head_dim)
+        assert torch.equal(rows[dst], values.view(-1, kv_heads, head_dim)[src])
+        assert rows[untouched].isnan().all()
+        assert_close(rows[dst], ref_copy.view(-1, kv_heads, head_dim)[dst], dtype)
+
+
+def test_rejects_bad_copies():
+    _, qkv, q_weight, k_weight, positions, slots, k_cache, v_cache = make_inputs(3, 4, 2, 64, 16, torch.float32)
+    cache, copy = cos_sin_cache(MAX_POS, 64), poisoned(2, 16, 2, 64, dtype=torch.float32)
+
+    def call(**copies):
+        qk_norm_rotary_store(positions, qkv, q_weight, k_weight, 1e-6, cache, k_cache, v_cache, slots, 4, 2, **copies)
+
+    with pytest.raises(ValueError, match="all three or none"):
+        call(k_copy=copy, v_copy=copy.clone())
+    with pytest.raises(ValueError, match="k_copy must be"):
+        call(k_copy=copy.half(), v_copy=copy.clone(), copy_slots=slots)
+    with pytest.raises(ValueError, match="v_copy must be"):
+        call(k_copy=copy, v_copy=copy[:, :8], copy_slots=slots)
+    with pytest.raises(ValueError, match="v_copy must have"):
+        call(k_copy=copy, v_copy=copy[:1].clone(), copy_slots=slots)
+    with pytest.raises(ValueError, match="copy_slots must be"):
+        call(k_copy=copy, v_copy=copy.clone(), copy_slots=slots[:2])
+    assert copy.isnan().all() and k_cache.isnan().all()
+
+
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
 def test_strided_qkv_int32_indices_and_out_buffer(index_dtype):
     check(7, 4, 1, 64, 16, torch.bfloat16, pad=40, index_dtype=index_dtype, with_out=True)
@@ -172,11 +242,27 @@ def test_every_tokens_per_program(monkeypatch, tokens_per_program, fp8):
 
 
 def test_config_space_and_default():
-    for bucket in [("bfloat16", 4096, 16384), ("bfloat16", 4096, 1), ("float32", 512, 8), ("float16", 256, 4096)]:
+    for bucket in [("bfloat16", 4096, 16384), ("bfloat16", 4096, 1), ("float32", 512, 8), ("float16", 256, 4096),
+                   ("bfloat16", 4096, 16384, "float8_e4m3fn"), ("bfloat16", 1024, 2048, "float8_e4m3fn"),
+                   ("bfloat16", 4096, 256, "float8_e4m3fn")]:
         space = module._space(*bucket)
         default = module._default(*bucket)
         assert space and all(set(config) == set(default) for config in space)
-        assert default["TOKENS"] <= bucket[2]
+        assert default in space
+    # Many tokens into an e4m3 cache: 4 a program (adjacent bytes of a key-major V), else as before.
+    assert module._default("bfloat16", 4096, 16384, "float8_e4m3fn")["TOKENS"] == 4
+    assert module._default("bfloat16", 4096, 256, "float8_e4m3fn") == module._default("bfloat16", 4096, 256)
+
+
+def test_an_e4m3_cache_has_its_own_bucket():
+    _, qkv, q_weight, k_weight, positions, slots, k_cache, _ = make_inputs(3, 6, 2, 64, 16, torch.float16)
+    scales = {name: poisoned(*k_cache.shape[:3], dtype=torch.float32) for name in ("k_scale", "v_scale")}
+    caches = e4m3_poisoned(*k_cache.shape), e4m3_poisoned(*k_cache.shape)
+    qk_norm_rotary_store(positions, qkv, q_weight, k_weight, 1e-6, cos_sin_cache(MAX_POS, 64), *caches, slots, 6, 2,
+                         **scales)
+    bucket = module.qk_norm_rotary_store_bucket(torch.float16, 6, 2, 64, 3, torch.float8_e4m3fn)
+    assert module._TUNING.last_key == bucket_key(bucket) and bucket[-1] == "float8_e4m3fn"
+    assert module.qk_norm_rotary_store_bucket(torch.float16, 6, 2, 64, 3, torch.float16) == bucket[:-1]
 
 
 def test_no_tokens():

@@ -118,7 +118,8 @@ WRAPPERS = {
         index(0, 1, 2), zeros(3, 10 * 64), zeros(64), zeros(64), 1e-6, zeros(10, 64, dtype=torch.float32), cache(),
         cache(), index(0, 1, 2), 6, 2), qk_norm_rotary_store_bucket(torch.float16, 6, 2, 64, 3)),
     "prefill_attention": (lambda: kernels.prefill_attention(zeros(5, 4, 64), cache(), cache(), index(0, 2, 5),
-                                                            index(2, 3), index(0, 1)[:, None], max_q_len=3),
+                                                            index(2, 3), index(0, 1)[:, None], max_q_len=3,
+                                                            path="portable"),  # not Hopper's, on an H200
                           prefill_attention_bucket(torch.float16, 64, 2, 16, 3)),
     "prefill_attention_hopper": (hopper_prefill, prefill_attention_bucket(torch.float16, 64, 2, 16, 3, hopper=True)),
     "decode_attention": (lambda: kernels.decode_attention(zeros(3, 4, 64), cache(), cache(), index(1, 2, 3),

@@ -117,11 +117,13 @@ class ModelRunner:
         cu = torch.tensor([0] + lengths, device=self.device).cumsum(0).to(torch.int32)
         positions = torch.cat([torch.arange(n, device=self.device) for n in lengths])
         tables = torch.zeros(len(lengths), -(-max(lengths) // self.block_size), dtype=torch.int32, device=self.device)
-        gather = self.config.prefill_gather_blocks  # copies of the one warmup block
-        context = Context(True, torch.full((num_tokens,), -1, device=self.device),
-                          torch.tensor(lengths, dtype=torch.int32, device=self.device), tables, cu, max(lengths),
-                          max(lengths), torch.zeros(gather, dtype=torch.int32, device=self.device) if gather else None,
-                          tables if gather else None)
+        gather = self.config.prefill_gather_blocks  # the most copies, each of the one warmup block
+        no_slots = torch.full((num_tokens,), -1, device=self.device)
+        context = Context(True, no_slots, torch.tensor(lengths, dtype=torch.int32, device=self.device), tables, cu,
+                          max(lengths), max(lengths))
+        if gather:
+            context.gather_blocks = torch.zeros(gather, dtype=torch.int32, device=self.device)
+            context.gather_tables, context.copy_slots, context.num_copies = tables, no_slots, gather
         self._forward(torch.zeros(num_tokens, dtype=torch.long, device=self.device), positions, context)
         torch.cuda.synchronize(self.device)
 
@@ -157,7 +159,7 @@ class ModelRunner:
         else:
             context = Context(inputs.is_prefill, to(inputs.slot_mapping), to(inputs.seq_lens), to(inputs.block_tables),
                               to(inputs.cu_seqlens_q), inputs.max_q_len, inputs.max_seq_len, to(inputs.gather_blocks),
-                              to(inputs.gather_tables))
+                              to(inputs.gather_tables), to(inputs.copy_slots), inputs.num_copies)
             hidden = self._forward(token_ids, to(inputs.positions), context)
         return self.model.compute_logits(hidden[to(inputs.logit_rows)])
 

@@ -24,10 +24,15 @@ class StepInputs:
     # samples that holds a pending token, or -1.
     pending_rows: torch.Tensor | None
     num_previous_samples: int  # rows of the previous step's samples (TP ranks > 0 receive them)
-    # Prefill over an fp8 cache (else None): the distinct cache blocks the step's sequences hold, [G]
-    # int32, and block_tables rewritten to index their copies (layers/attention.py).
+    # Prefill over an fp8 cache (else None; layers/attention.py): the step's sequences run on
+    # num_copies copies of the distinct blocks they hold. gather_blocks [C] int32: the blocks holding
+    # cached tokens, which copies 0..C-1 take from the cache; gather_tables: block_tables rewritten to
+    # index the copies; copy_slots [T] int64: the slot in the copies of each new token, which the
+    # store writes there itself.
     gather_blocks: torch.Tensor | None = None
     gather_tables: torch.Tensor | None = None
+    copy_slots: torch.Tensor | None = None
+    num_copies: int = 0
 
 
 def block_table_array(seq: Sequence) -> np.ndarray:
@@ -42,17 +47,26 @@ def block_table_array(seq: Sequence) -> np.ndarray:
     return cached[1]
 
 
-def block_copies(tables: list[np.ndarray], block_tables: np.ndarray, seq_lens: np.ndarray, block_size: int,
-                  limit: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The distinct blocks [G] int32 the sequences hold (their first cdiv(seq_len, block_size) table
-    entries) and block_tables rewritten to index them in that order, zero-padded; None past `limit` blocks."""
-    counts = -(-seq_lens // block_size)
-    blocks, copies = np.unique(np.concatenate([table[:n] for table, n in zip(tables, counts)]), return_inverse=True)
+def block_copies(tables: list[np.ndarray], block_tables: np.ndarray, starts: np.ndarray, seq_lens: np.ndarray,
+                  block_size: int, limit: int) -> tuple[np.ndarray, np.ndarray, int] | None:
+    """Copies of the distinct blocks the sequences hold (their first cdiv(seq_len, block_size) table
+    entries), those holding cached tokens (before starts) first: (those cached blocks [C] int32 in
+    copy order, block_tables rewritten to index the copies (zero-padded), the number of copies); None
+    past `limit` copies."""
+    counts, cached = -(-seq_lens // block_size), -(-starts // block_size)
+    held = np.concatenate([table[:n] for table, n in zip(tables, counts)])
+    blocks, inverse = np.unique(held, return_inverse=True)
     if len(blocks) > limit:
         return None
+    holds_cached = np.zeros(len(blocks), dtype=bool)
+    index_in_seq = np.arange(len(held)) - np.repeat(np.cumsum(counts) - counts, counts)
+    holds_cached[inverse[index_in_seq < np.repeat(cached, counts)]] = True
+    order = np.argsort(~holds_cached, kind="stable")
+    copy_of = np.empty_like(order)
+    copy_of[order] = np.arange(len(order))
     rewritten = np.zeros_like(block_tables)
-    rewritten[np.arange(block_tables.shape[1])[None, :] < counts[:, None]] = copies  # row by row, as concatenated
-    return torch.from_numpy(blocks.astype(np.int32)), torch.from_numpy(rewritten)
+    rewritten[np.arange(block_tables.shape[1])[None, :] < counts[:, None]] = copy_of[inverse]  # row by row
+    return blocks[order[:holds_cached.sum()]].astype(np.int32), rewritten, len(blocks)
 
 
 def build_step_inputs(batch: ScheduledBatch, previous_rows: dict[int, int], block_size: int,
@@ -61,8 +75,8 @@ def build_step_inputs(batch: ScheduledBatch, previous_rows: dict[int, int], bloc
 
     previous_rows: seq_id -> row of the previous (still unresolved) step's samples; a decode row
     whose last token is pending reads it from there on the device. gather_limit: a prefill step
-    whose sequences hold at most this many distinct cache blocks gets gather_blocks / gather_tables
-    (EngineConfig.prefill_gather_blocks; 0: never).
+    whose sequences hold at most this many distinct cache blocks runs on copies of them (gather_blocks,
+    gather_tables, copy_slots, num_copies; EngineConfig.prefill_gather_blocks; 0: never).
     """
     seqs = batch.seqs
     tables = [block_table_array(seq) for seq in seqs]
@@ -89,14 +103,18 @@ def build_step_inputs(batch: ScheduledBatch, previous_rows: dict[int, int], bloc
         cu_seqlens_q = None
         logit_rows = seq_index
     slots = block_tables[seq_index, positions // block_size].astype(np.int64) * block_size + positions % block_size
-    gathered = None
+    copies = {}
     if batch.is_prefill and gather_limit:
-        gathered = block_copies(tables, block_tables, seq_lens, block_size, gather_limit)
-    gather_blocks, gather_tables = gathered or (None, None)
+        gathered = block_copies(tables, block_tables, starts, seq_lens, block_size, gather_limit)
+        if gathered is not None:
+            gather_blocks, gather_tables, num_copies = gathered
+            copy_slots = gather_tables[seq_index, positions // block_size].astype(np.int64) * block_size
+            copies = dict(gather_blocks=torch.from_numpy(gather_blocks), gather_tables=torch.from_numpy(gather_tables),
+                          copy_slots=torch.from_numpy(copy_slots + positions % block_size), num_copies=num_copies)
     return StepInputs(
         is_prefill=batch.is_prefill, token_ids=torch.tensor(token_ids, dtype=torch.int64),
         positions=torch.from_numpy(positions), slot_mapping=torch.from_numpy(slots),
         seq_lens=torch.from_numpy(seq_lens.astype(np.int32)), block_tables=torch.from_numpy(block_tables),
         cu_seqlens_q=cu_seqlens_q, max_q_len=max(batch.num_new), max_seq_len=int(seq_lens.max()),
         logit_rows=torch.from_numpy(logit_rows), pending_rows=pending_rows, num_previous_samples=len(previous_rows),
-        gather_blocks=gather_blocks, gather_tables=gather_tables)
+        **copies)

@@ -35,13 +35,20 @@ class Attention(nn.Module):
         """qkv [T, (Hq + 2 Hkv) * D] -> o [T, Hq, D]."""
         context = get_context()
         scales = {"k_scale": self.k_scale, "v_scale": self.v_scale}
+        copies = {}
+        if context.is_prefill and context.gather_tables is not None:
+            # An fp8 cache: prefill runs the kernel of a plain cache (on Hopper the warp-specialized
+            # one) on copies of the step's blocks in q's dtype. The store writes the new tokens' rows
+            # there as it quantizes them; only blocks with cached tokens are copied out of the cache.
+            copy_shape = (context.num_copies, *self.k_cache.shape[1:])
+            copies = {"k_copy": qkv.new_empty(copy_shape), "v_copy": qkv.new_empty(copy_shape),
+                      "copy_slots": context.copy_slots}
         q = self.ops.qk_norm_rotary_store(positions, qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
                                           self.rotary.cos_sin_cache, self.k_cache, self.v_cache, context.slot_mapping,
-                                          self.num_heads, self.num_kv_heads, **scales)
-        if context.is_prefill and context.gather_blocks is not None:
-            # An fp8 cache: the step's blocks copied out once in q's dtype, so prefill runs the kernel
-            # of a plain cache (on Hopper the warp-specialized one) on the copies.
-            k, v = self.ops.gather_kv_blocks(self.k_cache, self.v_cache, context.gather_blocks, q.dtype, **scales)
+                                          self.num_heads, self.num_kv_heads, **scales, **copies)
+        if copies:
+            k, v = self.ops.gather_kv_blocks(self.k_cache, self.v_cache, context.gather_blocks, q.dtype, **scales,
+                                             out=(copies["k_copy"], copies["v_copy"]))
             return self.ops.prefill_attention(q, k, v, context.cu_seqlens_q, context.seq_lens, context.gather_tables,
                                               self.scale, max_q_len=context.max_q_len)
         if context.is_prefill:
