@@ -6,8 +6,8 @@ import torch
 
 from tritonllm import kernels
 from tritonllm.kernels import reference
-from tritonllm.kernels.fp8 import head_major_copy
-from tritonllm.kernels.kv_cache import key_major_copy
+from tritonllm.kernels.fp8 import empty_kv_scales, head_major_copy
+from tritonllm.kernels.kv_cache import empty_kv_cache, key_major_copy
 from tritonllm.layers import rotary
 
 
@@ -80,12 +80,14 @@ def rotary_cases(quick):
 
 def fp8_caches(make, first):
     """make() with its two caches (at positions first, first + 1) swapped for e4m3 caches of the same
-    shape, and k_scale, v_scale for them appended (the bench passes arguments by position)."""
+    shape in the engine's layouts (V key-major, head-major scales), and k_scale, v_scale for them
+    appended (the bench passes arguments by position)."""
     def make_fp8():
         args = list(make())
         shape = args[first].shape
-        args[first:first + 2] = [torch.empty(shape, dtype=torch.float8_e4m3fn, device="cuda") for _ in range(2)]
-        return (*args, torch.empty(shape[:3], device="cuda"), torch.empty(shape[:3], device="cuda"))
+        args[first:first + 2] = [empty_kv_cache(*shape, torch.float8_e4m3fn, "cuda", key_major=major)
+                                 for major in (False, True)]
+        return (*args, *(empty_kv_scales(*shape[:3], "cuda", head_major=True) for _ in range(2)))
     return make_fp8
 
 
@@ -131,7 +133,8 @@ def qk_norm_rotary_cases(quick):
     Bytes: q, k, v read, q written, k and v written into the cache, cos/sin rows, positions and
     slots. Anchors: the three separate Triton kernels as the model calls them (rms_norm on q and
     on k, rotary_embedding, store_kv_cache) and the PyTorch reference (eager: it syncs on the
-    slot mask). Decode-sized cases are timed as CUDA-graph replays.
+    slot mask). Decode-sized cases are timed as CUDA-graph replays. Prefill-sized cases fill
+    shuffled blocks in order, as a prefill does (a key-major V then gets runs of adjacent bytes).
     """
     shapes = [(16384, 16, 8)] if quick else [(16384, 16, 8), (8192, 32, 8), (256, 16, 8)]
     cases = []
@@ -139,7 +142,11 @@ def qk_norm_rotary_cases(quick):
         def make(t=tokens, hq=q_heads, hk=kv_heads, bs=16):
             num_blocks = 2 * t // bs + 1
             positions = torch.randint(0, 40960, (t,), device="cuda")
-            slots = torch.randperm(num_blocks * bs, device="cuda")[:t]
+            if t >= 1024:  # a prefill: whole shuffled blocks, filled in order
+                blocks = torch.randperm(num_blocks, device="cuda")[:t // bs]
+                slots = (blocks[:, None] * bs + torch.arange(bs, device="cuda")).flatten()
+            else:  # decode: one token a sequence, anywhere
+                slots = torch.randperm(num_blocks * bs, device="cuda")[:t]
             cache = lambda: randn(num_blocks, bs, hk, 128)  # noqa: E731
             return (positions, randn(t, (hq + 2 * hk) * 128), randn(128), randn(128), 1e-6, cos_sin_cache(40960, 128),
                     cache(), cache(), slots, hq, hk)
