@@ -153,8 +153,9 @@ def portable_cases(quick):
             return (*args, tables.flatten(), copies)
 
         def on_copies(*a):
-            # As the engine runs prefill over an e4m3 cache: its blocks copied out in q's dtype, then
-            # the kernel of a plain cache (on Hopper the warp-specialized one) on the copies.
+            # Every block copied out in q's dtype, then the kernel of a plain cache (on Hopper the
+            # warp-specialized one) on the copies: the engine's path when every block holds cached
+            # tokens (the store writes new rows' copies itself: layer_cases below).
             k, v = kernels.gather_kv_blocks(a[1], a[2], a[11], a[0].dtype, k_scale=a[7], v_scale=a[8])
             return kernels.prefill_attention(a[0], k, v, *a[3:5], a[12], max_q_len=a[6])
 
