@@ -210,7 +210,7 @@ def gather_kv_blocks(k_cache, v_cache, blocks, dtype, *, k_scale=None, v_scale=N
     k_cache, v_cache [num_blocks, block_size, Hkv, D] as store_kv_cache takes them (k_cache contiguous,
     v_cache contiguous or key-major), float32/float16/bfloat16, or float8_e4m3fn with k_scale, v_scale
     [num_blocks, block_size, Hkv] float32 (contiguous or head-major). blocks [N] int32/int64 block
-    ids; dtype float32, float16 or bfloat16. out[i] holds block blocks[i]: each value, for an e4m3
+    ids; dtype float32, float16 or bfloat16. Copy i holds block blocks[i]: each value, for an e4m3
     cache times its row's scale in float32, rounded to dtype. A copy is in the plain layout whatever
     the cache's. The caches are only read. Prefill over an e4m3 cache runs on such copies (layers/attention.py).
 
