@@ -85,3 +85,22 @@ def test_fp8_prefill_on_block_copies_equals_reading_the_cache(tiny_qwen3):
         llm.block_manager.deallocate(seq)
     assert llm.block_manager.num_free_blocks == 32
     llm.close()
+
+
+def test_fp8_through_prefix_hits_chunks_and_preemption(tiny_qwen3):
+    # Four prompts over a 32-token prefix a finished request left in the cache (two blocks of 16),
+    # in 24-token steps (chunks), in 8 blocks where they need 2 + 4 x 2: prefix hits gathered into
+    # the prefill copies, chunks over cached blocks, preemptions. The tokens equal those of a run
+    # with room for everything, and every block comes back.
+    prefix = list(range(200, 232))
+    prompts = [prefix + list(range(10 * i + 1, 10 * i + 11)) for i in range(4)]  # 42 tokens: 54 with the output
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with LLM(str(tiny_qwen3), max_num_seqs=4, num_kv_blocks=64, kv_cache_dtype="fp8") as roomy:
+        want = [o.token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
+    tight = LLM(str(tiny_qwen3), max_num_seqs=4, num_kv_blocks=8, max_num_batched_tokens=24, kv_cache_dtype="fp8")
+    tight.generate([prefix + [7]], SamplingParams(max_tokens=1), use_tqdm=False)
+    outputs = tight.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in outputs] == want
+    assert sum(o.num_cached_tokens for o in outputs) >= 32 and tight.scheduler.num_preemptions > 0
+    assert tight.block_manager.num_free_blocks == 8
+    tight.close()
