@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from tritonllm.kernels import tuning
-from tritonllm.kernels.fp8 import fp8_dot_operand, from_e4m3
+from tritonllm.kernels.fp8 import fp8_dot_operand, from_e4m3, scale_strides
 from tritonllm.kernels.paged import (LOG2E, _key_blocks, _key_major_keys, _load_scales, _relative_v_scales,
                                     cache_bucket, check_paged_inputs, dot_precision)
 
@@ -325,7 +325,7 @@ def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale=None, *,
             q, k_cache, v_cache, k_scale, v_scale, out, scratch, m, l, seq_lens, block_tables, qk_scale, num_q_heads,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-            *(k_scale.stride() if fp8 else (None, None, None)),
+            *scale_strides(k_scale),
             GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_H=max(8, triton.next_power_of_2(group)),
             DOT_PRECISION=dot_precision(q.dtype), INTERPRET=tuning.INTERPRET, FP8=fp8,
             V_KEY_MAJOR=v_key_major, **cfg)

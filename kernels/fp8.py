@@ -74,6 +74,11 @@ def scale_offsets(slots, heads, stride_block, stride_token, stride_head, BLOCK_S
     return (slots // BLOCK_SIZE) * stride_block + (slots % BLOCK_SIZE) * stride_token + heads * stride_head
 
 
+def scale_strides(scale: torch.Tensor | None) -> tuple:
+    """The kernels' three scale-stride arguments: scale's strides, or None for a cache without scales."""
+    return scale.stride() if scale is not None else (None, None, None)
+
+
 def empty_kv_scales(num_blocks: int, block_size: int, num_kv_heads: int, device=None, *,
                     head_major: bool = False) -> torch.Tensor:
     """Uninitialized float32 scales [num_blocks, block_size, Hkv] of an e4m3 cache: contiguous, or

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tritonllm.kernels.fp8 import check_kv_scales, e4m3_scale, from_e4m3, scale_offsets, to_e4m3
+from tritonllm.kernels.fp8 import check_kv_scales, e4m3_scale, from_e4m3, scale_offsets, scale_strides, to_e4m3
 from tritonllm.kernels.tuning import INTERPRET, Tunable, dtype_name, pow2
 
 
@@ -168,7 +168,7 @@ def store_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scal
     def launch(config):
         _store_kv_cache_kernel[(triton.cdiv(n_tokens, config["TOKENS"]),)](
             k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale, n_tokens,
-            k.stride(0), k.stride(1), v.stride(0), v.stride(1), *(k_scale.stride() if fp8 else (None, None, None)),
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1), *scale_strides(k_scale),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_ROW=block_row, FP8=fp8, BLOCK_H=block_h, BLOCK_D=block_d,
             # V_BLOCK_SIZE only shapes key-major addresses: 1 otherwise, so block sizes share a compile.
             INTERPRET=INTERPRET, V_BLOCK_SIZE=k_cache.shape[1] if v_key_major else 1, V_KEY_MAJOR=v_key_major,
@@ -176,6 +176,17 @@ def store_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scal
         )
 
     launch(_TUNING.config(store_kv_cache_bucket(k.dtype, num_heads, head_dim, n_tokens), launch))
+
+
+def check_block_copies(name: str, copies: torch.Tensor, block_shape: torch.Size, dtype: torch.dtype,
+                       min_blocks: int = 0) -> None:
+    """Check a buffer of cache-block copies: contiguous [G >= min_blocks, *block_shape] of dtype (the
+    plain layout gather_kv_blocks writes); ValueError naming it otherwise."""
+    if (copies.dim() != 4 or copies.shape[0] < min_blocks or copies.shape[1:] != block_shape or copies.dtype != dtype
+            or not copies.is_contiguous()):
+        count = f"G >= {min_blocks}" if min_blocks else "G"
+        raise ValueError(f"{name} must be a contiguous [{count}, {', '.join(map(str, block_shape))}] {dtype}, "
+                         f"got {tuple(copies.shape)} {copies.dtype}")
 
 
 @triton.jit
@@ -232,10 +243,7 @@ def gather_kv_blocks(k_cache, v_cache, blocks, dtype, *, k_scale=None, v_scale=N
     else:
         k, v = out
         for name, c in (("out[0]", k), ("out[1]", v)):
-            if (c.dim() != 4 or c.shape[0] < blocks.shape[0] or c.shape[1:] != k_cache.shape[1:] or c.dtype != dtype
-                    or not c.is_contiguous()):
-                raise ValueError(f"{name} must be a contiguous [M >= {blocks.shape[0]}, {block_size}, {num_heads}, "
-                                 f"{head_dim}] {dtype}, got {tuple(c.shape)} {c.dtype}")
+            check_block_copies(name, c, k_cache.shape[1:], dtype, blocks.shape[0])
     if blocks.shape[0] == 0:
         return k, v
     block_d = triton.next_power_of_2(head_dim)
@@ -243,8 +251,7 @@ def gather_kv_blocks(k_cache, v_cache, blocks, dtype, *, k_scale=None, v_scale=N
     tokens = min(block_size, max(1, 4096 // block_d))
     grid = (blocks.shape[0], num_heads, block_size // tokens)
     for cache, scale, copy, major in ((k_cache, k_scale, k, False), (v_cache, v_scale, v, key_major)):
-        strides = scale.stride() if fp8 else (None, None, None)
-        _gather_kv_blocks_kernel[grid](cache, scale, blocks, copy, *strides, NUM_HEADS=num_heads, HEAD_DIM=head_dim,
-                                       BLOCK_SIZE=block_size, TOKENS=tokens, BLOCK_D=block_d, FP8=fp8,
-                                       KEY_MAJOR=major, INTERPRET=INTERPRET, num_warps=4)
+        _gather_kv_blocks_kernel[grid](cache, scale, blocks, copy, *scale_strides(scale), NUM_HEADS=num_heads,
+                                       HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TOKENS=tokens, BLOCK_D=block_d,
+                                       FP8=fp8, KEY_MAJOR=major, INTERPRET=INTERPRET, num_warps=4)
     return k, v

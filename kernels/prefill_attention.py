@@ -24,7 +24,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tritonllm.kernels import tuning
-from tritonllm.kernels.fp8 import fp8_dot_operand
+from tritonllm.kernels.fp8 import fp8_dot_operand, scale_strides
 from tritonllm.kernels.paged import LOG2E, _attend_tile, cache_bucket, check_paged_inputs, dot_precision
 from tritonllm.kernels.prefill_attention_hopper import HOPPER_TUNABLE, prefill_attention_hopper, supports
 
@@ -228,7 +228,7 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
             q, *(descriptors or (k_cache, v_cache)), k_scale, v_scale, out, cu_seqlens_q, seq_lens, block_tables,
             qk_scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-            *(k_scale.stride() if fp8 else (None, None, None)),
+            *scale_strides(k_scale),
             GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_Q=block_q,
             DOT_PRECISION=dot_precision(q.dtype), INTERPRET=tuning.INTERPRET, TMA=descriptors is not None,
             FP8=fp8, V_KEY_MAJOR=v_key_major, **cfg)

@@ -8,8 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tritonllm.kernels.fp8 import check_kv_scales, e4m3_scale, from_e4m3, scale_offsets, to_e4m3
-from tritonllm.kernels.kv_cache import check_store_caches, slot_offsets
+from tritonllm.kernels.fp8 import check_kv_scales, e4m3_scale, from_e4m3, scale_offsets, scale_strides, to_e4m3
+from tritonllm.kernels.kv_cache import check_block_copies, check_store_caches, slot_offsets
 from tritonllm.kernels.tuning import INTERPRET, Tunable, dtype_name, pow2
 
 
@@ -175,10 +175,8 @@ def _check_copies(k_copy, v_copy, copy_slots, block_shape, dtype, n_tokens) -> b
         return False
     if not all(given):
         raise ValueError("k_copy, v_copy and copy_slots go together: pass all three or none")
-    for name, c in (("k_copy", k_copy), ("v_copy", v_copy)):
-        if c.dim() != 4 or c.shape[1:] != block_shape or c.dtype != dtype or not c.is_contiguous():
-            raise ValueError(f"{name} must be a contiguous [G, {', '.join(map(str, block_shape))}] {dtype}, "
-                             f"got {tuple(c.shape)} {c.dtype}")
+    check_block_copies("k_copy", k_copy, block_shape, dtype)
+    check_block_copies("v_copy", v_copy, block_shape, dtype)
     if v_copy.shape != k_copy.shape:
         raise ValueError(f"v_copy must have k_copy's shape {tuple(k_copy.shape)}, got {tuple(v_copy.shape)}")
     if copy_slots.shape != (n_tokens,) or copy_slots.dtype not in (torch.int32, torch.int64):
@@ -252,7 +250,7 @@ def qk_norm_rotary_store(positions, qkv, q_weight, k_weight, eps, cos_sin_cache,
             positions, qkv, q_weight, k_weight, cos_sin_cache, k_cache, v_cache, slot_mapping, out, k_scale, v_scale,
             copy_slots, k_copy, v_copy,
             n_tokens, qkv.stride(0), cos_sin_cache.stride(0), out.stride(0), out.stride(1), eps,
-            *(k_scale.stride() if fp8 else (None, None, None)),
+            *scale_strides(k_scale),
             NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
             BLOCK_QH=block_qh, BLOCK_KH=block_kh, BLOCK_HALF=block_half, FP8=fp8, INTERPRET=INTERPRET,
             V_BLOCK_SIZE=k_cache.shape[1] if v_key_major else 1, V_KEY_MAJOR=v_key_major,

@@ -102,15 +102,18 @@ def build_step_inputs(batch: ScheduledBatch, previous_rows: dict[int, int], bloc
         positions = seq_lens - 1
         cu_seqlens_q = None
         logit_rows = seq_index
-    slots = block_tables[seq_index, positions // block_size].astype(np.int64) * block_size + positions % block_size
+
+    def slots_in(table_rows: np.ndarray) -> np.ndarray:  # each new token's slot through these block tables
+        return table_rows[seq_index, positions // block_size].astype(np.int64) * block_size + positions % block_size
+
+    slots = slots_in(block_tables)
     copies = {}
     if batch.is_prefill and gather_limit:
         gathered = block_copies(tables, block_tables, starts, seq_lens, block_size, gather_limit)
         if gathered is not None:
             gather_blocks, gather_tables, num_copies = gathered
-            copy_slots = gather_tables[seq_index, positions // block_size].astype(np.int64) * block_size
             copies = dict(gather_blocks=torch.from_numpy(gather_blocks), gather_tables=torch.from_numpy(gather_tables),
-                          copy_slots=torch.from_numpy(copy_slots + positions % block_size), num_copies=num_copies)
+                          copy_slots=torch.from_numpy(slots_in(gather_tables)), num_copies=num_copies)
     return StepInputs(
         is_prefill=batch.is_prefill, token_ids=torch.tensor(token_ids, dtype=torch.int64),
         positions=torch.from_numpy(positions), slot_mapping=torch.from_numpy(slots),
