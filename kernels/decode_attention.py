@@ -24,6 +24,9 @@ from tritonllm.kernels.paged import (LOG2E, _key_blocks, _key_major_keys, _load_
                                     cache_bucket, check_paged_inputs, dot_precision)
 
 PROGRAMS_PER_SM = 3  # resident programs per SM that hide memory latency without extra splits
+# Over an e4m3 cache a program is one warp: the softmax's reductions over a tile's keys stay inside
+# the warp (shuffles, no barriers), and twice as many programs an SM keep the bytes in flight.
+FP8_PROGRAMS_PER_SM = 6
 
 
 @triton.jit
@@ -231,37 +234,41 @@ def num_sms() -> int:
     return _sm_count(torch.cuda.current_device())
 
 
-def default_num_splits(batch, num_kv_heads, context, split_min, sms):
-    """Splits per (sequence, KV head): about PROGRAMS_PER_SM programs per SM, >= split_min keys each."""
-    wanted = triton.cdiv(PROGRAMS_PER_SM * sms, batch * num_kv_heads)
+def default_num_splits(batch, num_kv_heads, context, split_min, sms, programs_per_sm=PROGRAMS_PER_SM):
+    """Splits per (sequence, KV head): about programs_per_sm programs per SM, >= split_min keys each."""
+    wanted = triton.cdiv(programs_per_sm * sms, batch * num_kv_heads)
     return max(1, min(wanted, triton.cdiv(context, split_min)))
 
 
 def _decode_space(dtype_name, head_dim, group, num_kv_heads, block_size, batch, context, cache_dtype_name=None):
-    base = _decode_default(dtype_name, head_dim, group, num_kv_heads, block_size, batch, context)["NUM_SPLITS"]
+    default = _decode_default(dtype_name, head_dim, group, num_kv_heads, block_size, batch, context, cache_dtype_name)
+    base = default["NUM_SPLITS"]
     splits = sorted({max(1, base // 2), base, base * 2})
-    num_warps = 8 if dtype_name == "float32" else 4
-    if cache_dtype_name is None:
+    if default["num_warps"] > 1:
         # Bandwidth-bound: what matters is bytes in flight per SM (tile size) and the split count;
         # the stage count barely moves the time (bench/NOTES-attention.md).
-        return [{"BLOCK_N": block_n, "NUM_SPLITS": num_splits, "SPLIT_MIN": 256, "num_warps": num_warps,
-                 "num_stages": 3} for block_n in (32, 64, 128) for num_splits in splits]
-    # e4m3 tiles carry half the bytes a key, so longer tiles keep as many bytes in flight; from a
-    # key-major V, 256 keys a tile fit in registers and shared memory. The loop is latency-bound at
-    # 168 registers a thread (3 programs of 4 warps an SM); capped at 128 it compiles without spills,
-    # so a fourth program fits (NOTES-attention.md).
-    configs = [{"BLOCK_N": block_n, "NUM_SPLITS": num_splits, "SPLIT_MIN": 256, "num_warps": warps,
-                "num_stages": stages} for block_n in (64, 128, 256) for num_splits in splits[-2:]
-               for warps in (num_warps, 8) for stages in (2, 3)]
-    return configs + [config | {"maxnreg": 128} for config in configs if config["BLOCK_N"] <= 128]
+        return [default | {"BLOCK_N": block_n, "NUM_SPLITS": num_splits, "num_stages": 3}
+                for block_n in (32, 64, 128) for num_splits in splits]
+    # e4m3: one-warp programs of 16 or 32 keys a tile, and the four-warp tiles of 128 keys (half as
+    # many programs) they replaced, which pay barriers for their cross-warp reductions.
+    one_warp = [default | {"BLOCK_N": block_n, "NUM_SPLITS": num_splits, "num_stages": stages}
+                for block_n, stages in ((16, 4), (32, 3), (32, 4)) for num_splits in splits]
+    four_warps = [default | {"BLOCK_N": 128, "NUM_SPLITS": num_splits, "num_warps": 4, "num_stages": stages}
+                  for num_splits in sorted({max(1, n // 2) for n in splits[-2:]}) for stages in (2, 3)]
+    return one_warp + four_warps
 
 
 def _decode_default(dtype_name, head_dim, group, num_kv_heads, block_size, batch, context, cache_dtype_name=None):
     split_min = 256
-    fp32 = dtype_name == "float32"  # FMA dot (exact products): operands in registers, more warps
-    return {"BLOCK_N": 32 if fp32 else 64 if cache_dtype_name is None else 128,
-            "NUM_SPLITS": default_num_splits(batch, num_kv_heads, context, split_min, num_sms()),
-            "SPLIT_MIN": split_min, "num_warps": 8 if fp32 else 4, "num_stages": 2}
+    if dtype_name == "float32":  # FMA dot (exact products): operands in registers, more warps
+        config = {"BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
+    elif cache_dtype_name is None:  # q's dtype
+        config = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+    else:
+        config = {"BLOCK_N": 32, "num_warps": 1, "num_stages": 3}
+    programs_per_sm = FP8_PROGRAMS_PER_SM if config["num_warps"] == 1 else PROGRAMS_PER_SM
+    num_splits = default_num_splits(batch, num_kv_heads, context, split_min, num_sms(), programs_per_sm)
+    return config | {"NUM_SPLITS": num_splits, "SPLIT_MIN": split_min}
 
 
 DECODE_TUNABLE = tuning.Tunable("decode_attention", _decode_space, _decode_default)

@@ -123,10 +123,17 @@ def shipped_decode_configs():
     return [found[key] for key in sorted(found)]
 
 
-# The e4m3 tuning space's register-capped configs (a launch option the others lack), over a key-major V.
-@pytest.mark.parametrize("config", [c for c in decode_module.DECODE_TUNABLE.space(
-    "bfloat16", 64, 2, 2, 16, 4, 4096, "float8_e4m3fn") if "maxnreg" in c], ids=str)
-def test_decode_register_capped_configs(config):
+def fp8_space_tiles():
+    """One config of the e4m3 tuning space for each of its (tile, split count) pairs, at a small bucket."""
+    found = {}
+    for config in decode_module.DECODE_TUNABLE.space("bfloat16", 64, 2, 2, 16, 4, 4096, "float8_e4m3fn"):
+        found.setdefault((config["BLOCK_N"], config["NUM_SPLITS"]), config)
+    return list(found.values())
+
+
+# The e4m3 tuning space (one-warp tiles of 16 and 32 keys, four-warp tiles of 128) over a key-major V.
+@pytest.mark.parametrize("config", fp8_space_tiles(), ids=str)
+def test_decode_fp8_space_configs(config):
     seq_lens = [1, 130, 300]
     k_cache, v_cache, tables, scales = paged_caches(seq_lens, 2, 64, 16, torch.bfloat16, True, v_layout="key_major")
     q = randn(len(seq_lens), 4, 64, dtype=torch.bfloat16, scale=2.0)
