@@ -249,26 +249,29 @@ def _decode_space(dtype_name, head_dim, group, num_kv_heads, block_size, batch, 
         # the stage count barely moves the time (bench/NOTES-attention.md).
         return [default | {"BLOCK_N": block_n, "NUM_SPLITS": num_splits, "num_stages": 3}
                 for block_n in (32, 64, 128) for num_splits in splits]
-    # e4m3: one-warp programs of 16 or 32 keys a tile, and the four-warp tiles of 128 keys (half as
-    # many programs) they replaced, which pay barriers for their cross-warp reductions.
-    one_warp = [default | {"BLOCK_N": block_n, "NUM_SPLITS": num_splits, "num_stages": stages}
-                for block_n, stages in ((16, 4), (32, 3), (32, 4)) for num_splits in splits]
-    four_warps = [default | {"BLOCK_N": 128, "NUM_SPLITS": num_splits, "num_warps": 4, "num_stages": stages}
+    # e4m3: one-warp programs of 16 or 32 keys a tile (capped at 128 registers, 16 of them fit an
+    # SM), and the four-warp tiles of 128 keys (half as many programs) they replaced, which pay
+    # barriers for their cross-warp reductions.
+    one_warp = [default | {"BLOCK_N": block_n, "NUM_SPLITS": num_splits, "num_stages": stages} | extra
+                for block_n, stages, extra in ((16, 4, {}), (32, 2, {}), (32, 3, {}), (32, 4, {}),
+                                               (32, 2, {"maxnreg": 128}))
+                for num_splits in splits]
+    four_warps = [default | {"BLOCK_N": 128, "NUM_SPLITS": num_splits, "num_warps": 4, "num_stages": stages,
+                             "SPLIT_MIN": 256}
                   for num_splits in sorted({max(1, n // 2) for n in splits[-2:]}) for stages in (2, 3)]
     return one_warp + four_warps
 
 
 def _decode_default(dtype_name, head_dim, group, num_kv_heads, block_size, batch, context, cache_dtype_name=None):
-    split_min = 256
     if dtype_name == "float32":  # FMA dot (exact products): operands in registers, more warps
-        config = {"BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
+        config = {"BLOCK_N": 32, "num_warps": 8, "num_stages": 2, "SPLIT_MIN": 256}
     elif cache_dtype_name is None:  # q's dtype
-        config = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
-    else:
-        config = {"BLOCK_N": 32, "num_warps": 1, "num_stages": 3}
+        config = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "SPLIT_MIN": 256}
+    else:  # a one-warp program's tile is short: shorter splits keep small batches parallel
+        config = {"BLOCK_N": 32, "num_warps": 1, "num_stages": 3, "SPLIT_MIN": 128}
     programs_per_sm = FP8_PROGRAMS_PER_SM if config["num_warps"] == 1 else PROGRAMS_PER_SM
-    num_splits = default_num_splits(batch, num_kv_heads, context, split_min, num_sms(), programs_per_sm)
-    return config | {"NUM_SPLITS": num_splits, "SPLIT_MIN": split_min}
+    num_splits = default_num_splits(batch, num_kv_heads, context, config["SPLIT_MIN"], num_sms(), programs_per_sm)
+    return config | {"NUM_SPLITS": num_splits}
 
 
 DECODE_TUNABLE = tuning.Tunable("decode_attention", _decode_space, _decode_default)
