@@ -10,7 +10,9 @@ then uses only min(NUM_SPLITS, cdiv(len, SPLIT_MIN)) of them, computed on the GP
 exit at once. Splits write an unnormalized
 accumulator, row max and row sum to float32 scratch; a second launch merges them. With
 NUM_SPLITS == 1 the first launch writes o itself. An e4m3 cache (k_scale / v_scale given) halves
-the K/V bytes; each tile also reads its keys' scales (kernels/paged.py).
+the K/V bytes; each tile also reads its keys' scales (kernels/paged.py). Over it a program is one
+warp by default: converting the bytes costs instructions, and one-warp tiles reduce over their keys
+with shuffles instead of barriers while more programs an SM keep the loads in flight.
 """
 import functools
 
