@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from tritonllm.kernels import tuning
-from tritonllm.kernels.fp8 import fp8_dot_operand, from_e4m3, scale_strides
+from tritonllm.kernels.fp8 import block_scale_offsets, fp8_dot_operand, from_e4m3, scale_strides
 from tritonllm.kernels.paged import (LOG2E, _key_blocks, _key_major_keys, _load_scales, _relative_v_scales,
                                     cache_bucket, check_paged_inputs, dot_precision)
 
@@ -88,7 +88,7 @@ def _decode_tile(acc, m_i, l_i, v_ref, qt, k_cache, v_cache, k_scale_ptr, v_scal
     row_scale = qk_scale
     if FP8:
         k = from_e4m3(k, qt.dtype, INTERPRET)
-        scale_offsets = block * stride_scale_block + in_block * stride_scale_token
+        scale_offsets = block_scale_offsets(block, in_block, stride_scale_block, stride_scale_token)
         row_scale = (_load_scales(k_scale_ptr, scale_offsets, in_seq, MASKED) * qk_scale)[:, None]
     elif INTERPRET:
         k = k.to(tl.float32)  # the interpreter's tl.dot multiplies raw bfloat16 bits

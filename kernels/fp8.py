@@ -68,10 +68,19 @@ def fp8_dot_operand(q):
 
 
 @triton.jit
+def block_scale_offsets(block, in_block, stride_block, stride_token):
+    """Element offsets of the scales of the cache rows at offset in_block of block `block` (broadcast
+    together; int64 when block is), one KV head's, in scales [num_blocks, block_size, Hkv] of the given
+    strides (contiguous or head-major); the caller adds head * stride_head."""
+    return block * stride_block + in_block * stride_token
+
+
+@triton.jit
 def scale_offsets(slots, heads, stride_block, stride_token, stride_head, BLOCK_SIZE: tl.constexpr):
     """int64 element offsets of the scales of cache slots `slots` (int64) and KV heads `heads`, broadcast
     together, in scales [num_blocks, BLOCK_SIZE, Hkv] of the given strides (contiguous or head-major)."""
-    return (slots // BLOCK_SIZE) * stride_block + (slots % BLOCK_SIZE) * stride_token + heads * stride_head
+    return block_scale_offsets(slots // BLOCK_SIZE, slots % BLOCK_SIZE, stride_block, stride_token) \
+        + heads * stride_head
 
 
 def scale_strides(scale: torch.Tensor | None) -> tuple:

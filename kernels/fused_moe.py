@@ -27,7 +27,6 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from tritonllm.kernels import tuning
 from tritonllm.kernels.moe_routing import moe_align
 from tritonllm.kernels.paged import dot_precision
-from tritonllm.kernels.prefill_attention import _has_tma
 
 
 GRAPH_TUNING_TOKENS = 256  # up to this many tokens a config is timed as a graph replay (each keeps its scratch)
@@ -265,7 +264,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         where TMA does not apply: rows not 16-byte multiples, t not contiguous or aligned, no TMA."""
         if not (t.is_contiguous() and t.data_ptr() % 16 == 0 and t.shape[-1] * t.element_size() % 16 == 0):
             return t
-        if t.is_cuda and not _has_tma(t.device.index):
+        if t.is_cuda and not tuning.has_tma(t.device.index):
             return t
         shape = [rows, t.shape[-1]]
         return TensorDescriptor(t.view(shape), shape, [shape[1], 1], block)

@@ -10,7 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tritonllm.kernels.fp8 import check_kv_scales, e4m3_scale, from_e4m3, scale_offsets, scale_strides, to_e4m3
+from tritonllm.kernels.fp8 import (block_scale_offsets, check_kv_scales, e4m3_scale, from_e4m3, scale_offsets,
+                                  scale_strides, to_e4m3)
 from tritonllm.kernels.tuning import INTERPRET, Tunable, dtype_name, pow2
 
 
@@ -207,7 +208,7 @@ def _gather_kv_blocks_kernel(cache_ptr, scale_ptr, blocks_ptr, out_ptr, stride_s
     src = slot_offsets(slots[:, None], cols, NUM_HEADS * HEAD_DIM, BLOCK_SIZE, KEY_MAJOR)
     x = tl.load(cache_ptr + src, mask=mask, other=0.0)
     if FP8:
-        scales = tl.load(scale_ptr + block * stride_scale_block + offs_t * stride_scale_token
+        scales = tl.load(scale_ptr + block_scale_offsets(block, offs_t, stride_scale_block, stride_scale_token)
                          + head * stride_scale_head)
         x = from_e4m3(x, tl.float32, INTERPRET) * scales[:, None]
     dst = (i * BLOCK_SIZE + offs_t)[:, None] * (NUM_HEADS * HEAD_DIM) + cols

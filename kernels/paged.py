@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from tritonllm.kernels import tuning
-from tritonllm.kernels.fp8 import check_kv_scales, from_e4m3
+from tritonllm.kernels.fp8 import block_scale_offsets, check_kv_scales, from_e4m3
 from tritonllm.kernels.kv_cache import check_cache_layouts
 
 LOG2E = 1.4426950408889634
@@ -102,8 +102,8 @@ def _attend_tile(acc, m_i, l_i, v_ref, q, k_cache, v_cache, k_scale_ptr, v_scale
         row = block * BLOCK_SIZE + n0 % BLOCK_SIZE
         k = k_cache.load([row, head_offset])
         if FP8:
-            scale_offsets = block.to(tl.int64) * stride_scale_block \
-                + (n0 % BLOCK_SIZE + tl.arange(0, BLOCK_N)) * stride_scale_token
+            scale_offsets = block_scale_offsets(block.to(tl.int64), n0 % BLOCK_SIZE + tl.arange(0, BLOCK_N),
+                                                stride_scale_block, stride_scale_token)
     else:
         block, in_block = _key_blocks(block_table_row, n0, seq_len, BLOCK_SIZE, BLOCK_N)
         offsets = (block * stride_cache_block + in_block * stride_cache_token)[:, None] + head_offset \
@@ -113,7 +113,7 @@ def _attend_tile(acc, m_i, l_i, v_ref, q, k_cache, v_cache, k_scale_ptr, v_scale
         else:
             k = tl.load(k_cache + offsets)
         if FP8:
-            scale_offsets = block * stride_scale_block + in_block * stride_scale_token
+            scale_offsets = block_scale_offsets(block, in_block, stride_scale_block, stride_scale_token)
     col_scale = qk_scale
     if FP8:
         # e4m3 converts exactly to q's dtype; each key's scale goes on its column of scores.

@@ -16,7 +16,6 @@ An e4m3 cache (k_scale / v_scale given) takes the same paths: its TMA descriptor
 tiles, which are converted to q's dtype in registers for the bf16/fp16 wgmma, and the per-key
 scales arrive as [BLOCK_N] pointer loads beside them.
 """
-import functools
 
 import torch
 import triton
@@ -141,11 +140,6 @@ def prefill_attention_bucket(dtype: torch.dtype, head_dim: int, group: int, bloc
     return bucket + cache_bucket(dtype, cache_dtype)
 
 
-@functools.cache
-def _has_tma(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
-
-
 def _cache_descriptors(k_cache, v_cache, block_n, v_key_major):
     """TMA descriptors for BLOCK_N x D tiles of K (and V) viewed as [cache rows, Hkv * D], or None.
     A key-major V is viewed as [num_blocks * Hkv * D, block_size], its tiles D x BLOCK_N.
@@ -159,7 +153,7 @@ def _cache_descriptors(k_cache, v_cache, block_n, v_key_major):
         return None
     if k_cache.data_ptr() % 16 or v_cache.data_ptr() % 16:
         return None
-    if k_cache.is_cuda and not _has_tma(k_cache.device.index):
+    if k_cache.is_cuda and not tuning.has_tma(k_cache.device.index):
         return None
     shape = [num_blocks * block_size, num_kv_heads * head_dim]
     k_desc = TensorDescriptor(k_cache.view(shape), shape, [shape[1], 1], [block_n, head_dim])

@@ -9,6 +9,7 @@ TRITONLLM_AUTOTUNE=1; bench/kernels.py tunes with `Tunable.tune` and writes the 
 A config is a dict of the kernel's constexpr meta-parameters plus `num_warps` / `num_stages`,
 passed straight to the launch: `kernel[grid](*args, **config)`.
 """
+import functools
 import json
 import math
 import os
@@ -23,6 +24,12 @@ REGISTRY: dict[str, "Tunable"] = {}
 
 _table: dict[str, dict[str, dict]] | None = None  # kernel name -> bucket key -> config
 _tuning: set[str] = set()  # kernels whose buckets are tuned afresh on first use (start_tuning)
+
+
+@functools.cache
+def has_tma(device_index: int) -> bool:
+    """Whether CUDA device `device_index` has TMA (the Tensor Memory Accelerator: Hopper, sm_90, and later)."""
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 def pow2(n: int) -> int:

@@ -42,7 +42,7 @@ def spy_tma(monkeypatch):
 def tma_expected(block_n, block_size):
     """Whether a launch takes the TMA path: tiles inside a block, under the interpreter (CPU tensors)
     or on a GPU with TMA (fresh caches are 16-byte aligned)."""
-    return block_n <= block_size and (DEVICE == "cpu" or prefill_module._has_tma(torch.cuda.current_device()))
+    return block_n <= block_size and (DEVICE == "cpu" or tuning.has_tma(torch.cuda.current_device()))
 
 
 def run_prefill(q, k_cache, v_cache, cu, seq_lens, tables, scales, **kwargs):
