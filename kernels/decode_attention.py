@@ -251,9 +251,9 @@ def _decode_space(dtype_name, head_dim, group, num_kv_heads, block_size, batch, 
         # the stage count barely moves the time (bench/NOTES-attention.md).
         return [default | {"BLOCK_N": block_n, "NUM_SPLITS": num_splits, "num_stages": 3}
                 for block_n in (32, 64, 128) for num_splits in splits]
-    # e4m3: one-warp programs of 16 or 32 keys a tile (capped at 128 registers, 16 of them fit an
-    # SM), and the four-warp tiles of 128 keys (half as many programs) they replaced, which pay
-    # barriers for their cross-warp reductions.
+    # e4m3: one-warp programs of 16 or 32 keys a tile (some capped at 128 registers, where 16 of
+    # them fit an SM's registers instead of 12), and the four-warp tiles of 128 keys they replaced,
+    # which pay barriers for their cross-warp reductions.
     one_warp = [default | {"BLOCK_N": block_n, "NUM_SPLITS": num_splits, "num_stages": stages} | extra
                 for block_n, stages, extra in ((16, 4, {}), (32, 2, {}), (32, 3, {}), (32, 4, {}),
                                                (32, 2, {"maxnreg": 128}))

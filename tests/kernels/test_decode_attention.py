@@ -124,7 +124,8 @@ def shipped_decode_configs():
 
 
 def fp8_space_tiles():
-    """One config of the e4m3 tuning space for each of its tiles, split counts and split minimums, at a small bucket."""
+    """One config of the e4m3 tuning space for each of its tiles, split counts and split minimums (a
+    small bucket)."""
     found = {}
     for config in decode_module.DECODE_TUNABLE.space("bfloat16", 64, 2, 2, 16, 4, 4096, "float8_e4m3fn"):
         found.setdefault((config["BLOCK_N"], config["NUM_SPLITS"], config["SPLIT_MIN"]), config)
