@@ -21,7 +21,6 @@ from torch.nn.attention import SDPBackend
 
 from kernel_cases import Case, cos_sin_cache, dense, paged_cache, randn, sdpa
 from tritonllm import kernels
-from tritonllm.engine.step_inputs import new_rows
 from tritonllm.kernels import reference
 from tritonllm.kernels.fp8 import head_major_copy
 from tritonllm.kernels.kv_cache import key_major_copy
@@ -188,11 +187,8 @@ def layer_inputs(new, context, block_size):
     cu_q = torch.nn.functional.pad(lens.cumsum(0), (1, 0)).to(torch.int32)
     prologue = (positions.repeat(batch), randn(TOKENS, 32 * 128), randn(128), randn(128), 1e-6,
                 cos_sin_cache(context + new, 128))
-    # Each copy's cache block and new rows [lo, hi), for the V write-back (engine/step_inputs.new_rows).
-    copy_rows = torch.from_numpy(new_rows(copy_slots.flatten().cpu().numpy(), slots.flatten().cpu().numpy(),
-                                          copy_tables.numel(), block_size)).cuda()
     return (prologue, slots.flatten(), (k_cache, v_cache), fp8, tables, cu_q, lens + context, new,
-            tables[:, :cached].flatten(), copy_tables, copy_slots.flatten(), copy_rows)
+            tables[:, :cached].flatten(), copy_tables, copy_slots.flatten())
 
 
 def layer_bf16(prologue, slots, caches, fp8, tables, cu_q, seq_lens, max_q, *copies):
@@ -200,24 +196,21 @@ def layer_bf16(prologue, slots, caches, fp8, tables, cu_q, seq_lens, max_q, *cop
     return kernels.prefill_attention(q, *caches, cu_q, seq_lens, tables, max_q_len=max_q)
 
 
-def layer_fp8(prologue, slots, caches, fp8, tables, cu_q, seq_lens, max_q, gather_blocks, copy_tables, copy_slots,
-              copy_rows):
+def layer_fp8(prologue, slots, caches, fp8, tables, cu_q, seq_lens, max_q, gather_blocks, copy_tables, copy_slots):
     k8, v8, k_scale, v_scale = fp8
     copy_shape = (copy_tables.numel(), *k8.shape[1:])
     k, v = prologue[1].new_empty(copy_shape), prologue[1].new_empty(copy_shape)
-    kernels.gather_kv_blocks(k8, v8, gather_blocks, k.dtype, k_scale=k_scale, v_scale=v_scale, out=(k, v))
     q = kernels.qk_norm_rotary_store(*prologue, k8, v8, slots, 16, 8, k_scale=k_scale, v_scale=v_scale, k_copy=k,
-                                     v_copy=v, copy_slots=copy_slots, store_v=False)
-    kernels.store_v_from_copies(v, v8, v_scale, copy_rows)
+                                     v_copy=v, copy_slots=copy_slots)
+    kernels.gather_kv_blocks(k8, v8, gather_blocks, q.dtype, k_scale=k_scale, v_scale=v_scale, out=(k, v))
     return kernels.prefill_attention(q, k, v, cu_q, seq_lens, copy_tables, max_q_len=max_q)
 
 
 def layer_cases(quick):
     """A whole prefill step of one attention layer (layers/attention.py): the fused prologue storing
-    the new K/V, then attention. Over an e4m3 cache the blocks holding cached tokens are gathered into
-    copies, the store writes K, the scales and the new rows' copies, V goes into the cache from the
-    copies, and prefill runs on the copies; the anchor is the same step over the bf16 cache, read in
-    place. Timed as graph replays."""
+    the new K/V, then attention. Over an e4m3 cache the store also writes the new rows' copies, the
+    blocks holding cached tokens are gathered into the rest, and prefill runs on the copies; the
+    anchor is the same step over the bf16 cache, read in place. Timed as graph replays."""
     shapes = [(1024, 0, 16)] if quick else [(1024, 0, 16), (1024, 0, 256), (4096, 0, 16), (16384, 0, 256),
                                              (512, 512, 16)]
     return [Case("prefill_attention_hopper",

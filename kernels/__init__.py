@@ -1,7 +1,7 @@
 """Triton kernels of tritonllm; kernels/reference.py holds the PyTorch reference of each, README.md the contract."""
 from tritonllm.kernels.decode_attention import decode_attention
 from tritonllm.kernels.fused_moe import fused_moe
-from tritonllm.kernels.kv_cache import gather_kv_blocks, store_kv_cache, store_v_from_copies
+from tritonllm.kernels.kv_cache import gather_kv_blocks, store_kv_cache
 from tritonllm.kernels.logprobs import compute_logprobs, compute_top_logprobs
 from tritonllm.kernels.moe_routing import moe_align, moe_route
 from tritonllm.kernels.norm import fused_add_rms_norm, rms_norm

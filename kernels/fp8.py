@@ -108,18 +108,6 @@ def _is_head_major(scale: torch.Tensor) -> bool:
     return scale.stride() == (num_kv_heads * block_size, 1, block_size)
 
 
-def check_scale(name: str, scale, cache) -> None:
-    """Check the scales `name` of an e4m3 cache [num_blocks, block_size, Hkv, D]: float32
-    [num_blocks, block_size, Hkv], contiguous or head-major; ValueError naming it otherwise."""
-    if scale is None:
-        raise ValueError(f"{name} is required with a float8_e4m3fn cache")
-    if scale.shape != cache.shape[:3] or scale.dtype != torch.float32 or not (
-            scale.is_contiguous() or _is_head_major(scale)):
-        raise ValueError(f"{name} must be a float32 {list(cache.shape[:3])}, contiguous or head-major "
-                         f"(kernels/fp8.empty_kv_scales), got {list(scale.shape)} {scale.dtype} "
-                         f"strides {scale.stride()}")
-
-
 def check_kv_scales(k_cache, v_cache, k_scale, v_scale) -> bool:
     """Check the scales passed with caches [num_blocks, block_size, Hkv, D]; True for an e4m3 cache.
 
@@ -136,7 +124,13 @@ def check_kv_scales(k_cache, v_cache, k_scale, v_scale) -> bool:
             if scale is not None:
                 raise ValueError(f"{name} is only for a float8_e4m3fn cache, got a {cache.dtype} cache")
             continue
-        check_scale(name, scale, cache)
+        if scale is None:
+            raise ValueError(f"{name} is required with a float8_e4m3fn cache")
+        if scale.shape != cache.shape[:3] or scale.dtype != torch.float32 or not (
+                scale.is_contiguous() or _is_head_major(scale)):
+            raise ValueError(f"{name} must be a float32 {list(cache.shape[:3])}, contiguous or head-major "
+                             f"(kernels/fp8.empty_kv_scales), got {list(scale.shape)} {scale.dtype} "
+                             f"strides {scale.stride()}")
     if fp8 and v_scale.stride() != k_scale.stride():
         raise ValueError(f"v_scale must have k_scale's strides {k_scale.stride()}, got {v_scale.stride()}")
     return fp8

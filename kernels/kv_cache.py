@@ -10,8 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tritonllm.kernels.fp8 import (block_scale_offsets, check_kv_scales, check_scale, e4m3_scale, from_e4m3,
-                                  scale_offsets, scale_strides, to_e4m3)
+from tritonllm.kernels.fp8 import (block_scale_offsets, check_kv_scales, e4m3_scale, from_e4m3, scale_offsets,
+                                  scale_strides, to_e4m3)
 from tritonllm.kernels.tuning import INTERPRET, Tunable, dtype_name, pow2
 
 
@@ -256,72 +256,3 @@ def gather_kv_blocks(k_cache, v_cache, blocks, dtype, *, k_scale=None, v_scale=N
                                        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TOKENS=tokens, BLOCK_D=block_d,
                                        FP8=fp8, KEY_MAJOR=major, INTERPRET=INTERPRET, num_warps=4)
     return k, v
-
-
-@triton.jit
-def _store_v_from_copies_kernel(copy_ptr, scale_ptr, cache_ptr, rows_ptr, stride_scale_block, stride_scale_token,
-                                stride_scale_head, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                                BLOCK_SIZE: tl.constexpr, TOKENS: tl.constexpr, BLOCK_D: tl.constexpr,
-                                INTERPRET: tl.constexpr):
-    # Program (c, head, chunk): rows [lo, hi) of copy c within TOKENS slots of its cache block, whose
-    # key-major layout puts a head's TOKENS bytes of one d side by side: one run a (head, d).
-    c = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    block = tl.load(rows_ptr + 3 * c).to(tl.int64)
-    lo = tl.load(rows_ptr + 3 * c + 1)
-    hi = tl.load(rows_ptr + 3 * c + 2)
-    offs_t = tl.program_id(2) * TOKENS + tl.arange(0, TOKENS)  # TOKENS divides BLOCK_SIZE
-    if (lo >= hi) | (tl.program_id(2) * TOKENS >= hi) | ((tl.program_id(2) + 1) * TOKENS <= lo):
-        return
-    offs_d = tl.arange(0, BLOCK_D)
-    new = (offs_t >= lo) & (offs_t < hi)  # rows past [lo, hi) may hold anything: not read
-    x = tl.load(copy_ptr + (c * BLOCK_SIZE + offs_t)[:, None] * (NUM_HEADS * HEAD_DIM) + head * HEAD_DIM
-                + offs_d[None, :], mask=new[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0).to(tl.float32)
-    scale = tl.load(scale_ptr + block_scale_offsets(block, offs_t, stride_scale_block, stride_scale_token)
-                    + head * stride_scale_head, mask=new, other=1.0)
-    codes = tl.trans(to_e4m3(x, scale[:, None], INTERPRET))  # [BLOCK_D, TOKENS]
-    dst = cache_ptr + block * (BLOCK_SIZE * NUM_HEADS * HEAD_DIM) + (head * HEAD_DIM + offs_d)[:, None] * BLOCK_SIZE \
-        + offs_t[None, :]
-    in_d = (offs_d < HEAD_DIM)[:, None]
-    if (lo <= tl.program_id(2) * TOKENS) & ((tl.program_id(2) + 1) * TOKENS <= hi):
-        tl.store(dst, codes, mask=in_d)  # every row of the chunk: whole runs
-    else:
-        tl.store(dst, codes, mask=in_d & new[None, :])
-
-
-def store_v_from_copies(v_copy, v_cache, v_scale, copy_rows) -> None:
-    """Write new rows of V from their block copies into a key-major e4m3 cache. In place: v_cache.
-
-    v_copy [C, block_size, Hkv, D] float32 or bfloat16 contiguous: copies of cache blocks in
-    gather_kv_blocks' layout, whose new rows hold the values their cache rows read as (code times
-    scale, rounded to the copy's dtype), as qk_norm_rotary_store(..., store_v=False) writes them.
-    v_cache [num_blocks, block_size, Hkv, D] float8_e4m3fn, key-major (kv_cache.empty_kv_cache); v_scale
-    its scales [num_blocks, block_size, Hkv] float32 (contiguous or head-major), the new rows' already
-    stored. copy_rows [C, 3] int32 contiguous: copy c's cache block and the range [lo, hi) of its rows
-    to write (lo >= hi: none). Each row becomes e4m3(copy / scale): the codes the store computed, since
-    a copy's rounding (float32, then at most bfloat16's 2^-8) is far below half an e4m3 step. Not
-    float16: its subnormals would lose the codes of rows whose values are all below about 0.01.
-
-    A prefill over an e4m3 cache runs on copies of its blocks anyway; writing V from them moves a
-    block's bytes of one (head, d) as one run, where the store scatters them a byte at a time.
-    """
-    if v_cache.dtype != torch.float8_e4m3fn or v_cache.dim() != 4 or not is_key_major(v_cache):
-        raise ValueError(f"v_cache must be a key-major float8_e4m3fn [num_blocks, block_size, Hkv, D] cache, got "
-                         f"{v_cache.dtype} of shape {tuple(v_cache.shape)}")
-    _, block_size, num_heads, head_dim = v_cache.shape
-    if v_copy.dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"v_copy must be float32 or bfloat16, got {v_copy.dtype}")
-    check_block_copies("v_copy", v_copy, v_cache.shape[1:], v_copy.dtype)
-    check_scale("v_scale", v_scale, v_cache)
-    if (copy_rows.dtype != torch.int32 or copy_rows.dim() != 2 or copy_rows.shape[1] != 3
-            or not copy_rows.is_contiguous() or copy_rows.shape[0] > v_copy.shape[0]):
-        raise ValueError(f"copy_rows must be a contiguous int32 [C <= {v_copy.shape[0]}, 3], got {copy_rows.dtype} "
-                         f"of shape {tuple(copy_rows.shape)}")
-    if copy_rows.shape[0] == 0:
-        return
-    block_d = triton.next_power_of_2(head_dim)
-    tokens = min(block_size, max(1, 4096 // block_d))
-    grid = (copy_rows.shape[0], num_heads, block_size // tokens)
-    _store_v_from_copies_kernel[grid](v_copy, v_scale, v_cache, copy_rows, *scale_strides(v_scale),
-                                      NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TOKENS=tokens,
-                                      BLOCK_D=block_d, INTERPRET=INTERPRET, num_warps=4)

@@ -38,19 +38,16 @@ def _norm_rotate(x_ptrs, mask, weight_ptr, cos, sin, eps,
 
 
 @triton.jit
-def _store_e4m3_heads(x1, x2, ptrs1, ptrs2, mask, scale_ptrs, scale_mask, INTERPRET: tl.constexpr,
-                      STORE: tl.constexpr):
+def _store_e4m3_heads(x1, x2, ptrs1, ptrs2, mask, scale_ptrs, scale_mask, INTERPRET: tl.constexpr):
     """Heads given as float32 halves [TOKENS, H, BLOCK_HALF] (0 where masked) quantized per (token,
-    head) into the cache at ptrs1 / ptrs2 (first / second halves; unless STORE is False), their scales
-    [TOKENS, H] at scale_ptrs. Returns the halves' values (code times scale, float32), as a reader of
-    the cache gets them."""
+    head) into the cache at ptrs1 / ptrs2 (first / second halves), their scales [TOKENS, H] at scale_ptrs.
+    Returns the stored halves' values (code times scale, float32), as a reader of the cache gets them."""
     scale = e4m3_scale(tl.maximum(tl.max(tl.abs(x1), axis=2), tl.max(tl.abs(x2), axis=2)))
     tl.store(scale_ptrs, scale, mask=scale_mask)
     scale = scale[:, :, None]
     q1, q2 = to_e4m3(x1, scale, INTERPRET), to_e4m3(x2, scale, INTERPRET)
-    if STORE:
-        tl.store(ptrs1, q1, mask=mask)
-        tl.store(ptrs2, q2, mask=mask)
+    tl.store(ptrs1, q1, mask=mask)
+    tl.store(ptrs2, q2, mask=mask)
     return from_e4m3(q1, tl.float32, INTERPRET) * scale, from_e4m3(q2, tl.float32, INTERPRET) * scale
 
 
@@ -63,7 +60,7 @@ def _qk_norm_rotary_store_kernel(
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr, TOKENS: tl.constexpr,
     FP8: tl.constexpr, INTERPRET: tl.constexpr, V_BLOCK_SIZE: tl.constexpr, V_KEY_MAJOR: tl.constexpr,
-    SCALE_BLOCK: tl.constexpr, COPY: tl.constexpr, STORE_V: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr, COPY: tl.constexpr,
 ):
     # Each program handles TOKENS tokens: all their q, k and v heads. Tensors are
     # [TOKENS, heads, BLOCK_HALF]; a head is processed as its two rotary halves.
@@ -108,7 +105,7 @@ def _qk_norm_rotary_store_kernel(
                                    SCALE_BLOCK)
         scale_mask = (token_mask & (slots >= 0))[:, None] & (heads < NUM_KV_HEADS)
         k1, k2 = _store_e4m3_heads(k1, k2, k_cache_ptr + k_offsets, k_cache_ptr + k_offsets + HALF, kv_mask,
-                                   k_scale_ptr + scale_offs, scale_mask, INTERPRET, True)
+                                   k_scale_ptr + scale_offs, scale_mask, INTERPRET)
     else:
         k1, k2 = k1.to(k_cache_ptr.dtype.element_ty), k2.to(k_cache_ptr.dtype.element_ty)
         tl.store(k_cache_ptr + k_offsets, k1, mask=kv_mask)
@@ -121,12 +118,11 @@ def _qk_norm_rotary_store_kernel(
                                          V_KEY_MAJOR)
     if FP8:
         v1, v2 = _store_e4m3_heads(v1.to(tl.float32), v2.to(tl.float32), v_ptrs1, v_ptrs2, kv_mask,
-                                   v_scale_ptr + scale_offs, scale_mask, INTERPRET, STORE_V)
+                                   v_scale_ptr + scale_offs, scale_mask, INTERPRET)
     else:
         v1, v2 = v1.to(v_cache_ptr.dtype.element_ty), v2.to(v_cache_ptr.dtype.element_ty)
-        if STORE_V:
-            tl.store(v_ptrs1, v1, mask=kv_mask)
-            tl.store(v_ptrs2, v2, mask=kv_mask)
+        tl.store(v_ptrs1, v1, mask=kv_mask)
+        tl.store(v_ptrs2, v2, mask=kv_mask)
     if COPY:
         # The stored rows again, as values in the copies' dtype at their copy slots (plain layout).
         copy_slots = tl.load(copy_slot_ptr + tokens, mask=token_mask, other=-1).to(tl.int64)
@@ -191,7 +187,7 @@ def _check_copies(k_copy, v_copy, copy_slots, block_shape, dtype, n_tokens) -> b
 
 def qk_norm_rotary_store(positions, qkv, q_weight, k_weight, eps, cos_sin_cache, k_cache, v_cache, slot_mapping,
                          num_heads, num_kv_heads, out=None, *, k_scale=None, v_scale=None, k_copy=None, v_copy=None,
-                         copy_slots=None, store_v=True):
+                         copy_slots=None):
     """Qwen3's attention prologue on the packed QKV GEMM output, in one launch; returns q [T, Hq, D].
 
     qkv [T, (Hq + 2*Hkv) * D] float32/float16/bfloat16: per token the Hq q heads, then the Hkv k
@@ -221,8 +217,6 @@ def qk_norm_rotary_store(positions, qkv, q_weight, k_weight, eps, cos_sin_cache,
     written, as the cache now holds it (for e4m3, code times scale in float32, then rounded), to slot
     copy_slots[t] of the copies, exactly as gather_kv_blocks would copy it out; copy_slots[t] < 0 (or
     slot_mapping[t] < 0) skips. Prefill over an e4m3 cache runs on such copies (layers/attention.py).
-    store_v=False (copies given): V's cache rows keep their bytes, and only their scales and the
-    copies are written; kv_cache.store_v_from_copies then writes them from the copies in whole runs.
     """
     if qkv.dim() != 2 or qkv.stride(1) != 1:
         raise ValueError(f"qkv must be [T, (Hq + 2*Hkv) * D] with a contiguous last dim, got {tuple(qkv.shape)} strides {qkv.stride()}")
@@ -240,8 +234,6 @@ def qk_norm_rotary_store(positions, qkv, q_weight, k_weight, eps, cos_sin_cache,
         raise ValueError(f"positions and slot_mapping must have shape ({n_tokens},), got {tuple(positions.shape)}, {tuple(slot_mapping.shape)}")
     fp8 = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
     copy = _check_copies(k_copy, v_copy, copy_slots, k_cache.shape[1:], qkv.dtype, n_tokens)
-    if not store_v and not copy:
-        raise ValueError("store_v=False keeps V in the copies only: pass k_copy, v_copy and copy_slots")
     if out is None:
         out = torch.empty(n_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     elif out.shape != (n_tokens, num_heads, head_dim) or out.dtype != qkv.dtype or out.stride(2) != 1:
@@ -262,7 +254,7 @@ def qk_norm_rotary_store(positions, qkv, q_weight, k_weight, eps, cos_sin_cache,
             NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
             BLOCK_QH=block_qh, BLOCK_KH=block_kh, BLOCK_HALF=block_half, FP8=fp8, INTERPRET=INTERPRET,
             V_BLOCK_SIZE=k_cache.shape[1] if v_key_major else 1, V_KEY_MAJOR=v_key_major,
-            SCALE_BLOCK=k_cache.shape[1] if fp8 else 1, COPY=copy, STORE_V=store_v, **config,
+            SCALE_BLOCK=k_cache.shape[1] if fp8 else 1, COPY=copy, **config,
         )
 
     # The launch only writes q_out and cache slots it fully determines: repeating it is harmless.

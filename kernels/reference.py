@@ -63,16 +63,6 @@ def gather_kv_blocks(k_cache, v_cache, blocks, dtype, *, k_scale=None, v_scale=N
     return out
 
 
-def store_v_from_copies(v_copy, v_cache, v_scale, copy_rows):
-    """Rows [lo, hi) of each copy c (copy_rows[c] = its cache block, lo, hi) into that block of the
-    e4m3 cache, as e4m3(copy / stored scale) in float32, saturated to +-448. In place."""
-    e4m3_max = torch.finfo(torch.float8_e4m3fn).max
-    for c, (block, lo, hi) in enumerate(copy_rows.tolist()):
-        if lo < hi:
-            x = v_copy[c, lo:hi].float() / v_scale[block, lo:hi][..., None]
-            v_cache[block, lo:hi] = x.clamp(-e4m3_max, e4m3_max).to(torch.float8_e4m3fn)
-
-
 def rms_norm(x, weight, eps):
     """HF Qwen3RMSNorm over the last dim of x; returns x.dtype."""
     xf = x.to(_compute_dtype(x.dtype))
@@ -102,13 +92,12 @@ def rotary_embedding(positions, q, k, cos_sin_cache):
 
 def qk_norm_rotary_store(positions, qkv, q_weight, k_weight, eps, cos_sin_cache, k_cache, v_cache, slot_mapping,
                          num_heads, num_kv_heads, out=None, *, k_scale=None, v_scale=None, k_copy=None, v_copy=None,
-                         copy_slots=None, store_v=True):
+                         copy_slots=None):
     """rms_norm on the q and k heads of qkv [T, (Hq + 2*Hkv) * D], rotary_embedding, store_kv_cache
     of k and v (in place, slot < 0 skips); returns q [T, Hq, D] (written into `out` when given).
     An e4m3 cache quantizes k as rotated in float32, before any rounding to qkv's dtype. With copies,
     each stored row is also written, as the cache holds it (_cache_values), to slot copy_slots[t] of
-    k_copy / v_copy (copy_slots[t] < 0 or slot_mapping[t] < 0 skips). store_v=False (with copies):
-    V's cache rows keep their bytes; only their scales and the copies are written."""
+    k_copy / v_copy (copy_slots[t] < 0 or slot_mapping[t] < 0 skips)."""
     n_tokens = qkv.shape[0]
     head_dim = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
@@ -117,7 +106,6 @@ def qk_norm_rotary_store(positions, qkv, q_weight, k_weight, eps, cos_sin_cache,
     if k_cache.dtype == torch.float8_e4m3fn:
         k = k.to(_compute_dtype(k.dtype))  # rotary_embedding then rounds to the compute dtype only
     q, k = rotary_embedding(positions, q, k, cos_sin_cache)
-    kept_v = None if store_v else v_cache.clone()
     store_kv_cache(k, v.reshape(n_tokens, num_kv_heads, head_dim), k_cache, v_cache, slot_mapping,
                    k_scale=k_scale, v_scale=v_scale)
     if k_copy is not None:
@@ -127,8 +115,6 @@ def qk_norm_rotary_store(positions, qkv, q_weight, k_weight, eps, cos_sin_cache,
         index = (slots // block_size, slots % block_size)
         for cache, scale, copy in ((k_cache, k_scale, k_copy), (v_cache, v_scale, v_copy)):
             copy[targets // block_size, targets % block_size] = _cache_values(cache, scale, index, copy.dtype)
-    if kept_v is not None:
-        v_cache.copy_(kept_v)
     if out is None:
         return q.contiguous()
     out.copy_(q)

@@ -25,7 +25,6 @@ class Context:
     gather_tables: torch.Tensor | None = None
     copy_slots: torch.Tensor | None = None
     num_copies: int = 0
-    copy_rows: torch.Tensor | None = None  # [num_copies, 3] int32: each copy's cache block, new rows [lo, hi)
 
 
 _context: Context | None = None

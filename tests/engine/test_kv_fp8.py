@@ -6,7 +6,7 @@ from tiny_qwen3 import hf_greedy
 from tritonllm import BUNDLED_MODEL, LLM, SamplingParams
 from tritonllm.engine.scheduler import ScheduledBatch
 from tritonllm.engine.step_inputs import build_step_inputs
-from tritonllm.layers.attention import Attention, kv_bytes_per_token
+from tritonllm.layers.attention import kv_bytes_per_token
 from tritonllm.tiny_tasks import EVAL_SEED, problems
 
 PROMPTS = [list(range(3 * i + 1, 3 * i + 4 + 5 * i)) for i in range(12)]  # 4 to 59 tokens
@@ -64,10 +64,8 @@ def test_the_bundled_model_keeps_its_accuracy_with_fp8():
 def test_fp8_prefill_on_block_copies_equals_reading_the_cache(tiny_qwen3):
     # The engine runs prefill over an fp8 cache on copies of the step's blocks (gather_kv_blocks):
     # each step's logits equal those of the same step read straight from the cache, for whole
-    # prompts and for second chunks over a cached context; and the V rows it writes back into the
-    # cache from the copies (store_v_from_copies) are the bytes the store writes itself.
+    # prompts and for second chunks over a cached context.
     llm = LLM(str(tiny_qwen3), max_num_seqs=4, num_kv_blocks=32, kv_cache_dtype="fp8")
-    layers = [m for m in llm.runner.model.modules() if isinstance(m, Attention)]
     block_size, limit = llm.block_manager.block_size, llm.config.prefill_gather_blocks
     assert limit > 0
     seqs = [llm.make_sequence(list(range(start, start + n)), SamplingParams(max_tokens=1))
@@ -79,11 +77,8 @@ def test_fp8_prefill_on_block_copies_equals_reading_the_cache(tiny_qwen3):
         direct = build_step_inputs(batch, {}, block_size)
         copied = build_step_inputs(batch, {}, block_size, limit)
         assert direct.gather_blocks is None and copied.gather_blocks is not None
-        logits = llm.runner.execute(copied)
-        written_back = [layer.v_cache.view(torch.uint8).clone() for layer in layers]
-        expected = llm.runner.execute(direct)  # the same rows again, V stored directly
-        assert all(torch.equal(v, layer.v_cache.view(torch.uint8)) for v, layer in zip(written_back, layers))
-        torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+        expected = llm.runner.execute(direct)
+        torch.testing.assert_close(llm.runner.execute(copied), expected, rtol=1e-4, atol=1e-4)
         for seq, n in zip(batch.seqs, step):
             seq.num_computed_tokens += n
     for seq in seqs:

@@ -121,7 +121,7 @@ def cases():
                 t(600, 16, hk, 128, dtype=torch.float8_e4m3fn), key_major_e4m3(600, 16, hk, 128),
                 t(n, dtype=torch.int32), hq, hk, k_scale=t(600, 16, hk, dtype=torch.float32),
                 v_scale=t(600, 16, hk, dtype=torch.float32)))
-    from tritonllm.kernels import gather_kv_blocks, qk_norm_rotary_store, store_v_from_copies
+    from tritonllm.kernels import gather_kv_blocks
 
     # The copies prefill takes of an e4m3 cache (V key-major), and of a bf16 one.
     for bs in (16, 256):
@@ -133,19 +133,6 @@ def cases():
             lambda bs=bs, b=blocks: gather_kv_blocks(torch.zeros(600, bs, 8, 128, dtype=torch.bfloat16),
                                                      torch.zeros(600, bs, 8, 128, dtype=torch.bfloat16), b,
                                                      torch.bfloat16),
-            # V written back from bf16 copies, and the store that leaves it to them.
-            lambda bs=bs: store_v_from_copies(torch.zeros(1200 // bs * 16, bs, 8, 128, dtype=torch.bfloat16),
-                                              key_major_e4m3(600, bs, 8, 128), torch.zeros(600, bs, 8),
-                                              torch.zeros(1200 // bs * 16, 3, dtype=torch.int32)),
-            lambda bs=bs: qk_norm_rotary_store(
-                torch.zeros(8192, dtype=torch.int64), torch.zeros(8192, 32 * 128, dtype=torch.bfloat16),
-                torch.zeros(128, dtype=torch.bfloat16), torch.zeros(128, dtype=torch.bfloat16), 1e-6,
-                torch.zeros(40960, 128), torch.zeros(600, bs, 8, 128, dtype=torch.float8_e4m3fn),
-                key_major_e4m3(600, bs, 8, 128), torch.zeros(8192, dtype=torch.int32), 16, 8,
-                k_scale=torch.zeros(600, bs, 8), v_scale=torch.zeros(600, bs, 8),
-                k_copy=torch.zeros(1200 // bs * 16, bs, 8, 128, dtype=torch.bfloat16),
-                v_copy=torch.zeros(1200 // bs * 16, bs, 8, 128, dtype=torch.bfloat16),
-                copy_slots=torch.zeros(8192, dtype=torch.int32), store_v=False),
         ]
     from tritonllm.kernels import compute_logprobs, sample
 

@@ -2,9 +2,9 @@ import pytest
 import torch
 from kernel_utils import (DEVICE, DTYPES, SCALE_LAYOUTS, V_LAYOUTS, key_major, poisoned, randn, with_scale_layout,
                           with_v_layout)
-from test_fp8 import E4M3, assert_e4m3_rows_match, e4m3_poisoned
+from test_fp8 import assert_e4m3_rows_match, e4m3_poisoned
 
-from tritonllm.kernels import gather_kv_blocks, reference, store_kv_cache, store_v_from_copies
+from tritonllm.kernels import gather_kv_blocks, reference, store_kv_cache
 from tritonllm.kernels.kv_cache import check_cache_layouts, empty_kv_cache, is_key_major
 
 # tokens, KV heads, head dim, block size
@@ -296,50 +296,3 @@ def test_gather_kv_blocks_into_the_first_blocks_of_out(kernel):
     for o, r, n in zip(out, result, new):
         assert r is o
         assert torch.equal(o[:2], n) and o[2:].isnan().all()
-
-
-# V written back from prefill's block copies (store_v_from_copies): rows [lo, hi) of each copy, whose
-# values are cache rows as read (code times scale, rounded to the copy's dtype), become exactly those
-# codes in the key-major cache; every other row keeps its bytes (NaN patterns), whatever the copy holds there.
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads, head_dim, block_size, scale_layout", [(2, 64, 16, "head_major"),
-                                                                       (3, 80, 32, "contiguous"),
-                                                                       (1, 128, 256, "head_major")])
-def test_store_v_from_copies(heads, head_dim, block_size, scale_layout, dtype):
-    num_blocks = 6
-    codes = randn(num_blocks, block_size, heads, head_dim, dtype=torch.float32, scale=100.0).clamp(-448, 448).to(E4M3)
-    scale = randn(num_blocks, block_size, heads, dtype=torch.float32).abs() + 1e-3
-    scale[0, 0, 0] = 1e-30  # values deep in float32's subnormals still round back
-    # copy c: cache block, new rows [lo, hi): a whole block, a head, a tail, one row, none.
-    rows = [(4, 0, block_size), (1, 0, 3), (5, block_size - 5, block_size), (0, 7, 8), (2, 0, 0)]
-    copy_rows = torch.tensor(rows, dtype=torch.int32, device=DEVICE)
-    v_copy = poisoned(len(rows), block_size, heads, head_dim, dtype=dtype)
-    for c, (block, lo, hi) in enumerate(rows):
-        v_copy[c, lo:hi] = (codes[block, lo:hi].float() * scale[block, lo:hi, :, None]).to(dtype)
-    v_cache = key_major(e4m3_poisoned(num_blocks, block_size, heads, head_dim))
-    ref_cache = v_cache.clone()
-    store_v_from_copies(v_copy, v_cache, with_scale_layout(scale, scale_layout), copy_rows)
-    reference.store_v_from_copies(v_copy, ref_cache, scale, copy_rows)
-    written = torch.zeros(num_blocks, block_size, dtype=torch.bool, device=DEVICE)
-    for block, lo, hi in rows:
-        written[block, lo:hi] = True
-    as_bytes = v_cache.view(torch.uint8)
-    assert torch.equal(as_bytes[written], codes.view(torch.uint8)[written])
-    assert (as_bytes[~written] == 0x7F).all()
-    assert torch.equal(as_bytes, ref_cache.view(torch.uint8))
-
-
-def test_store_v_from_copies_rejects_bad_inputs():
-    v_cache = key_major(e4m3_poisoned(4, 16, 2, 64))
-    scale, copy = torch.ones(4, 16, 2, device=DEVICE), poisoned(2, 16, 2, 64, dtype=torch.float32)
-    rows = torch.zeros(2, 3, dtype=torch.int32, device=DEVICE)
-    with pytest.raises(ValueError, match="v_cache must be"):
-        store_v_from_copies(copy, e4m3_poisoned(4, 16, 2, 64), scale, rows)  # not key-major
-    for bad in (copy[:, :8], copy.half()):  # float16: its subnormals would lose small rows' codes
-        with pytest.raises(ValueError, match="v_copy must be"):
-            store_v_from_copies(bad, v_cache, scale, rows)
-    with pytest.raises(ValueError, match="v_scale"):
-        store_v_from_copies(copy, v_cache, scale[:, :8], rows)
-    for bad in (rows.long(), rows[:, :2].contiguous(), torch.zeros(3, 3, dtype=torch.int32, device=DEVICE)):
-        with pytest.raises(ValueError, match="copy_rows must be"):
-            store_v_from_copies(copy, v_cache, scale, bad)

@@ -4,7 +4,7 @@ import kernel_utils
 from kernel_utils import DEVICE, DTYPES, key_major, poisoned, randn, with_scale_layout, with_v_layout
 from test_fp8 import assert_e4m3_rows_match, e4m3_poisoned
 
-from tritonllm.kernels import gather_kv_blocks, qk_norm_rotary_store, reference, store_v_from_copies
+from tritonllm.kernels import gather_kv_blocks, qk_norm_rotary_store, reference
 from tritonllm.kernels import qk_norm_rotary as module
 from tritonllm.kernels.kv_cache import is_key_major
 from tritonllm.kernels.tuning import INTERPRET, bucket_key
@@ -196,48 +196,6 @@ def test_copies_of_the_stored_rows(tokens, q_heads, kv_heads, head_dim, block_si
         assert_close(rows[dst], ref_copy.view(-1, kv_heads, head_dim)[dst], dtype)
 
 
-# A prefill's V kept in the copies (store_v=False) and written back by store_v_from_copies: the
-# key-major cache ends bit for bit as when the store writes V itself, and so do K, the scales and the
-# copies; the reference, told the same, leaves V's cache rows alone.
-@pytest.mark.parametrize("tokens, first_slot, block_size, dtype", [(40, 3 * 16 + 5, 16, torch.bfloat16),
-                                                                    (9, 256 + 250, 256, torch.float32)])
-def test_v_written_back_from_the_copies_equals_the_store(tokens, first_slot, block_size, dtype):
-    _, qkv, q_weight, k_weight, positions, _, k_cache, _ = make_inputs(tokens, 4, 2, 64, block_size, dtype)
-    num_blocks = (first_slot + tokens) // block_size + 2
-    slots = torch.arange(first_slot, first_slot + tokens, device=DEVICE)  # one sequence, in order
-    blocks = torch.unique(slots // block_size)
-    copy_of = {int(b): c for c, b in enumerate(reversed(blocks.tolist()))}  # copies in another order
-    copy_slots = torch.tensor([copy_of[int(s) // block_size] * block_size + int(s) % block_size for s in slots],
-                              device=DEVICE)
-    copy_rows = torch.tensor([[b, max(first_slot - b * block_size, 0), min(first_slot + tokens - b * block_size,
-                                                                           block_size)]
-                              for b in sorted(copy_of, key=copy_of.get)], dtype=torch.int32, device=DEVICE)
-    runs = []
-    for store_v in (True, False):
-        caches = [e4m3_poisoned(num_blocks, block_size, 2, 64), key_major(e4m3_poisoned(num_blocks, block_size, 2, 64))]
-        scales = {name: with_scale_layout(poisoned(num_blocks, block_size, 2, dtype=torch.float32), "head_major")
-                  for name in ("k_scale", "v_scale")}
-        copies = [poisoned(len(blocks), block_size, 2, 64, dtype=dtype) for _ in range(2)]
-        qk_norm_rotary_store(positions, qkv, q_weight, k_weight, 1e-6, cos_sin_cache(MAX_POS, 64), *caches, slots, 4,
-                             2, **scales, k_copy=copies[0], v_copy=copies[1], copy_slots=copy_slots, store_v=store_v)
-        if not store_v:
-            assert (caches[1].view(torch.uint8) == 0x7F).all()  # V left to the write-back
-            store_v_from_copies(copies[1], caches[1], scales["v_scale"], copy_rows)
-        runs.append([t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t.nan_to_num(7.0)
-                     for t in (*caches, *scales.values(), *copies)])
-    for direct, written_back in zip(*runs):
-        assert torch.equal(direct, written_back)
-    ref_v = key_major(e4m3_poisoned(num_blocks, block_size, 2, 64))
-    reference.qk_norm_rotary_store(positions, qkv, q_weight, k_weight, 1e-6, cos_sin_cache(MAX_POS, 64),
-                                   e4m3_poisoned(num_blocks, block_size, 2, 64), ref_v, slots, 4, 2,
-                                   **{name: poisoned(num_blocks, block_size, 2, dtype=torch.float32)
-                                      for name in ("k_scale", "v_scale")},
-                                   k_copy=poisoned(len(blocks), block_size, 2, 64, dtype=dtype),
-                                   v_copy=poisoned(len(blocks), block_size, 2, 64, dtype=dtype),
-                                   copy_slots=copy_slots, store_v=False)
-    assert (ref_v.view(torch.uint8) == 0x7F).all()
-
-
 def test_rejects_bad_copies():
     _, qkv, q_weight, k_weight, positions, slots, k_cache, v_cache = make_inputs(3, 4, 2, 64, 16, torch.float32)
     cache, copy = cos_sin_cache(MAX_POS, 64), poisoned(2, 16, 2, 64, dtype=torch.float32)
@@ -255,8 +213,6 @@ def test_rejects_bad_copies():
         call(k_copy=copy, v_copy=copy[:1].clone(), copy_slots=slots)
     with pytest.raises(ValueError, match="copy_slots must be"):
         call(k_copy=copy, v_copy=copy.clone(), copy_slots=slots[:2])
-    with pytest.raises(ValueError, match="store_v=False"):
-        call(store_v=False)
     assert copy.isnan().all() and k_cache.isnan().all()
 
 

@@ -124,7 +124,6 @@ class ModelRunner:
         if gather:
             context.gather_blocks = torch.zeros(gather, dtype=torch.int32, device=self.device)
             context.gather_tables, context.copy_slots, context.num_copies = tables, no_slots, gather
-            context.copy_rows = torch.zeros(gather, 3, dtype=torch.int32, device=self.device)  # no new rows
         self._forward(torch.zeros(num_tokens, dtype=torch.long, device=self.device), positions, context)
         torch.cuda.synchronize(self.device)
 
@@ -160,8 +159,7 @@ class ModelRunner:
         else:
             context = Context(inputs.is_prefill, to(inputs.slot_mapping), to(inputs.seq_lens), to(inputs.block_tables),
                               to(inputs.cu_seqlens_q), inputs.max_q_len, inputs.max_seq_len, to(inputs.gather_blocks),
-                              to(inputs.gather_tables), to(inputs.copy_slots), inputs.num_copies,
-                              to(inputs.copy_rows))
+                              to(inputs.gather_tables), to(inputs.copy_slots), inputs.num_copies)
             hidden = self._forward(token_ids, to(inputs.positions), context)
         return self.model.compute_logits(hidden[to(inputs.logit_rows)])
 

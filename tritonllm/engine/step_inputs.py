@@ -28,13 +28,11 @@ class StepInputs:
     # num_copies copies of the distinct blocks they hold. gather_blocks [C] int32: the blocks holding
     # cached tokens, which copies 0..C-1 take from the cache; gather_tables: block_tables rewritten to
     # index the copies; copy_slots [T] int64: the slot in the copies of each new token, which the
-    # store writes there itself; copy_rows [num_copies, 3] int32: each copy's cache block and the
-    # range [lo, hi) of its new rows (lo == hi: none), which V is written back from.
+    # store writes there itself.
     gather_blocks: torch.Tensor | None = None
     gather_tables: torch.Tensor | None = None
     copy_slots: torch.Tensor | None = None
     num_copies: int = 0
-    copy_rows: torch.Tensor | None = None
 
 
 def block_table_array(seq: Sequence) -> np.ndarray:
@@ -69,20 +67,6 @@ def block_copies(tables: list[np.ndarray], block_tables: np.ndarray, starts: np.
     rewritten = np.zeros_like(block_tables)
     rewritten[np.arange(block_tables.shape[1])[None, :] < counts[:, None]] = copy_of[inverse]  # row by row
     return blocks[order[:holds_cached.sum()]].astype(np.int32), rewritten, len(blocks)
-
-
-def new_rows(copy_slots: np.ndarray, slots: np.ndarray, num_copies: int, block_size: int) -> np.ndarray:
-    """[num_copies, 3] int32: each copy's cache block and the rows [lo, hi) the new tokens (copy
-    slots copy_slots, cache slots slots) take in it; lo == hi == 0 for a copy with none. A block's new
-    tokens are consecutive rows: those of the one sequence that writes it."""
-    rows = np.zeros((num_copies, 3), dtype=np.int32)
-    copy, row = copy_slots // block_size, copy_slots % block_size
-    rows[copy, 0] = slots // block_size
-    rows[:, 1] = block_size
-    np.minimum.at(rows[:, 1], copy, row)
-    np.maximum.at(rows[:, 2], copy, row + 1)
-    rows[rows[:, 2] == 0, 1] = 0
-    return rows
 
 
 def build_step_inputs(batch: ScheduledBatch, previous_rows: dict[int, int], block_size: int,
@@ -128,10 +112,8 @@ def build_step_inputs(batch: ScheduledBatch, previous_rows: dict[int, int], bloc
         gathered = block_copies(tables, block_tables, starts, seq_lens, block_size, gather_limit)
         if gathered is not None:
             gather_blocks, gather_tables, num_copies = gathered
-            copy_slots = slots_in(gather_tables)
             copies = dict(gather_blocks=torch.from_numpy(gather_blocks), gather_tables=torch.from_numpy(gather_tables),
-                          copy_slots=torch.from_numpy(copy_slots), num_copies=num_copies,
-                          copy_rows=torch.from_numpy(new_rows(copy_slots, slots, num_copies, block_size)))
+                          copy_slots=torch.from_numpy(slots_in(gather_tables)), num_copies=num_copies)
     return StepInputs(
         is_prefill=batch.is_prefill, token_ids=torch.tensor(token_ids, dtype=torch.int64),
         positions=torch.from_numpy(positions), slot_mapping=torch.from_numpy(slots),

@@ -38,25 +38,19 @@ class Attention(nn.Module):
         copies = {}
         if context.is_prefill and context.gather_tables is not None:
             # An fp8 cache: prefill runs the kernel of a plain cache (on Hopper the warp-specialized
-            # one) on copies of the step's blocks in q's dtype. Blocks with cached tokens are copied
-            # out of the cache first; the store then writes the new tokens' rows into the copies as
-            # it quantizes them, and V goes into the key-major cache from there, a block's run of one
-            # (head, d) at a time rather than a byte a store (not from float16 copies, whose
-            # subnormals would lose small rows' codes: kernels/kv_cache.store_v_from_copies).
+            # one) on copies of the step's blocks in q's dtype. The store writes the new tokens' rows
+            # there as it quantizes them; only blocks with cached tokens are copied out of the cache.
             copy_shape = (context.num_copies, *self.k_cache.shape[1:])
             copies = {"k_copy": qkv.new_empty(copy_shape), "v_copy": qkv.new_empty(copy_shape),
-                      "copy_slots": context.copy_slots, "store_v": qkv.dtype == torch.float16}
-            self.ops.gather_kv_blocks(self.k_cache, self.v_cache, context.gather_blocks, qkv.dtype, **scales,
-                                      out=(copies["k_copy"], copies["v_copy"]))
+                      "copy_slots": context.copy_slots}
         q = self.ops.qk_norm_rotary_store(positions, qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
                                           self.rotary.cos_sin_cache, self.k_cache, self.v_cache, context.slot_mapping,
                                           self.num_heads, self.num_kv_heads, **scales, **copies)
         if copies:
-            if not copies["store_v"]:
-                self.ops.store_v_from_copies(copies["v_copy"], self.v_cache, self.v_scale, context.copy_rows)
-            return self.ops.prefill_attention(q, copies["k_copy"], copies["v_copy"], context.cu_seqlens_q,
-                                              context.seq_lens, context.gather_tables, self.scale,
-                                              max_q_len=context.max_q_len)
+            k, v = self.ops.gather_kv_blocks(self.k_cache, self.v_cache, context.gather_blocks, q.dtype, **scales,
+                                             out=(copies["k_copy"], copies["v_copy"]))
+            return self.ops.prefill_attention(q, k, v, context.cu_seqlens_q, context.seq_lens, context.gather_tables,
+                                              self.scale, max_q_len=context.max_q_len)
         if context.is_prefill:
             return self.ops.prefill_attention(q, self.k_cache, self.v_cache, context.cu_seqlens_q, context.seq_lens,
                                               context.block_tables, self.scale, max_q_len=context.max_q_len, **scales)
