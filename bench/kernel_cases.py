@@ -259,7 +259,32 @@ def decode_attention_cases(quick):
             {"triton bf16 cache": lambda *a: kernels.decode_attention(a[0], a[7], a[8], *a[3:5])},
             bytes=batch * context * 8 * (128 * 2 + 2 * 4), graph=True,
         ))
+    # What the row order inside a block costs e4m3 reads: each head's keys together (head-major: a
+    # head's K is one 2 KiB run of a block) against the engine's token-major rows (128 bytes of a
+    # head every 1 KiB), V in K's layout in both (not key-major), the same kernel and config.
+    for batch, context in ((32, 4096), (32, 16384), (128, 4096), (256, 1024)):
+        def make(b=batch, c=context):
+            k_cache, v_cache, tables = paged_cache(c, b, 16)
+            (k8, k_scale), (v8, v_scale) = reference.quantize_e4m3(k_cache), reference.quantize_e4m3(v_cache)
+            scales = head_major_copy(k_scale), head_major_copy(v_scale)
+            seq_lens = torch.full((b,), c, device="cuda", dtype=torch.int32)
+            return randn(b, 16, 128), head_major_rows(k8), head_major_rows(v8), seq_lens, tables, *scales, k8, v8
+
+        cases.append(Case(
+            "decode_attention", f"B{batch} x {context} 16/8 heads D128 block 16 bf16, e4m3 K/V head-major in the block",
+            make, lambda *a: kernels.decode_attention(*a[:5], k_scale=a[5], v_scale=a[6]),
+            {"K/V token-major": lambda *a: kernels.decode_attention(a[0], a[7], a[8], *a[3:5], k_scale=a[5],
+                                                                    v_scale=a[6])},
+            bytes=batch * context * 8 * (128 * 2 + 2 * 4), graph=True,
+        ))
     return cases
+
+
+def head_major_rows(cache):
+    """A copy of a [num_blocks, block_size, Hkv, D] cache laid out [num_blocks, Hkv, block_size, D]
+    in memory (the same values through permuted strides)."""
+    blocks, block_size, heads, dim = cache.shape
+    return cache.new_empty((blocks, heads, block_size, dim)).permute(0, 2, 1, 3).copy_(cache)
 
 
 def sampler_logits(batch, vocab, dist):
