@@ -3,12 +3,15 @@
 The ceilings are those of the H200 the notes were measured on (bench/NOTES-elementwise.md,
 "Ceilings"): percentages of them are only meaningful on that GPU.
 """
+import time
+
 import torch
 from triton.testing import do_bench
 
 COPY_BYTES_PER_S = 4.24e12  # device-to-device copy: the ceiling of memory-bound kernels
 BF16_FLOPS_PER_S = 690e12  # bf16 GEMM: the ceiling of compute-bound kernels
 L2_BYTES = 50 * 2**20
+WARM_UP_S = 0.1  # seconds of graph replays before the timed ones (see graph_time_ms)
 
 
 def time_ms(fn) -> float:
@@ -29,7 +32,12 @@ def graph_time_ms(fn, arg_sets: list[tuple], replays: int = 30) -> float:
     with torch.cuda.graph(graph):
         for args in arg_sets:
             fn(*args)
-    graph.replay()
+    # Replays for WARM_UP_S first, so that the timed ones find the GPU busy, as a serving engine
+    # keeps it, rather than just out of the host's setup (the suspect of a gap in NOTES-attention.md).
+    deadline = time.perf_counter() + WARM_UP_S
+    while time.perf_counter() < deadline:
+        graph.replay()
+        torch.cuda.synchronize()
     times = []
     for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
