@@ -6,9 +6,10 @@
 bench/throughput.py's workload (256 requests, prompts 100..1024, outputs 100..1024) decodes with
 batches that shrink from 256 as requests finish and contexts spread from 100 to 2k, under a
 context bound of max_model_len 4096. bench/kernels.py tunes on uniform contexts at the bound.
-This replays one layer of every `stride`-th decode step of the workload (Qwen3-0.6B heads: 16 q /
-8 kv, D 128, bf16, KV blocks of --block-size keys, batch padded to the engine's CUDA-graph size,
-block tables covering 4096 keys), times the engine's config and a grid of others (one CUDA graph
+This replays one layer of every `stride`-th decode step of the workload, its rows longest context
+first as the engine orders them (Qwen3-0.6B heads: 16 q / 8 kv, D 128, bf16, KV blocks of
+--block-size keys, batch padded to the engine's CUDA-graph size, block tables covering 4096
+keys), times the engine's config and a grid of others (one CUDA graph
 each, median: --grid space, the kernel's own tuning space of each bucket; --grid wide, 80 configs
 over an fp8 cache, each compiled once, which takes longer than a device call), and estimates the
 workload's decode-attention seconds (28 layers) for each config per batch bucket.
@@ -99,7 +100,8 @@ def main():
     by_bucket = defaultdict(lambda: defaultdict(lambda: defaultdict(float)))
     engine_keys = {}  # batch bucket -> the key of the config the engine runs there
     for step in range(0, max(o for _, o in requests), args.stride):
-        lens = [p + step + 1 for p, o in requests if o > step]
+        # In the engine's row order: longest context first (engine/scheduler.py).
+        lens = sorted((p + step + 1 for p, o in requests if o > step), reverse=True)
         batch = next(s for s in sizes if s >= len(lens))
         seq_lens = torch.zeros(batch, dtype=torch.int32, device="cuda")
         seq_lens[: len(lens)] = torch.tensor(lens, dtype=torch.int32)

@@ -7,8 +7,11 @@ BLOCK_H >= 8, which costs fewer instructions a key than heads as M padded to 16.
 fixed by the shapes (CUDA-graph capturable): it launches NUM_SPLITS splits per (sequence, KV
 head), a count chosen on the host from B, Hkv, the context bound and the SM count; each sequence
 then uses only min(NUM_SPLITS, cdiv(len, SPLIT_MIN)) of them, computed on the GPU, and the others
-exit at once. Splits write an unnormalized
-accumulator, row max and row sum to float32 scratch; a second launch merges them. With
+exit at once. The grid puts the splits fastest and the sequences slowest, so the GPU starts
+programs in row order, a row's all together: a batch ordered longest row first (the engine's
+decode batches) starts its longest programs first and fills the last wave with short ones
+(longest-processing-time-first), where random order could start a long row last. Splits write an
+unnormalized accumulator, row max and row sum to float32 scratch; a second launch merges them. With
 NUM_SPLITS == 1 the first launch writes o itself. An e4m3 cache (k_scale / v_scale given) halves
 the K/V bytes; each tile also reads its keys' scales (kernels/paged.py). Over it a program is one
 warp by default: converting the bytes costs instructions, and one-warp tiles reduce over their keys
@@ -29,6 +32,7 @@ PROGRAMS_PER_SM = 3  # resident programs per SM that hide memory latency without
 # Over an e4m3 cache a program is one warp: the softmax's reductions over a tile's keys stay inside
 # the warp (shuffles, no barriers), and twice as many programs an SM keep the bytes in flight.
 FP8_PROGRAMS_PER_SM = 6
+MAX_BATCH = 65535  # sequences are the grid's third dimension, which CUDA caps there
 
 
 @triton.jit
@@ -137,9 +141,10 @@ def _decode_attention_kernel(
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_MIN: tl.constexpr,
     DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr, FP8: tl.constexpr, V_KEY_MAJOR: tl.constexpr,
 ):
-    seq = tl.program_id(0)
+    # Split fastest, sequence slowest: programs start in row order, a row's all together.
+    split = tl.program_id(0)
     kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+    seq = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     split_len = _split_len(seq_len, NUM_SPLITS, SPLIT_MIN, BLOCK_N)
     start = split * split_len
@@ -300,7 +305,8 @@ def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale=None, *,
     block_size, Hkv] contiguous or head-major (kernels/fp8.empty_kv_scales), the scale of each stored
     row (its value is cache_row.float() * scale); the new token's K/V already stored; block_size a
     power of two; D a power of two >= 16; Hq a multiple of Hkv. seq_lens: [B] int32, sequence b
-    attends to keys [0, seq_lens[b]); a length of 0 (a padding row) gives zeros. block_tables: [B,
+    attends to keys [0, seq_lens[b]); a length of 0 (a padding row) gives zeros; B <= 65535, and
+    rows ordered longest first finish soonest (the GPU starts them in order). block_tables: [B,
     max_blocks] int32; entries past a sequence's length are never read. scale defaults to D ** -0.5;
     math in float32.
 
@@ -317,6 +323,8 @@ def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale=None, *,
     batch, num_q_heads, head_dim = q.shape
     if seq_lens.shape[0] != batch:
         raise ValueError(f"seq_lens must be [B = {batch}], got shape {tuple(seq_lens.shape)}")
+    if batch > MAX_BATCH:
+        raise ValueError(f"q's batch must be at most {MAX_BATCH} (the grid's third dimension), got {batch}")
     out = torch.empty_like(q) if out is None else out
     if batch == 0:
         return out
@@ -333,7 +341,7 @@ def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale=None, *,
             l = torch.empty_like(m)
         else:
             scratch = m = l = out  # not touched with one split
-        _decode_attention_kernel[(batch, num_kv_heads, num_splits)](
+        _decode_attention_kernel[(num_splits, num_kv_heads, batch)](
             q, k_cache, v_cache, k_scale, v_scale, out, scratch, m, l, seq_lens, block_tables, qk_scale, num_q_heads,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),

@@ -38,10 +38,29 @@ def test_prefill_then_decode_until_max_tokens():
     seqs, num_new, is_prefill, _ = step(s)
     assert is_prefill and seqs == [a, b] and num_new == [5, 9]
     seqs, _, is_prefill, _ = step(s)
-    assert not is_prefill and seqs == [a, b]
+    assert not is_prefill and seqs == [b, a]  # decode: the longest context first
     _, _, _, finished = step(s)
-    assert finished == [a, b] and all(x.num_completion_tokens == 3 for x in (a, b))
+    assert finished == [b, a] and all(x.num_completion_tokens == 3 for x in (a, b))
     assert s.is_finished() and s.block_manager.num_free_blocks == 64
+
+
+def test_decode_batch_is_longest_context_first():
+    # The decode kernel starts rows in batch order, so long rows go first and short ones fill in
+    # at the end. Ties keep the running order, and the running order itself (the preemption
+    # order) stays the arrival order.
+    s = make()
+    a, b, c, d = add(s, 5), add(s, 17), add(s, 9), add(s, 9)
+    step(s)  # prefill
+    seqs, _, is_prefill, _ = step(s)
+    assert not is_prefill and seqs == [b, c, d, a]
+    assert list(s.running) == [a, b, c, d]
+    # Contexts, not prompts: e (prompt 12) joins after the others decoded 6 more tokens.
+    for _ in range(5):
+        step(s)
+    e = add(s, 12)
+    step(s)  # e's prefill
+    seqs, _, _, _ = step(s)
+    assert seqs == [b, c, d, e, a]  # contexts 24, 16, 16, 13, 12
 
 
 def test_chunked_prefill_respects_the_budget():
@@ -103,7 +122,7 @@ def test_a_step_launched_before_the_previous_resolves():
     step(s)  # prefill: both sample their first token
     batch_n = s.schedule()
     s.launched(batch_n)
-    assert batch_n.sampling_seqs == [a, b] and a.num_pending == 1 and len(a) == 5 and a.completion_token_ids == [7]
+    assert batch_n.sampling_seqs == [b, a] and a.num_pending == 1 and len(a) == 5 and a.completion_token_ids == [7]
     batch_next = s.schedule()
     assert batch_next.seqs == [a] and not batch_next.is_prefill  # b holds max_tokens with its last token pending
     s.launched(batch_next)

@@ -97,7 +97,9 @@ class Scheduler:
                 self.block_manager.append_slot(seq)
                 scheduled.append(seq)
         self.running.extend(scheduled + held)
-        return scheduled
+        # Longest context first: the decode kernel starts rows in order, so the long rows start
+        # first and short ones fill in at the end (kernels/decode_attention.py).
+        return sorted(scheduled, key=lambda seq: seq.num_computed_tokens, reverse=True)
 
     def _preempt(self, seq: Sequence) -> None:
         """Free seq's blocks and queue it first: its prompt and output so far are recomputed later."""
