@@ -14,23 +14,23 @@ from tritonllm.kernels.tuning import INTERPRET, Tunable, dtype_name, pow2
 
 
 @triton.jit
-def _norm_rotate(x_ptrs, mask, weight_ptr, cos, sin, eps,
-                 HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, ROUND: tl.constexpr):
-    """Heads at x_ptrs [TOKENS, H, BLOCK_HALF] (first halves; second halves at +HALF): HF Qwen3
-    RMSNorm over the head dim, then neox rotary. Returns the two rotated halves rounded once to
-    the input dtype, or in float32 (0 where masked) unless ROUND."""
-    raw1 = tl.load(x_ptrs, mask=mask, other=0.0)
+def _load_halves(ptrs, mask, HALF: tl.constexpr):
+    """The first halves of heads at ptrs [TOKENS, H, BLOCK_HALF] and their second halves (at +HALF)."""
+    return tl.load(ptrs, mask=mask, other=0.0), tl.load(ptrs + HALF, mask=mask, other=0.0)
+
+
+@triton.jit
+def _norm_rotate(raw1, raw2, w1, w2, cos, sin, eps, HEAD_DIM: tl.constexpr, ROUND: tl.constexpr):
+    """Heads given as their two halves [TOKENS, H, BLOCK_HALF] (0 where masked), the norm weight's
+    halves w1, w2 [BLOCK_HALF] in float32: HF Qwen3 RMSNorm over the head dim, then neox rotary.
+    Returns the two rotated halves rounded once to the input dtype, or in float32 unless ROUND."""
     dtype = raw1.dtype
-    x1 = raw1.to(tl.float32)
-    x2 = tl.load(x_ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
+    x1, x2 = raw1.to(tl.float32), raw2.to(tl.float32)
     rstd = tl.rsqrt((tl.sum(x1 * x1, axis=2) + tl.sum(x2 * x2, axis=2)) / HEAD_DIM + eps)[:, :, None]
-    dims = tl.arange(0, BLOCK_HALF)
-    w1 = tl.load(weight_ptr + dims, mask=dims < HALF, other=0.0).to(tl.float32)[None, None, :]
-    w2 = tl.load(weight_ptr + HALF + dims, mask=dims < HALF, other=0.0).to(tl.float32)[None, None, :]
     # HF: the normalized value is cast to the model dtype before the weight multiply, and the
     # product is rounded to the model dtype (rms_norm's output, rotary_embedding's input).
-    y1 = (w1 * (x1 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    y2 = (w2 * (x2 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    y1 = (w1[None, None, :] * (x1 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    y2 = (w2[None, None, :] * (x2 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     r1, r2 = y1 * cos - y2 * sin, y2 * cos + y1 * sin
     if ROUND:
         r1, r2 = r1.to(dtype), r2.to(dtype)
@@ -81,23 +81,32 @@ def _qk_norm_rotary_store_kernel(
     token_mask3 = token_mask[:, None, None]
     dims3 = dims[None, None, :]
     dim_mask3 = dim_mask[None, None, :]
-
-    # q: normed + roped into q_out.
     q_heads = tl.arange(0, BLOCK_QH)[None, :, None]
     q_mask = token_mask3 & (q_heads < NUM_Q_HEADS) & dim_mask3
-    q1, q2 = _norm_rotate(rows + q_heads * HEAD_DIM + dims3, q_mask, q_weight_ptr, cos, sin, eps,
-                          HEAD_DIM, HALF, BLOCK_HALF, True)
+    # Rows with slot < 0 have no K/V to store, and are not even read.
+    kv_heads = tl.arange(0, BLOCK_KH)[None, :, None]
+    kv_mask = token_mask3 & (slots >= 0)[:, None, None] & (kv_heads < NUM_KV_HEADS) & dim_mask3
+
+    # Every load before the first store: the compiler cannot move a load past a store that may
+    # alias it, and q, k and v loaded one after another's store would cost three memory round trips.
+    q1, q2 = _load_halves(rows + q_heads * HEAD_DIM + dims3, q_mask, HALF)
+    k1, k2 = _load_halves(rows + (NUM_Q_HEADS + kv_heads) * HEAD_DIM + dims3, kv_mask, HALF)
+    v1, v2 = _load_halves(rows + (NUM_Q_HEADS + NUM_KV_HEADS + kv_heads) * HEAD_DIM + dims3, kv_mask, HALF)
+    qw1, qw2 = _load_halves(q_weight_ptr + dims, dim_mask, HALF)
+    kw1, kw2 = _load_halves(k_weight_ptr + dims, dim_mask, HALF)
+    if COPY:
+        copy_slots = tl.load(copy_slot_ptr + tokens, mask=token_mask, other=-1).to(tl.int64)
+
+    # q: normed + roped into q_out.
+    q1, q2 = _norm_rotate(q1, q2, qw1.to(tl.float32), qw2.to(tl.float32), cos, sin, eps, HEAD_DIM, True)
     q_out = q_out_ptr + tokens[:, None, None] * q_out_token_stride + q_heads * q_out_head_stride + dims3
     tl.store(q_out, q1.to(q_out_ptr.dtype.element_ty), mask=q_mask)
     tl.store(q_out + HALF, q2.to(q_out_ptr.dtype.element_ty), mask=q_mask)
 
-    # k (normed + roped) and v (as is) into their cache slot; rows with slot < 0 are not even read.
-    kv_heads = tl.arange(0, BLOCK_KH)[None, :, None]
-    kv_mask = token_mask3 & (slots >= 0)[:, None, None] & (kv_heads < NUM_KV_HEADS) & dim_mask3
+    # k (normed + roped) and v (as is) into their cache slot.
     cols = kv_heads * HEAD_DIM + dims3
     k_offsets = slot_offsets(slots[:, None, None], cols, NUM_KV_HEADS * HEAD_DIM, 1, False)
-    k1, k2 = _norm_rotate(rows + (NUM_Q_HEADS + kv_heads) * HEAD_DIM + dims3, kv_mask, k_weight_ptr, cos, sin, eps,
-                          HEAD_DIM, HALF, BLOCK_HALF, not FP8)
+    k1, k2 = _norm_rotate(k1, k2, kw1.to(tl.float32), kw2.to(tl.float32), cos, sin, eps, HEAD_DIM, not FP8)
     if FP8:
         # K from its rotated float32 value, unrounded; a scale per (token, head) at [slot, head].
         heads = tl.arange(0, BLOCK_KH)[None, :]
@@ -110,9 +119,6 @@ def _qk_norm_rotary_store_kernel(
         k1, k2 = k1.to(k_cache_ptr.dtype.element_ty), k2.to(k_cache_ptr.dtype.element_ty)
         tl.store(k_cache_ptr + k_offsets, k1, mask=kv_mask)
         tl.store(k_cache_ptr + k_offsets + HALF, k2, mask=kv_mask)
-    v_ptrs = rows + (NUM_Q_HEADS + NUM_KV_HEADS + kv_heads) * HEAD_DIM + dims3
-    v1 = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-    v2 = tl.load(v_ptrs + HALF, mask=kv_mask, other=0.0)
     v_ptrs1 = v_cache_ptr + slot_offsets(slots[:, None, None], cols, NUM_KV_HEADS * HEAD_DIM, V_BLOCK_SIZE, V_KEY_MAJOR)
     v_ptrs2 = v_cache_ptr + slot_offsets(slots[:, None, None], cols + HALF, NUM_KV_HEADS * HEAD_DIM, V_BLOCK_SIZE,
                                          V_KEY_MAJOR)
@@ -125,7 +131,6 @@ def _qk_norm_rotary_store_kernel(
         tl.store(v_ptrs2, v2, mask=kv_mask)
     if COPY:
         # The stored rows again, as values in the copies' dtype at their copy slots (plain layout).
-        copy_slots = tl.load(copy_slot_ptr + tokens, mask=token_mask, other=-1).to(tl.int64)
         copy_mask = kv_mask & (copy_slots >= 0)[:, None, None]
         copy_offsets = copy_slots[:, None, None] * (NUM_KV_HEADS * HEAD_DIM) + cols
         dtype = k_copy_ptr.dtype.element_ty
