@@ -67,9 +67,8 @@ def slot_offsets(slots, cols, ROW: tl.constexpr, BLOCK_SIZE: tl.constexpr, KEY_M
 
 
 @triton.jit
-def _store_e4m3_rows(x_ptrs, load_mask, cache_ptrs, store_mask, scale_ptrs, scale_mask, INTERPRET: tl.constexpr):
-    """Rows at x_ptrs [TOKENS, BLOCK_H, BLOCK_D] quantized per (token, head) into the cache, scales beside."""
-    x = tl.load(x_ptrs, mask=load_mask, other=0.0).to(tl.float32)
+def _store_e4m3_rows(x, cache_ptrs, store_mask, scale_ptrs, scale_mask, INTERPRET: tl.constexpr):
+    """Rows x [TOKENS, BLOCK_H, BLOCK_D] (float32) quantized per (token, head) into the cache, scales beside."""
     scale = e4m3_scale(tl.max(tl.abs(x), axis=2))
     tl.store(cache_ptrs, to_e4m3(x, scale[:, :, None], INTERPRET), mask=store_mask)
     tl.store(scale_ptrs, scale, mask=scale_mask)
@@ -101,10 +100,14 @@ def _store_kv_cache_kernel(
         scale_offs = scale_offsets(slots[:, None], heads[None, :], stride_scale_block, stride_scale_token,
                                    stride_scale_head, SCALE_BLOCK)
         scale_mask = (slots >= 0)[:, None] & (heads < NUM_HEADS)[None, :]
-        _store_e4m3_rows(k_ptr + tokens[:, None, None] * k_token_stride + heads3 * k_head_stride + dims3, load_mask,
-                         k_cache_ptr + k_offsets, store_mask, k_scale_ptr + scale_offs, scale_mask, INTERPRET)
-        _store_e4m3_rows(v_ptr + tokens[:, None, None] * v_token_stride + heads3 * v_head_stride + dims3, load_mask,
-                         v_cache_ptr + v_offsets, store_mask, v_scale_ptr + scale_offs, scale_mask, INTERPRET)
+        # Both loads before the first store, which the compiler cannot move them past (they might alias).
+        rows = tokens[:, None, None]
+        k = tl.load(k_ptr + rows * k_token_stride + heads3 * k_head_stride + dims3, mask=load_mask, other=0.0)
+        v = tl.load(v_ptr + rows * v_token_stride + heads3 * v_head_stride + dims3, mask=load_mask, other=0.0)
+        _store_e4m3_rows(k.to(tl.float32), k_cache_ptr + k_offsets, store_mask, k_scale_ptr + scale_offs, scale_mask,
+                         INTERPRET)
+        _store_e4m3_rows(v.to(tl.float32), v_cache_ptr + v_offsets, store_mask, v_scale_ptr + scale_offs, scale_mask,
+                         INTERPRET)
         return
     cols = tl.arange(0, BLOCK_ROW)
     heads, dims = cols // HEAD_DIM, cols % HEAD_DIM

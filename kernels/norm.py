@@ -17,6 +17,8 @@ def _rms_norm_kernel(
     col_mask = cols < n_cols
     mask = (rows < n_rows)[:, None] & col_mask[None, :]
     x = tl.load(x_ptr + rows[:, None] * x_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    # Loaded before the store of h, which the compiler cannot move it past (they might alias).
+    weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         residual = tl.load(residual_ptr + rows[:, None] * residual_stride + cols[None, :], mask=mask, other=0.0)
         # The new residual is rounded to the model dtype before it is normalized, as in HF.
@@ -26,7 +28,6 @@ def _rms_norm_kernel(
     rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
     # HF casts the normalized value to the model dtype before multiplying by the weight.
     normed = (x * rstd[:, None]).to(y_ptr.dtype.element_ty).to(tl.float32)
-    weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + rows[:, None] * y_stride + cols[None, :], weight[None, :] * normed, mask=mask)
 
 
