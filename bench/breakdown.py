@@ -8,7 +8,8 @@ kernels (rotary, SiLU-and-mul, KV store), sampler, MoE, communication, the rest.
 wall time the GPU sat idle: wall time minus the summed kernel time (one stream, no overlap).
 Also counts kernel launches per step and layer, and splits the idle time by gap length from the
 trace: gaps of a few microseconds sit between the kernels of one CUDA graph or launch sequence,
-long ones are the GPU waiting for the host.
+long ones are the GPU waiting for the host; the long gaps are also counted by the kinds of
+kernel before and after them, which tells which step or launch left the GPU waiting.
 """
 import argparse
 import json
@@ -46,26 +47,37 @@ def kind_of(name: str) -> str:
 GAP_BOUNDS_US = (2, 5, 20, 100)
 
 
-def idle_gaps(prof, trace: Path | None) -> list[float]:
-    """GPU idle time in us between consecutive kernels and copies (one stream: no overlap), read from
-    the profile's Chrome trace, kept at `trace` if given, else written to a temporary file."""
+def idle_gaps(prof, trace: Path | None) -> list[tuple[float, str, str]]:
+    """GPU idle gaps between consecutive kernels and copies (one stream: no overlap) as (us, the kernel
+    before, the kernel after), read from the profile's Chrome trace, kept at `trace` if given, else
+    written to a temporary file."""
     with tempfile.TemporaryDirectory() as scratch:
         path = trace or Path(scratch) / "trace.json"
         prof.export_chrome_trace(str(path))
         events = json.loads(path.read_text())["traceEvents"]
-    kernels = sorted((event["ts"], event["ts"] + event["dur"]) for event in events
+    kernels = sorted((event["ts"], event["ts"] + event["dur"], event.get("name", "")) for event in events
                      if event.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
-    return [max(0.0, start - end) for (_, end), (start, _) in zip(kernels, kernels[1:])]
+    return [(max(0.0, start - end), before, after)
+            for (_, end, before), (start, _, after) in zip(kernels, kernels[1:])]
 
 
-def print_gaps(gaps: list[float]):
-    """The idle gaps, by length."""
+def print_gaps(gaps: list[tuple[float, str, str]], long_us: float = 20.0, rows: int = 8):
+    """The idle gaps by length, then the gaps of long_us or more by the kinds of kernel around them."""
     bounds = (0, *GAP_BOUNDS_US, float("inf"))
     print("\n| gap between kernels | gaps | idle seconds |\n|---|---|---|")
     for low, high in zip(bounds, bounds[1:]):
-        inside = [g for g in gaps if low <= g < high]
+        inside = [g for g, _, _ in gaps if low <= g < high]
         print(f"| {low}-{high} us | {len(inside)} | {sum(inside) / 1e6:.3f} |")
-    print(f"| all | {len(gaps)} | {sum(gaps) / 1e6:.3f} |")
+    print(f"| all | {len(gaps)} | {sum(g for g, _, _ in gaps) / 1e6:.3f} |")
+    around = defaultdict(lambda: [0, 0.0])
+    for gap, before, after in gaps:
+        if gap >= long_us:
+            entry = around[kind_of(before), kind_of(after)]
+            entry[0] += 1
+            entry[1] += gap / 1e6
+    print(f"\n| gaps of {long_us:g} us or more: kernel before | kernel after | gaps | idle seconds |\n|---|---|---|---|")
+    for (before, after), (count, seconds) in sorted(around.items(), key=lambda item: -item[1][1])[:rows]:
+        print(f"| {before} | {after} | {count} | {seconds:.3f} |")
 
 
 def main():
