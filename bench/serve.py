@@ -264,8 +264,8 @@ def main():
     rows = serve_runs(args, prompts, params)
     offline = None
     if args.offline:
-        options = SimpleNamespace(model=args.model, tp=args.tp, max_model_len=args.max_model_len,
-                                  enforce_eager=args.enforce_eager, no_tqdm=True)
+        options = SimpleNamespace(model=args.model, tp=args.tp, dp=1, max_model_len=args.max_model_len,
+                                  kv_block_size=16, enforce_eager=args.enforce_eager, no_tqdm=True, repeat=1)
         offline = run_offline(options, args.kernels, args.kv_cache_dtype, prompts, params)
         print(f"\noffline LLM.generate, same {len(prompts)} requests: {offline['tokens_per_s']:.0f} tok/s "
               f"({offline['seconds']:.2f} s)")

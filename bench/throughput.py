@@ -1,13 +1,15 @@
 """End-to-end throughput on the nano-vllm benchmark workload (bench/NOTES-engine.md).
 
     python bench/throughput.py [--model qwen3-0.6b] [--tp 1] [--dp 1] [--kernels triton reference]
-                               [--kv-cache-dtype fp8 auto] [--kv-block-size 16] [--num-seqs 256]
+                               [--kv-cache-dtype fp8 auto] [--kv-block-size 16] [--num-seqs 256] [--repeat 1]
 
 256 requests (seed 0): prompts of randint(100, 1024) tokens drawn from [0, 10000], outputs of
 randint(100, 1024) tokens with ignore_eos, temperature 0.6, max_model_len 4096. A preset name runs
 with dummy weights; a checkpoint folder with its own. With several --kernels or --kv-cache-dtype,
 the same workload runs on each in turn, in this one process, and with two runs their ratio is
-printed.
+printed. --repeat N times N runs of each (later ones on prompts of the same lengths with other
+tokens, so nothing hits the prefix cache) and gives their median and range: end to end, the same
+tree has varied by 5-10% between calls (NOTES-attention.md).
 
 Each row also gives the decode floor: the workload's output tokens over the time its decode steps
 would take if each only read its bytes at the copy ceiling (decode_floor), and the share of it
@@ -16,6 +18,7 @@ reached (the whole run, prefill included, against a decode-only floor).
 import argparse
 import gc
 import random
+import statistics
 import time
 
 import torch
@@ -59,15 +62,22 @@ def decode_floor(model, cache_dtype, prompt_lens: list[int], output_lens: list[i
     return sum(output_lens) / seconds
 
 
+def relabeled(prompts, seed: int):
+    """Prompts of the same lengths with other random tokens (no prefix-cache hits on the originals),
+    inside the originals' token range, so inside the vocabulary."""
+    rng = random.Random(seed)
+    top = max(max(prompt) for prompt in prompts)
+    return [[rng.randint(0, top) for _ in prompt] for prompt in prompts]
+
+
 def warm_up(llm, prompts) -> None:
     """Other prompts of the same lengths with 1..16 output tokens: they reach every prefill length
     bucket and, as they finish, every decode batch size, so Triton compiles each kernel variant
     before the clock starts (a fresh machine spends about 10 s on this; later runs read Triton's
     on-disk cache). Other tokens, so the timed run finds nothing of them in the prefix cache."""
     rng = random.Random(1)
-    top = max(max(prompt) for prompt in prompts)  # stays inside the vocabulary as the workload does
-    others = [[rng.randint(0, top) for _ in prompt] for prompt in prompts]
-    llm.generate(others, [SamplingParams(ignore_eos=True, max_tokens=rng.randint(1, 16)) for _ in prompts], use_tqdm=False)
+    llm.generate(relabeled(prompts, 1), [SamplingParams(ignore_eos=True, max_tokens=rng.randint(1, 16)) for _ in prompts],
+                 use_tqdm=False)
 
 
 def run(args, kernels: str, kv_cache_dtype: str, prompts, params) -> dict:
@@ -81,15 +91,20 @@ def run(args, kernels: str, kv_cache_dtype: str, prompts, params) -> dict:
     floor = args.dp * decode_floor(llm.runner.model, llm.config.cache_dtype, [len(p) for p in prompts],
                                    [p.max_tokens for p in params])
     warm_up(llm, prompts)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=not args.no_tqdm)
-    elapsed = time.perf_counter() - start
+    times = []
+    for repeat in range(args.repeat):  # later repeats: the same lengths, other tokens (no prefix hits)
+        batch = prompts if repeat == 0 else relabeled(prompts, 100 + repeat)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        outputs = llm.generate(batch, params, use_tqdm=not args.no_tqdm)
+        times.append(time.perf_counter() - start)
+    elapsed = statistics.median(times)
     output_tokens = sum(len(o.token_ids) for o in outputs)
     result = {"kernels": f"{kernels}, KV {kv_cache_dtype}, block {args.kv_block_size}", "output_tokens": output_tokens,
               "seconds": elapsed, "tokens_per_s": output_tokens / elapsed, "preemptions": llm.scheduler.num_preemptions,
-              "blocks": llm.runner.num_kv_blocks, "floor": floor}
+              "blocks": llm.runner.num_kv_blocks, "floor": floor,
+              "spread": f"{output_tokens / max(times):.0f}-{output_tokens / min(times):.0f}" if len(times) > 1 else "-"}
     llm.close()
     del llm, outputs
     gc.collect()
@@ -115,6 +130,8 @@ def main():
     parser.add_argument("--max-model-len", type=int_at_least(1), default=4096)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--no-tqdm", action="store_true")
+    parser.add_argument("--repeat", type=int_at_least(1), default=1,
+                        help="timed runs per row (the same lengths, other tokens); the row gives their median")
     args = parser.parse_args()
     if args.max_input_len + args.max_output_len > args.max_model_len:
         parser.error(f"--max-model-len {args.max_model_len} must be >= --max-input-len + --max-output-len "
@@ -126,14 +143,14 @@ def main():
     prompts, params = workload(args.num_seqs, args.max_input_len, args.max_output_len, min(10000, vocab - 1))
     print(f"{args.model}, TP {args.tp}, DP {args.dp}: {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, "
           f"{sum(p.max_tokens for p in params)} output tokens")
-    print("\n| kernels | output tokens | time (s) | tokens/s | decode floor (tokens/s) | of floor | preemptions "
-          "| KV blocks |\n|---|---|---|---|---|---|---|---|")
+    print("\n| kernels | output tokens | time (s) | tokens/s | repeats' range | decode floor (tokens/s) | of floor "
+          "| preemptions | KV blocks |\n|---|---|---|---|---|---|---|---|---|")
     results = []
     for kernels in args.kernels:  # each row printed as soon as it is known
         for kv_cache_dtype in args.kv_cache_dtype:
             results.append(run(args, kernels, kv_cache_dtype, prompts, params))
             r = results[-1]
-            print(f"| {r['kernels']} | {r['output_tokens']} | {r['seconds']:.2f} | {r['tokens_per_s']:.0f} | "
+            print(f"| {r['kernels']} | {r['output_tokens']} | {r['seconds']:.2f} | {r['tokens_per_s']:.0f} | {r['spread']} | "
                   f"{r['floor']:.0f} | {r['tokens_per_s'] / r['floor']:.2f} | {r['preemptions']} | {r['blocks']} |")
     if len(results) == 2:
         print(f"\n{results[0]['kernels']} / {results[1]['kernels']}: {results[0]['tokens_per_s'] / results[1]['tokens_per_s']:.2f}x")
