@@ -152,7 +152,7 @@ def qk_norm_rotary_cases(quick):
     slot mask). Decode-sized cases are timed as CUDA-graph replays. Prefill-sized cases fill
     shuffled blocks in order, as a prefill does (a key-major V then gets runs of adjacent bytes).
     """
-    shapes = [(16384, 16, 8)] if quick else [(16384, 16, 8), (8192, 32, 8), (256, 16, 8)]
+    shapes = [(16384, 16, 8)] if quick else [(16384, 16, 8), (8192, 32, 8), (256, 16, 8), (64, 16, 8)]
     cases = []
     for tokens, q_heads, kv_heads in shapes:
         def make(t=tokens, hq=q_heads, hk=kv_heads, bs=16):
