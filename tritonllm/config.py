@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from tritonllm.kernels.decode_attention import MAX_BATCH
 from tritonllm.layers.ops import BACKENDS
 from tritonllm.layers.rotary import max_positions
 from tritonllm.loader import safetensors_files
@@ -85,7 +86,8 @@ class EngineConfig:
         field("dtype", str, *one_of(DTYPES), optional=True)
         self.dtype = DTYPES.get(self.dtype)
         field("max_model_len", int, lambda n: n >= 1, ">= 1", optional=True)
-        field("max_num_seqs", int, lambda n: n >= 1, ">= 1")
+        # A decode step runs every scheduled sequence in one attention launch, whose grid caps the batch.
+        field("max_num_seqs", int, lambda n: 1 <= n <= MAX_BATCH, f"in 1..{MAX_BATCH}")
         field("max_num_batched_tokens", int, lambda n: n >= 1, ">= 1")
         field("kv_block_size", int, lambda n: n in (16, 32, 64, 128, 256), "a power of two from 16 to 256")
         field("num_kv_blocks", int, lambda n: n >= 1, ">= 1", optional=True)
