@@ -15,7 +15,7 @@ from tritonllm.kernels.tuning import INTERPRET, Tunable, dtype_name, pow2
 
 @triton.jit
 def _load_halves(ptrs, mask, HALF: tl.constexpr):
-    """The first halves of heads at ptrs [TOKENS, H, BLOCK_HALF] and their second halves (at +HALF)."""
+    """The values at ptrs and at ptrs + HALF: heads' two rotary halves ([TOKENS, H, BLOCK_HALF]), or a norm weight's."""
     return tl.load(ptrs, mask=mask, other=0.0), tl.load(ptrs + HALF, mask=mask, other=0.0)
 
 
