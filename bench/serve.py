@@ -36,6 +36,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 from throughput import MIN_LEN, workload  # noqa: E402
+from throughput import make_parser as throughput_parser  # noqa: E402
 from throughput import run as run_offline  # noqa: E402
 
 from tritonllm.cli import int_at_least  # noqa: E402
@@ -264,8 +265,10 @@ def main():
     rows = serve_runs(args, prompts, params)
     offline = None
     if args.offline:
-        options = SimpleNamespace(model=args.model, tp=args.tp, dp=1, max_model_len=args.max_model_len,
-                                  kv_block_size=16, enforce_eager=args.enforce_eager, no_tqdm=True, repeat=1)
+        # throughput.py's own defaults for every option run() reads, then this run's.
+        options = throughput_parser().parse_args([])
+        options.model, options.tp, options.max_model_len = args.model, args.tp, args.max_model_len
+        options.enforce_eager, options.no_tqdm = args.enforce_eager, True
         offline = run_offline(options, args.kernels, args.kv_cache_dtype, prompts, params)
         print(f"\noffline LLM.generate, same {len(prompts)} requests: {offline['tokens_per_s']:.0f} tok/s "
               f"({offline['seconds']:.2f} s)")

@@ -113,7 +113,8 @@ def run(args, kernels: str, kv_cache_dtype: str, prompts, params) -> dict:
     return result
 
 
-def main():
+def make_parser() -> argparse.ArgumentParser:
+    """The command line; other benches take run()'s options from its defaults (parse_args([]))."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen3-0.6b", help="preset name (dummy weights) or checkpoint folder")
     parser.add_argument("--tp", type=int_at_least(1), default=1, help="tensor-parallel size")
@@ -132,6 +133,11 @@ def main():
     parser.add_argument("--no-tqdm", action="store_true")
     parser.add_argument("--repeat", type=int_at_least(1), default=1,
                         help="timed runs per row (the same lengths, other tokens); the row gives their median")
+    return parser
+
+
+def main():
+    parser = make_parser()
     args = parser.parse_args()
     if args.max_input_len + args.max_output_len > args.max_model_len:
         parser.error(f"--max-model-len {args.max_model_len} must be >= --max-input-len + --max-output-len "
