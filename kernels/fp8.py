@@ -37,11 +37,18 @@ def _round_e4m3(x):
 
 @triton.jit
 def to_e4m3(x, scale, INTERPRET: tl.constexpr):
-    """x / scale (float32, correctly rounded division) as tl.float8e4nv: nearest even, saturated to +-448."""
-    y = tl.minimum(tl.maximum(tl.div_rn(x, scale), -E4M3_MAX), E4M3_MAX)
+    """x / scale (float32, correctly rounded division) as tl.float8e4nv: nearest even, saturated to +-448.
+
+    scale broadcasts against x (one per row). On the GPU the quotient is x times scale's reciprocal,
+    corrected once by a fused multiply-add (Markstein), which rounds it as a division would: one
+    division a row instead of one an element. Where the correction is 0 (x = +-0) or NaN (x = +-inf)
+    the product stands, so -0 stays -0 and inf saturates; the conversion saturates by itself."""
     if INTERPRET:
-        y = _round_e4m3(y)
-    return y.to(tl.float8e4nv)
+        return _round_e4m3(tl.minimum(tl.maximum(tl.div_rn(x, scale), -E4M3_MAX), E4M3_MAX)).to(tl.float8e4nv)
+    r = tl.div_rn(1.0, scale)
+    y = x * r
+    e = tl.fma(-y, scale, x)
+    return tl.where(tl.abs(e) > 0.0, tl.fma(e, r, y), y).to(tl.float8e4nv)
 
 
 @triton.jit
