@@ -130,7 +130,7 @@ def _decode_tile(acc, m_i, l_i, v_ref, qt, k_cache, v_cache, k_scale_ptr, v_scal
     return acc, m_new, l_i, v_ref
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_block_table"])  # eager steps: the widest table varies
 def _decode_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, o_ptr, acc_ptr, m_ptr, l_ptr, seq_lens_ptr,
     block_tables_ptr, qk_scale, num_q_heads,

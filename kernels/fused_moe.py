@@ -44,7 +44,8 @@ def _tile(block_expert_ptr, num_n, GROUP_M: tl.constexpr):
     return pid_m, (pid % width) // group, tl.load(block_expert_ptr + pid_m)
 
 
-@triton.jit
+# num_pairs changes every prefill step: unspecialized, one compile serves them all.
+@triton.jit(do_not_specialize=["num_pairs"])
 def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_pairs, top_k, inter, hidden,
                         stride_x, stride_we, stride_wn, stride_out,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -104,7 +105,7 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, num
     tl.store(out_ptr + out_offsets, act.to(dtype), mask=(cols < inter)[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _moe_down_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, weights_ptr, num_pairs, inter, hidden,
                      stride_a, stride_we, stride_wn, stride_out,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,

@@ -19,7 +19,9 @@ SMALL_PAIRS = 512  # up to this many pairs, moe_align is one program
 CHUNK = 256  # pairs a histogram / scatter step
 
 
-@triton.jit
+# Counts of tokens, pairs, chunks and blocks change every prefill step; left unspecialized (Triton
+# would compile again for 1 and for multiples of 16), one compile serves them all.
+@triton.jit(do_not_specialize=["num_tokens"])
 def _moe_route_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, stride_logits,
                       TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, ROWS: tl.constexpr,
                       BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -185,7 +187,7 @@ def _block_experts(ends_ptr, num_padded_ptr, block_expert_ptr, sorted_ptr, first
         tl.store(sorted_ptr + start[:, None] + pad[None, :], num_pairs, mask=((blocks < last_block) & ~used)[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_chunks", "num_blocks"])
 def _align_small_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, scratch_ptr, num_pairs, num_chunks,
                         num_blocks, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
                         ROWS: tl.constexpr, BLOCK_B: tl.constexpr):
@@ -203,7 +205,7 @@ def _align_small_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, s
                    BLOCK_M, BLOCK_E, BLOCK_B)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _align_count_kernel(ids_ptr, scratch_ptr, totals_ptr, num_pairs, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
     chunk = tl.program_id(0)
     counts = _chunk_counts(ids_ptr, chunk, num_pairs, BLOCK, BLOCK_E)
@@ -212,7 +214,7 @@ def _align_count_kernel(ids_ptr, scratch_ptr, totals_ptr, num_pairs, BLOCK: tl.c
     tl.atomic_add(totals_ptr + tl.arange(0, BLOCK_E), counts, sem="relaxed")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_chunks", "num_pairs"])
 def _align_bases_kernel(scratch_ptr, totals_ptr, sorted_ptr, num_padded_ptr, num_chunks, num_pairs,
                         BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr):
     # One program an expert: its group's start from all the totals, its padding sentinels, then the
@@ -238,7 +240,7 @@ def _align_bases_kernel(scratch_ptr, totals_ptr, sorted_ptr, num_padded_ptr, num
         running += tl.sum(counts, 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
 def _align_scatter_kernel(ids_ptr, scratch_ptr, num_padded_ptr, sorted_ptr, block_expert_ptr, num_pairs,
                           num_blocks, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
                           BLOCK_B: tl.constexpr):

@@ -15,7 +15,8 @@ PENALTY_BLOCK = 1024  # vocabulary elements a program; a row's tiles spread over
 COUNT_BLOCK = 128  # (row, token) pairs a program
 
 
-@triton.jit
+# The penalties may be rows of one packed tensor, at any offset: one compile whatever their alignment.
+@triton.jit(do_not_specialize_on_alignment=["presence_ptr", "frequency_ptr", "repetition_ptr"])
 def _apply_penalties_kernel(logits_ptr, stride, counts_ptr, counts_stride, mask_ptr, mask_stride, rows_ptr,
                             presence_ptr, frequency_ptr, repetition_ptr, V, BLOCK: tl.constexpr):
     b = tl.program_id(0)

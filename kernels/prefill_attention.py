@@ -30,7 +30,7 @@ from tritonllm.kernels.prefill_attention_hopper import HOPPER_TUNABLE, prefill_a
 PATHS = ("auto", "portable", "hopper")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_block_table"])  # the step's widest table: one compile for all
 def _prefill_attention_kernel(
     q_ptr, k_cache, v_cache, k_scale_ptr, v_scale_ptr, o_ptr, cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
     qk_scale,

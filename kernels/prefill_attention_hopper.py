@@ -272,7 +272,8 @@ def _attend_partition(q_ptr, o_ptr, q_bufs, k_bufs, v_bufs, ready_k, ready_v, fr
         w = w_next
 
 
-@gluon.jit
+# The batch, its query tiles and its widest table change every step: one compile for all of them.
+@gluon.jit(do_not_specialize=["stride_block_table", "batch", "num_q_tiles"])
 def _prefill_attention_hopper_kernel(
     q_ptr, k_desc, v_desc, o_ptr, cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr, counter_ptr, qk_scale,
     stride_q_token, stride_q_head, stride_o_token, stride_o_head, stride_block_table, num_kv_heads, batch, num_q_tiles,

@@ -105,7 +105,11 @@ def _row_params(row, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, V):
     return t, k, p, min_p, inv_t, sampled, (k > 0) & (k < V), p < 1.0, min_p > 0.0
 
 
-@triton.jit
+# A row parameter may be a row of one packed tensor, at any offset: one compile whatever its alignment.
+_ROW_PARAMS = ["temperature_ptr", "top_k_ptr", "top_p_ptr", "min_p_ptr", "seeds_ptr"]
+
+
+@triton.jit(do_not_specialize_on_alignment=_ROW_PARAMS)
 def _race_chunks_kernel(
     logits_ptr, stride, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seeds_ptr, score_ptr, token_ptr,
     V, num_chunks, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
@@ -126,7 +130,7 @@ def _race_chunks_kernel(
         tl.store(token_ptr + slot, token)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=_ROW_PARAMS)
 def _sample_kernel(
     logits_ptr, stride, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seeds_ptr,
     out_ptr, thr_ptr, vals_ptr, idx_ptr, chunk_score_ptr, chunk_token_ptr, V, num_chunks,
