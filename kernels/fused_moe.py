@@ -29,9 +29,6 @@ from tritonllm.kernels.moe_routing import moe_align
 from tritonllm.kernels.paged import dot_precision
 
 
-GRAPH_TUNING_TOKENS = 256  # up to this many tokens a config is timed as a graph replay (each keeps its scratch)
-
-
 @triton.jit
 def _tile(block_expert_ptr, num_n, GROUP_M: tl.constexpr):
     """This program's block, column tile and the block's expert (-1: an unused block)."""
@@ -298,7 +295,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 
     if config is None:
         bucket = fused_moe_bucket(x.dtype, experts, inter, hidden, num_tokens)
-        graphed = x.is_cuda and num_tokens <= GRAPH_TUNING_TOKENS  # decode-sized: five launches' overhead
+        graphed = x.is_cuda and num_tokens <= tuning.GRAPH_TUNING_TOKENS  # each config keeps its scratch
         config = _TUNING.config(bucket, tuning.graph_replay(launch) if graphed else launch)
     launch(config)
     return y

@@ -8,6 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tritonllm.kernels import tuning
 from tritonllm.kernels.fp8 import check_kv_scales, e4m3_scale, from_e4m3, scale_offsets, scale_strides, to_e4m3
 from tritonllm.kernels.kv_cache import check_block_copies, check_store_caches, slot_offsets
 from tritonllm.kernels.tuning import INTERPRET, Tunable, dtype_name, pow2
@@ -264,5 +265,6 @@ def qk_norm_rotary_store(positions, qkv, q_weight, k_weight, eps, cos_sin_cache,
 
     # The launch only writes q_out and cache slots it fully determines: repeating it is harmless.
     bucket = qk_norm_rotary_store_bucket(qkv.dtype, num_heads, num_kv_heads, head_dim, n_tokens, k_cache.dtype)
-    launch(_TUNING.config(bucket, launch))
+    graphed = qkv.is_cuda and n_tokens <= tuning.GRAPH_TUNING_TOKENS
+    launch(_TUNING.config(bucket, tuning.graph_replay(launch) if graphed else launch))
     return out

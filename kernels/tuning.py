@@ -94,6 +94,11 @@ def autotune_enabled(name: str) -> bool:
     return (name in _tuning or os.environ.get("TRITONLLM_AUTOTUNE") == "1") and not INTERPRET
 
 
+# Up to this many tokens (decode-sized calls) a tuned config is timed as a graph replay: eager launches
+# would add tens of microseconds of host overhead to kernels of a few.
+GRAPH_TUNING_TOKENS = 256
+
+
 def graph_replay(launch):
     """launch(config) as a tuning launcher that replays it from a CUDA graph, one graph per config,
     captured after an eager call that compiles and loads its kernels: the engine replays decode
