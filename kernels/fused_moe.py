@@ -295,7 +295,6 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 
     if config is None:
         bucket = fused_moe_bucket(x.dtype, experts, inter, hidden, num_tokens)
-        graphed = x.is_cuda and num_tokens <= tuning.GRAPH_TUNING_TOKENS  # each config keeps its scratch
-        config = _TUNING.config(bucket, tuning.graph_replay(launch) if graphed else launch)
+        config = _TUNING.config(bucket, tuning.tuning_launcher(launch, x.is_cuda, num_tokens))
     launch(config)
     return y

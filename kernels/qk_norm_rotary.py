@@ -265,6 +265,5 @@ def qk_norm_rotary_store(positions, qkv, q_weight, k_weight, eps, cos_sin_cache,
 
     # The launch only writes q_out and cache slots it fully determines: repeating it is harmless.
     bucket = qk_norm_rotary_store_bucket(qkv.dtype, num_heads, num_kv_heads, head_dim, n_tokens, k_cache.dtype)
-    graphed = qkv.is_cuda and n_tokens <= tuning.GRAPH_TUNING_TOKENS
-    launch(_TUNING.config(bucket, tuning.graph_replay(launch) if graphed else launch))
+    launch(_TUNING.config(bucket, tuning.tuning_launcher(launch, qkv.is_cuda, n_tokens)))
     return out

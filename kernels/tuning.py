@@ -116,6 +116,12 @@ def graph_replay(launch):
     return replay
 
 
+def tuning_launcher(launch, on_gpu: bool, tokens: int):
+    """The launcher a call of `tokens` tokens tunes with: graph replays where decode-sized on a GPU
+    (each config keeps the scratch its launch allocated), else launch itself."""
+    return graph_replay(launch) if on_gpu and tokens <= GRAPH_TUNING_TOKENS else launch
+
+
 class Tunable:
     """A kernel's config space and heuristic default, keyed by bucket.
 
