@@ -17,18 +17,17 @@ the K/V bytes; each tile also reads its keys' scales (kernels/paged.py). Over it
 warp by default: converting the bytes costs instructions, and one-warp tiles reduce over their keys
 with shuffles instead of barriers while more programs an SM keep the loads in flight.
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from tritonllm.kernels import tuning
 from tritonllm.kernels.fp8 import block_scale_offsets, fp8_dot_operand, from_e4m3, scale_strides
-from tritonllm.kernels.paged import (LOG2E, _key_blocks, _key_major_v_tile, _load_scales, _relative_v_scales,
+from tritonllm.kernels.paged import (LOG2E, _key_blocks, _key_major_keys, _load_scales, _relative_v_scales,
                                     cache_bucket, check_paged_inputs, dot_precision)
 
-# The most splits a launch merges itself (split_counters given): the merging program holds all of
-# its heads' partials in registers.
-FUSED_MERGE_SPLITS = 4
 PROGRAMS_PER_SM = 3  # resident programs per SM that hide memory latency without extra splits
 # Over an e4m3 cache a program is one warp: the softmax's reductions over a tile's keys stay inside
 # the warp (shuffles, no barriers), and twice as many programs an SM keep the bytes in flight.
@@ -41,6 +40,31 @@ def _split_len(seq_len, NUM_SPLITS: tl.constexpr, SPLIT_MIN: tl.constexpr, BLOCK
     """Keys per split of one sequence: a multiple of BLOCK_N, about SPLIT_MIN or more, at most NUM_SPLITS splits."""
     splits = tl.maximum(tl.minimum(tl.cdiv(seq_len, SPLIT_MIN), NUM_SPLITS), 1)
     return tl.maximum(tl.cdiv(tl.cdiv(seq_len, splits), BLOCK_N) * BLOCK_N, BLOCK_N)
+
+
+@triton.jit
+def _key_major_v_tile(v_cache, block_table_row, block, in_block, head_offset, n0, seq_len, stride_cache_block,
+                      HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """V^T [D, BLOCK_N] of keys n0 .. n0 + BLOCK_N - 1 from a key-major V (block, in_block: _key_blocks').
+
+    A head's D x BLOCK_SIZE values in a block are one contiguous run. Where a tile spans several
+    blocks it is loaded as [blocks, D * BLOCK_SIZE] runs, so a warp reads consecutive D rows of one
+    block: loaded as [D, BLOCK_N] the lanes would spread over the blocks, each taking a BLOCK_SIZE
+    piece of a row, and small blocks would use half of every 32-byte sector each request fetches.
+    """
+    if BLOCK_N <= BLOCK_SIZE:
+        key_offsets = _key_major_keys(block, in_block, stride_cache_block, BLOCK_SIZE, BLOCK_N)
+        v = tl.load(v_cache + key_offsets[None, :] + head_offset * BLOCK_SIZE
+                    + (tl.arange(0, HEAD_DIM) * BLOCK_SIZE)[:, None])
+    else:
+        BLOCKS: tl.constexpr = BLOCK_N // BLOCK_SIZE
+        offs_b = tl.arange(0, BLOCKS)
+        blocks = tl.load(block_table_row + n0 // BLOCK_SIZE + offs_b, mask=n0 + offs_b * BLOCK_SIZE < seq_len,
+                         other=0).to(tl.int64)
+        runs = tl.load(v_cache + (blocks * stride_cache_block + head_offset * BLOCK_SIZE)[:, None]
+                       + tl.arange(0, HEAD_DIM * BLOCK_SIZE)[None, :])
+        v = tl.reshape(tl.permute(tl.reshape(runs, (BLOCKS, HEAD_DIM, BLOCK_SIZE)), (1, 0, 2)), (HEAD_DIM, BLOCK_N))
+    return v
 
 
 @triton.jit
@@ -106,28 +130,16 @@ def _decode_tile(acc, m_i, l_i, v_ref, qt, k_cache, v_cache, k_scale_ptr, v_scal
     return acc, m_new, l_i, v_ref
 
 
-@triton.jit
-def _combine_splits(acc, m, l, AXIS: tl.constexpr):
-    """The normalized output of split partials: m, l [..., S] (the splits on axis AXIS; -inf and 0
-    where unused) and acc [..., S, D] -> [..., D]. No split used gives zeros."""
-    m_max = tl.max(m, AXIS)
-    weight = tl.math.exp2(m - tl.expand_dims(tl.where(m_max == float("-inf"), 0.0, m_max), AXIS))
-    denom = tl.sum(weight * l, AXIS)
-    out = tl.sum(acc * tl.expand_dims(weight, AXIS + 1), AXIS)
-    return out / tl.expand_dims(tl.where(denom == 0.0, 1.0, denom), AXIS)
-
-
 @triton.jit(do_not_specialize=["stride_block_table"])  # eager steps: the widest table varies
 def _decode_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, o_ptr, acc_ptr, m_ptr, l_ptr, counter_ptr,
-    seq_lens_ptr, block_tables_ptr, qk_scale, num_q_heads,
+    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, o_ptr, acc_ptr, m_ptr, l_ptr, seq_lens_ptr,
+    block_tables_ptr, qk_scale, num_q_heads,
     stride_q_batch, stride_q_head, stride_o_batch, stride_o_head,
     stride_cache_block, stride_cache_token, stride_cache_head, stride_block_table,
     stride_scale_block, stride_scale_token, stride_scale_head,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_MIN: tl.constexpr,
     DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr, FP8: tl.constexpr, V_KEY_MAJOR: tl.constexpr,
-    FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     # Split fastest, sequence slowest: programs start in row order, a row's all together.
     split = tl.program_id(0)
@@ -136,21 +148,15 @@ def _decode_attention_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     split_len = _split_len(seq_len, NUM_SPLITS, SPLIT_MIN, BLOCK_N)
     start = split * split_len
+    if NUM_SPLITS > 1:
+        if start >= seq_len:
+            return  # an unused split: the merge reads only the splits that hold keys
+    end = tl.minimum(start + split_len, seq_len)
+
     rows = tl.arange(0, BLOCK_H)
     head = kv_head * GROUP + rows
     row_mask = rows < GROUP
     offs_d = tl.arange(0, HEAD_DIM)
-    o_offsets = (seq.to(tl.int64) * stride_o_batch + head * stride_o_head)[:, None] + offs_d[None, :]
-    if NUM_SPLITS > 1:
-        if start >= seq_len:
-            # An unused split: the merge reads only the splits that hold keys. A sequence of none (a
-            # padding row) has nothing to merge; in its launch split 0 writes its zeros.
-            if FUSED_MERGE and split == 0:
-                tl.store(o_ptr + o_offsets, tl.zeros([BLOCK_H, HEAD_DIM], o_ptr.dtype.element_ty),
-                         mask=row_mask[:, None])
-            return
-    end = tl.minimum(start + split_len, seq_len)
-
     q_rows = seq.to(tl.int64) * stride_q_batch + head * stride_q_head
     q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_mask[:, None], other=0.0)
     if INTERPRET:
@@ -187,28 +193,13 @@ def _decode_attention_kernel(
     if NUM_SPLITS == 1:
         # seq_len 0 (a padding row of a captured batch) leaves l = 0 and acc = 0: write zeros.
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(o_ptr + o_offsets, out.to(o_ptr.dtype.element_ty), mask=row_mask[:, None])
+        o_rows = seq.to(tl.int64) * stride_o_batch + head * stride_o_head
+        tl.store(o_ptr + o_rows[:, None] + offs_d[None, :], out.to(o_ptr.dtype.element_ty), mask=row_mask[:, None])
     else:
-        first = (seq.to(tl.int64) * num_q_heads + head) * NUM_SPLITS  # split 0's slot of each head
-        tl.store(acc_ptr + (first + split)[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_mask[:, None])
-        tl.store(m_ptr + first + split, m_i, mask=row_mask)
-        tl.store(l_ptr + first + split, l_i, mask=row_mask)
-        if FUSED_MERGE:
-            # The last split of this (sequence, KV head) to arrive merges them all. The barrier puts
-            # every thread's stores above before the counter's release; .cg reads the others' from L2.
-            tl.debug_barrier()
-            counter = counter_ptr + seq * tl.num_programs(1) + kv_head
-            if tl.atomic_add(counter, 1, sem="acq_rel") == tl.cdiv(seq_len, split_len) - 1:
-                tl.store(counter, 0)  # zeros again for the next launch
-                splits = tl.arange(0, BLOCK_S)
-                used = (splits < tl.cdiv(seq_len, split_len))[None, :] & row_mask[:, None]
-                slots = first[:, None] + splits[None, :]
-                m = tl.load(m_ptr + slots, mask=used, other=float("-inf"), cache_modifier=".cg")
-                l = tl.load(l_ptr + slots, mask=used, other=0.0, cache_modifier=".cg")
-                partials = tl.load(acc_ptr + slots[:, :, None] * HEAD_DIM + offs_d[None, None, :],
-                                   mask=used[:, :, None], other=0.0, cache_modifier=".cg")
-                out = _combine_splits(partials, m, l, 1)
-                tl.store(o_ptr + o_offsets, out.to(o_ptr.dtype.element_ty), mask=row_mask[:, None])
+        slot = (seq.to(tl.int64) * num_q_heads + head) * NUM_SPLITS + split
+        tl.store(acc_ptr + slot[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_mask[:, None])
+        tl.store(m_ptr + slot, m_i, mask=row_mask)
+        tl.store(l_ptr + slot, l_i, mask=row_mask)
 
 
 @triton.jit
@@ -229,16 +220,25 @@ def _merge_splits_kernel(
     m = tl.load(m_ptr + slot, mask=valid, other=float("-inf"))
     l = tl.load(l_ptr + slot, mask=valid, other=0.0)
     acc = tl.load(acc_ptr + slot[:, None] * HEAD_DIM + offs_d[None, :], mask=valid[:, None], other=0.0)
-    out = _combine_splits(acc, m, l, 0)
+    m_max = tl.max(m, 0)
+    # No split used (seq_len 0): weights become exp2(-inf) = 0 and the output zeros.
+    weight = tl.math.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))
+    denom = tl.sum(weight * l, 0)
+    out = tl.sum(acc * weight[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
     o_offsets = seq.to(tl.int64) * stride_o_batch + head * stride_o_head + offs_d
     tl.store(o_ptr + o_offsets, out.to(o_ptr.dtype.element_ty))
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def num_sms() -> int:
     """SMs of the current GPU; 1 under the interpreter, where every program runs serially."""
     if tuning.INTERPRET or not torch.cuda.is_available():
         return 1
-    return tuning.sm_count(torch.cuda.current_device())
+    return _sm_count(torch.cuda.current_device())
 
 
 def default_num_splits(batch, num_kv_heads, context, split_min, sms, programs_per_sm=PROGRAMS_PER_SM):
@@ -294,20 +294,9 @@ def decode_attention_bucket(dtype: torch.dtype, head_dim: int, group: int, num_k
     return bucket + cache_bucket(dtype, cache_dtype)
 
 
-def _check_split_counters(counters, needed, device):
-    if counters is None:
-        return
-    if not isinstance(counters, torch.Tensor) or counters.dtype != torch.int32:
-        raise TypeError(f"split_counters must be an int32 tensor, got {getattr(counters, 'dtype', type(counters))}")
-    if counters.dim() != 1 or counters.numel() < needed or counters.stride(0) != 1 or counters.device != device:
-        raise ValueError(f"split_counters must be a contiguous 1-D tensor of >= B * Hkv = {needed} counters on "
-                         f"{device}, got shape {tuple(counters.shape)} on {counters.device}")
-
-
 def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale=None, *,
                      max_seq_len: int | None = None, out: torch.Tensor | None = None, config: dict | None = None,
-                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                     split_counters: torch.Tensor | None = None):
+                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None):
     """Attention of one new token per sequence over the paged KV cache; CUDA-graph capturable.
 
     q: [B, Hq, D] float32/float16/bfloat16 (contiguous in D). k_cache, v_cache: [num_blocks,
@@ -327,11 +316,7 @@ def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale=None, *,
     whatever the bound; the bound only steers the split count. Float32 scratch for the splits is
     allocated per call with a shape fixed by B (the caching allocator serves it under capture).
     out: optional [B, Hq, D] output buffer written in place. config: launch config overriding the
-    tuned/default one (tests, benchmarks). split_counters: optional int32 [>= B * Hkv] zeros on q's
-    device, one buffer kept for many calls (the engine's): with it a launch of at most
-    FUSED_MERGE_SPLITS splits merges them itself, instead of in a second launch (the last split of
-    each sequence and KV head to finish counts itself there, merges, and zeros its counter, so the
-    buffer is all zeros again after the call). Returns o [B, Hq, D] in q's dtype (`out` if given).
+    tuned/default one (tests, benchmarks). Returns o [B, Hq, D] in q's dtype (`out` if given).
     """
     group, block_size, fp8, v_key_major = check_paged_inputs(q, k_cache, v_cache, seq_lens, block_tables, out,
                                                              k_scale, v_scale)
@@ -344,7 +329,6 @@ def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale=None, *,
     if batch == 0:
         return out
     num_kv_heads = k_cache.shape[2]
-    _check_split_counters(split_counters, batch * num_kv_heads, q.device)
     context = block_tables.shape[1] * block_size if max_seq_len is None else max_seq_len
     qk_scale = (head_dim**-0.5 if scale is None else scale) * LOG2E
 
@@ -357,17 +341,15 @@ def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale=None, *,
             l = torch.empty_like(m)
         else:
             scratch = m = l = out  # not touched with one split
-        fused = split_counters is not None and 1 < num_splits <= FUSED_MERGE_SPLITS
         _decode_attention_kernel[(num_splits, num_kv_heads, batch)](
-            q, k_cache, v_cache, k_scale, v_scale, out, scratch, m, l, split_counters if fused else seq_lens, seq_lens,
-            block_tables, qk_scale, num_q_heads,
+            q, k_cache, v_cache, k_scale, v_scale, out, scratch, m, l, seq_lens, block_tables, qk_scale, num_q_heads,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
             *scale_strides(k_scale),
             GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_H=max(8, triton.next_power_of_2(group)),
             DOT_PRECISION=dot_precision(q.dtype), INTERPRET=tuning.INTERPRET, FP8=fp8,
-            V_KEY_MAJOR=v_key_major, FUSED_MERGE=fused, BLOCK_S=triton.next_power_of_2(num_splits), **cfg)
-        if num_splits > 1 and not fused:
+            V_KEY_MAJOR=v_key_major, **cfg)
+        if num_splits > 1:
             _merge_splits_kernel[(batch, num_q_heads)](
                 scratch, m, l, seq_lens, out, num_q_heads, out.stride(0), out.stride(1),
                 HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),

@@ -4,8 +4,7 @@ A paged KV cache is [num_blocks, block_size, Hkv, D]; a sequence's block table m
 blocks to physical ones. `_attend_tile` is prefill's online-softmax step of a tile of query rows
 over BLOCK_N keys read through the table (or through TMA descriptors); decode has its own,
 transposed step (decode_attention.py) over the same helpers: `_key_blocks` where a tile's keys
-lie, `_key_major_keys` their offsets in a key-major V (kernels/kv_cache.py), `_key_major_v_tile`
-decode's V^T tile from one, `_load_scales` and
+lie, `_key_major_keys` their offsets in a key-major V (kernels/kv_cache.py), `_load_scales` and
 `_relative_v_scales` an e4m3 tile's scales. `check_paged_inputs` holds the shape checks of both
 wrappers.
 
@@ -72,31 +71,6 @@ def _key_major_keys(block, in_block, stride_cache_block, BLOCK_SIZE: tl.constexp
     that through the block-table gather: it is told, so the loads are vectors of keys."""
     run: tl.constexpr = min(BLOCK_N, BLOCK_SIZE)
     return tl.max_contiguous(tl.multiple_of(block * stride_cache_block + in_block, run), run)
-
-
-@triton.jit
-def _key_major_v_tile(v_cache, block_table_row, block, in_block, head_offset, n0, seq_len, stride_cache_block,
-                      HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """V^T [D, BLOCK_N] of keys n0 .. n0 + BLOCK_N - 1 from a key-major V (block, in_block: _key_blocks').
-
-    A head's D x BLOCK_SIZE values in a block are one contiguous run. Where a tile spans several
-    blocks it is loaded as [blocks, D * BLOCK_SIZE] runs, so a warp reads consecutive D rows of one
-    block: loaded as [D, BLOCK_N] the lanes would spread over the blocks, each taking a BLOCK_SIZE
-    piece of a row, and small blocks would use half of every 32-byte sector each request fetches.
-    """
-    if BLOCK_N <= BLOCK_SIZE:
-        key_offsets = _key_major_keys(block, in_block, stride_cache_block, BLOCK_SIZE, BLOCK_N)
-        v = tl.load(v_cache + key_offsets[None, :] + head_offset * BLOCK_SIZE
-                    + (tl.arange(0, HEAD_DIM) * BLOCK_SIZE)[:, None])
-    else:
-        BLOCKS: tl.constexpr = BLOCK_N // BLOCK_SIZE
-        offs_b = tl.arange(0, BLOCKS)
-        blocks = tl.load(block_table_row + n0 // BLOCK_SIZE + offs_b, mask=n0 + offs_b * BLOCK_SIZE < seq_len,
-                         other=0).to(tl.int64)
-        runs = tl.load(v_cache + (blocks * stride_cache_block + head_offset * BLOCK_SIZE)[:, None]
-                       + tl.arange(0, HEAD_DIM * BLOCK_SIZE)[None, :])
-        v = tl.reshape(tl.permute(tl.reshape(runs, (BLOCKS, HEAD_DIM, BLOCK_SIZE)), (1, 0, 2)), (HEAD_DIM, BLOCK_N))
-    return v
 
 
 @triton.jit

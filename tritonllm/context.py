@@ -25,9 +25,6 @@ class Context:
     gather_tables: torch.Tensor | None = None
     copy_slots: torch.Tensor | None = None
     num_copies: int = 0
-    # Decode: the model runner's int32 zeros [max_num_seqs * Hkv], with which a decode launch merges
-    # its own splits (kernels/decode_attention.py); every layer's launch leaves them zeros.
-    split_counters: torch.Tensor | None = None
 
 
 _context: Context | None = None

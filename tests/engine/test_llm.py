@@ -58,27 +58,6 @@ def test_preemption_gives_the_same_tokens(tiny_qwen3):
     assert llm.block_manager.num_free_blocks == 6
 
 
-def test_decode_splits_merged_in_their_launch_give_hf_tokens(tiny_qwen3, monkeypatch):
-    # As on a 132-SM GPU, decode splits a 300-token context in two, and the splits merge in the
-    # attention launch through the runner's counters (kernels/decode_attention.py), left at zero.
-    decode_module = sys.modules["tritonllm.kernels.decode_attention"]
-    monkeypatch.setattr(decode_module, "num_sms", lambda: 132)
-    kernel, fused = decode_module._decode_attention_kernel, []
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                fused.append(kwargs["FUSED_MERGE"])
-                return kernel[grid](*args, **kwargs)
-            return launch
-
-    monkeypatch.setattr(decode_module, "_decode_attention_kernel", Spy())
-    prompts = [list(range(1, 301)), [5, 6, 7]]
-    with LLM(str(tiny_qwen3), **SMALL, num_kv_blocks=64, enforce_eager=True) as llm:
-        assert completions(llm, prompts) == [hf_greedy(tiny_qwen3, p, GREEDY.max_tokens) for p in prompts]
-        assert fused and all(fused) and not llm.runner.split_counters.any()
-
-
 def test_reference_kernels_give_the_same_tokens(tiny_qwen3, expected):
     llm = LLM(str(tiny_qwen3), **SMALL, num_kv_blocks=64, kernels="reference")
     assert completions(llm) == expected[1]

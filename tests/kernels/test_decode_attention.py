@@ -200,28 +200,6 @@ def test_decode_zero_length_rows_give_zeros(config, fp8):
 
 
 @FP8
-@pytest.mark.parametrize("num_splits", [2, 3, 4, 5])
-def test_decode_merges_its_splits_with_counters(num_splits, fp8):
-    # With split_counters the last split of each (sequence, KV head) to finish merges them in the
-    # same launch (up to FUSED_MERGE_SPLITS: 5 keeps the merge launch), and leaves its counter 0, so
-    # the next launch merges as well. A padding row (length 0) gets zeros.
-    seq_lens = [300, 0, 1, 47, 129]
-    k_cache, v_cache, tables, scales = paged_caches(seq_lens, 2, 64, 16, torch.bfloat16, fp8)
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    counters = torch.zeros(len(seq_lens) * 2 + 3, dtype=torch.int32, device=DEVICE)
-    keep = torch.tensor([0, 2, 3, 4], device=DEVICE)
-    for _ in range(2):
-        q = randn(len(seq_lens), 4, 64, dtype=torch.bfloat16, scale=2.0)
-        out = decode_attention(q, k_cache, v_cache, lens, tables, out=poisoned(*q.shape, dtype=q.dtype),
-                               config=decode_config(num_splits, 16, 16), split_counters=counters, **scales)
-        assert torch.equal(counters, torch.zeros_like(counters))
-        assert torch.equal(out[1], torch.zeros_like(out[1]))
-        ref = reference.decode_attention(q[keep].double(), exact(k_cache), exact(v_cache), lens[keep], tables[keep],
-                                         **scales)
-        assert_close(out[keep], ref, torch.bfloat16, ATTN)
-
-
-@FP8
 def test_decode_launch_is_graph_capturable(monkeypatch, fp8):
     """No host sync in the wrapper, and the grid and scratch shapes depend on shapes only."""
     launches = []
@@ -233,7 +211,7 @@ def test_decode_launch_is_graph_capturable(monkeypatch, fp8):
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
                 shapes = [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]
-                launches.append((self.name, grid, shapes, kwargs.get("NUM_SPLITS"), kwargs.get("FUSED_MERGE")))
+                launches.append((self.name, grid, shapes, kwargs.get("NUM_SPLITS")))
             return launch
 
     monkeypatch.setattr(decode_module, "num_sms", lambda: 132)
@@ -249,14 +227,9 @@ def test_decode_launch_is_graph_capturable(monkeypatch, fp8):
         monkeypatch.setattr(torch.Tensor, name, host_sync)
     for lens in ([300, 5], [1, 2]):
         decode_attention(q, k_cache, v_cache, torch.tensor(lens, dtype=torch.int32, device=DEVICE), tables, **scales)
-    # With split counters, three splits merge in the attention launch: no second one.
-    counters = torch.zeros(4, dtype=torch.int32, device=DEVICE)
-    decode_attention(q, k_cache, v_cache, torch.tensor([300, 5], dtype=torch.int32, device=DEVICE), tables,
-                     config=decode_config(3, 16, 16), split_counters=counters, **scales)
     monkeypatch.undo()
-    assert len(launches) == 5 and launches[0] == launches[2] and launches[1] == launches[3], launches
+    assert len(launches) == 4 and launches[0] == launches[2] and launches[1] == launches[3], launches
     assert launches[0][0] == "attention" and launches[1][0] == "merge" and launches[0][3] > 1, launches
-    assert launches[0][4] is False and launches[4][0] == "attention" and launches[4][3:] == (3, True), launches
 
 
 def test_fp8_cache_has_its_own_tuning_bucket():
@@ -296,11 +269,3 @@ def test_decode_rejects_bad_inputs():
         decode_attention(q[:2], k8, v8, seq_lens, tables, k_scale=scales["k_scale"])
     with pytest.raises(ValueError, match="k_scale"):
         decode_attention(q[:2], k_cache, v_cache, seq_lens, tables, **scales)
-    # split_counters: int32, one a (sequence, KV head), 1-D and contiguous.
-    with pytest.raises(TypeError, match="split_counters"):
-        decode_attention(q[:2], k_cache, v_cache, seq_lens, tables, split_counters=torch.zeros(4, device=DEVICE))
-    # Built on the device: .to(DEVICE) would copy the strided one into a contiguous tensor.
-    for counters in (torch.zeros(3, dtype=torch.int32, device=DEVICE), torch.zeros(2, 2, dtype=torch.int32, device=DEVICE),
-                     torch.zeros(8, dtype=torch.int32, device=DEVICE)[::2]):
-        with pytest.raises(ValueError, match="split_counters"):
-            decode_attention(q[:2], k_cache, v_cache, seq_lens, tables, split_counters=counters)

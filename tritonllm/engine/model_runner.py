@@ -16,7 +16,7 @@ from tritonllm.distributed import (all_reduce, broadcast, broadcast_object, clos
 from tritonllm.engine.penalties import PenaltyRows
 from tritonllm.engine.sequence import Sequence
 from tritonllm.engine.step_inputs import StepInputs
-from tritonllm.layers.attention import Attention, allocate_kv_caches, kv_bytes_per_token
+from tritonllm.layers.attention import allocate_kv_caches, kv_bytes_per_token
 from tritonllm.layers.ops import backend
 from tritonllm.loader import build_model, init_dummy_weights, load_weights
 
@@ -75,8 +75,6 @@ class ModelRunner:
         if self.device.type == "cuda" and self.rank == 0:
             self._compile_sampler()  # before the KV cache is sized: its scratch is gone by then
         self.num_kv_blocks = self._allocate_kv_cache()
-        num_kv_heads = max(m.num_kv_heads for m in self.model.modules() if isinstance(m, Attention))
-        self.split_counters = torch.zeros(config.max_num_seqs * num_kv_heads, dtype=torch.int32, device=self.device)
         self.penalties = PenaltyRows(self.ops, hf_config.vocab_size, config.max_num_seqs, self.device, self._to_device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # The references index with boolean masks, which syncs the host: they cannot be captured.
@@ -161,8 +159,7 @@ class ModelRunner:
         else:
             context = Context(inputs.is_prefill, to(inputs.slot_mapping), to(inputs.seq_lens), to(inputs.block_tables),
                               to(inputs.cu_seqlens_q), inputs.max_q_len, inputs.max_seq_len, to(inputs.gather_blocks),
-                              to(inputs.gather_tables), to(inputs.copy_slots), inputs.num_copies,
-                              None if inputs.is_prefill else self.split_counters)
+                              to(inputs.gather_tables), to(inputs.copy_slots), inputs.num_copies)
             hidden = self._forward(token_ids, to(inputs.positions), context)
         return self.model.compute_logits(hidden[to(inputs.logit_rows)])
 
@@ -195,7 +192,7 @@ class ModelRunner:
         g = self.graph_inputs
         for batch in reversed(graph_batch_sizes(max_bs)):
             context = Context(False, g["slot_mapping"][:batch], g["seq_lens"][:batch], g["block_tables"][:batch],
-                              None, 1, self.config.max_model_len, split_counters=self.split_counters)
+                              None, 1, self.config.max_model_len)
             self._forward(g["token_ids"][:batch], g["positions"][:batch], context)  # compiles and warms the kernels
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool):
