@@ -52,43 +52,6 @@ def _store_e4m3_heads(x1, x2, ptrs1, ptrs2, mask, scale_ptrs, scale_mask, INTERP
     return from_e4m3(q1, tl.float32, INTERPRET) * scale, from_e4m3(q2, tl.float32, INTERPRET) * scale
 
 
-@triton.jit
-def _load_rows(qkv_ptr, positions_ptr, slot_ptr, copy_slot_ptr, tokens, limit, qkv_token_stride,
-               NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
-               BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr, COPY: tl.constexpr):
-    """Everything tokens [TOKENS] (int64; those >= limit masked) need from memory but the rotary table:
-    their positions, slots, copy slots (the slots when not COPY) and q, k, v heads as halves."""
-    token_mask = tokens < limit
-    positions = tl.load(positions_ptr + tokens, mask=token_mask, other=0).to(tl.int64)
-    # slot < 0 marks a row whose K/V must not be stored (padding); q is still produced.
-    slots = tl.load(slot_ptr + tokens, mask=token_mask, other=-1).to(tl.int64)
-    copy_slots = slots
-    if COPY:
-        copy_slots = tl.load(copy_slot_ptr + tokens, mask=token_mask, other=-1).to(tl.int64)
-    dims = tl.arange(0, BLOCK_HALF)[None, None, :]
-    rows = qkv_ptr + tokens[:, None, None] * qkv_token_stride + dims  # [TOKENS, 1, BLOCK_HALF]
-    row_mask = token_mask[:, None, None] & (dims < HALF)
-    q_heads = tl.arange(0, BLOCK_QH)[None, :, None]
-    kv_heads = tl.arange(0, BLOCK_KH)[None, :, None]
-    q_mask = row_mask & (q_heads < NUM_Q_HEADS)
-    kv_mask = row_mask & (kv_heads < NUM_KV_HEADS)
-    q1, q2 = _load_halves(rows + q_heads * HEAD_DIM, q_mask, HALF)
-    k1, k2 = _load_halves(rows + (NUM_Q_HEADS + kv_heads) * HEAD_DIM, kv_mask, HALF)
-    v1, v2 = _load_halves(rows + (NUM_Q_HEADS + NUM_KV_HEADS + kv_heads) * HEAD_DIM, kv_mask, HALF)
-    return positions, slots, copy_slots, q1, q2, k1, k2, v1, v2
-
-
-@triton.jit
-def _load_cos_sin(cos_sin_ptr, positions, valid, cos_sin_stride, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    """The rotary table's cos and sin rows at positions [TOKENS], float32 [TOKENS, 1, BLOCK_HALF]."""
-    dims = tl.arange(0, BLOCK_HALF)
-    ptrs = cos_sin_ptr + positions[:, None] * cos_sin_stride + dims[None, :]
-    mask = valid[:, None] & (dims < HALF)[None, :]
-    cos = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)[:, None, :]
-    sin = tl.load(ptrs + HALF, mask=mask, other=0.0).to(tl.float32)[:, None, :]
-    return cos, sin
-
-
 @triton.jit(do_not_specialize=["n_tokens", "eps"])
 def _qk_norm_rotary_store_kernel(
     positions_ptr, qkv_ptr, q_weight_ptr, k_weight_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, q_out_ptr,
@@ -97,97 +60,92 @@ def _qk_norm_rotary_store_kernel(
     stride_scale_block, stride_scale_token, stride_scale_head,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr, TOKENS: tl.constexpr,
-    GROUPS: tl.constexpr, FP8: tl.constexpr, INTERPRET: tl.constexpr, V_BLOCK_SIZE: tl.constexpr,
-    V_KEY_MAJOR: tl.constexpr, SCALE_BLOCK: tl.constexpr, COPY: tl.constexpr,
+    FP8: tl.constexpr, INTERPRET: tl.constexpr, V_BLOCK_SIZE: tl.constexpr, V_KEY_MAJOR: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr, COPY: tl.constexpr,
 ):
-    # Each program handles GROUPS groups of TOKENS consecutive tokens: all their q, k and v heads,
-    # as tensors [TOKENS, heads, BLOCK_HALF] (a head as its two rotary halves). The next group's
-    # rows are loaded before this group's stores: the compiler cannot move a load past a store
-    # that may alias it, so this keeps a group's loads in flight while the previous one computes.
-    first = tl.program_id(0).to(tl.int64) * (GROUPS * TOKENS)
-    limit = tl.minimum(first + GROUPS * TOKENS, n_tokens)
+    # Each program handles TOKENS tokens: all their q, k and v heads. Tensors are
+    # [TOKENS, heads, BLOCK_HALF]; a head is processed as its two rotary halves.
+    tokens = (tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)).to(tl.int64)
+    token_mask = tokens < n_tokens
+    positions = tl.load(positions_ptr + tokens, mask=token_mask, other=0).to(tl.int64)
+    # slot < 0 marks a row whose K/V must not be stored (padding); q is still produced.
+    slots = tl.load(slot_ptr + tokens, mask=token_mask, other=-1).to(tl.int64)
     dims = tl.arange(0, BLOCK_HALF)
     dim_mask = dims < HALF
+
+    cos_sin_ptrs = cos_sin_ptr + positions[:, None] * cos_sin_stride + dims[None, :]
+    cos_sin_mask = token_mask[:, None] & dim_mask[None, :]
+    cos = tl.load(cos_sin_ptrs, mask=cos_sin_mask, other=0.0).to(tl.float32)[:, None, :]
+    sin = tl.load(cos_sin_ptrs + HALF, mask=cos_sin_mask, other=0.0).to(tl.float32)[:, None, :]
+
+    rows = qkv_ptr + tokens[:, None, None] * qkv_token_stride  # [TOKENS, 1, 1]
+    token_mask3 = token_mask[:, None, None]
     dims3 = dims[None, None, :]
     dim_mask3 = dim_mask[None, None, :]
     q_heads = tl.arange(0, BLOCK_QH)[None, :, None]
+    q_mask = token_mask3 & (q_heads < NUM_Q_HEADS) & dim_mask3
+    # Rows with slot < 0 have no K/V to store, and are not even read.
     kv_heads = tl.arange(0, BLOCK_KH)[None, :, None]
-    cols = kv_heads * HEAD_DIM + dims3
+    kv_mask = token_mask3 & (slots >= 0)[:, None, None] & (kv_heads < NUM_KV_HEADS) & dim_mask3
+
+    # Every load before the first store: the compiler cannot move a load past a store that may
+    # alias it, and q, k and v loaded one after another's store would cost three memory round trips.
+    q1, q2 = _load_halves(rows + q_heads * HEAD_DIM + dims3, q_mask, HALF)
+    k1, k2 = _load_halves(rows + (NUM_Q_HEADS + kv_heads) * HEAD_DIM + dims3, kv_mask, HALF)
+    v1, v2 = _load_halves(rows + (NUM_Q_HEADS + NUM_KV_HEADS + kv_heads) * HEAD_DIM + dims3, kv_mask, HALF)
     qw1, qw2 = _load_halves(q_weight_ptr + dims, dim_mask, HALF)
     kw1, kw2 = _load_halves(k_weight_ptr + dims, dim_mask, HALF)
-    qw1, qw2, kw1, kw2 = qw1.to(tl.float32), qw2.to(tl.float32), kw1.to(tl.float32), kw2.to(tl.float32)
+    if COPY:
+        copy_slots = tl.load(copy_slot_ptr + tokens, mask=token_mask, other=-1).to(tl.int64)
 
-    tokens = first + tl.arange(0, TOKENS)
-    positions, slots, copy_slots, q1, q2, k1, k2, v1, v2 = _load_rows(
-        qkv_ptr, positions_ptr, slot_ptr, copy_slot_ptr, tokens, limit, qkv_token_stride,
-        NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, HALF, BLOCK_QH, BLOCK_KH, BLOCK_HALF, COPY)
-    cos, sin = _load_cos_sin(cos_sin_ptr, positions, tokens < limit, cos_sin_stride, HALF, BLOCK_HALF)
-    for _ in range(GROUPS):
-        if GROUPS > 1:
-            next_tokens = tokens + TOKENS
-            next_rows = _load_rows(qkv_ptr, positions_ptr, slot_ptr, copy_slot_ptr, next_tokens, limit,
-                                   qkv_token_stride, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, HALF, BLOCK_QH, BLOCK_KH,
-                                   BLOCK_HALF, COPY)
-        token_mask3 = (tokens < limit)[:, None, None]
-        q_mask = token_mask3 & (q_heads < NUM_Q_HEADS) & dim_mask3
-        kv_mask = token_mask3 & (slots >= 0)[:, None, None] & (kv_heads < NUM_KV_HEADS) & dim_mask3
+    # q: normed + roped into q_out.
+    q1, q2 = _norm_rotate(q1, q2, qw1.to(tl.float32), qw2.to(tl.float32), cos, sin, eps, HEAD_DIM, True)
+    q_out = q_out_ptr + tokens[:, None, None] * q_out_token_stride + q_heads * q_out_head_stride + dims3
+    tl.store(q_out, q1.to(q_out_ptr.dtype.element_ty), mask=q_mask)
+    tl.store(q_out + HALF, q2.to(q_out_ptr.dtype.element_ty), mask=q_mask)
 
-        # q: normed + roped into q_out.
-        qo1, qo2 = _norm_rotate(q1, q2, qw1, qw2, cos, sin, eps, HEAD_DIM, True)
-        q_out = q_out_ptr + tokens[:, None, None] * q_out_token_stride + q_heads * q_out_head_stride + dims3
-        tl.store(q_out, qo1.to(q_out_ptr.dtype.element_ty), mask=q_mask)
-        tl.store(q_out + HALF, qo2.to(q_out_ptr.dtype.element_ty), mask=q_mask)
-
-        # k (normed + roped) and v (as is) into their cache slot.
-        k_offsets = slot_offsets(slots[:, None, None], cols, NUM_KV_HEADS * HEAD_DIM, 1, False)
-        ko1, ko2 = _norm_rotate(k1, k2, kw1, kw2, cos, sin, eps, HEAD_DIM, not FP8)
-        if FP8:
-            # K from its rotated float32 value, unrounded; a scale per (token, head) at [slot, head].
-            heads = tl.arange(0, BLOCK_KH)[None, :]
-            scale_offs = scale_offsets(slots[:, None], heads, stride_scale_block, stride_scale_token,
-                                       stride_scale_head, SCALE_BLOCK)
-            scale_mask = ((tokens < limit) & (slots >= 0))[:, None] & (heads < NUM_KV_HEADS)
-            ko1, ko2 = _store_e4m3_heads(ko1, ko2, k_cache_ptr + k_offsets, k_cache_ptr + k_offsets + HALF, kv_mask,
-                                         k_scale_ptr + scale_offs, scale_mask, INTERPRET)
-        else:
-            ko1, ko2 = ko1.to(k_cache_ptr.dtype.element_ty), ko2.to(k_cache_ptr.dtype.element_ty)
-            tl.store(k_cache_ptr + k_offsets, ko1, mask=kv_mask)
-            tl.store(k_cache_ptr + k_offsets + HALF, ko2, mask=kv_mask)
-        v_ptrs1 = v_cache_ptr + slot_offsets(slots[:, None, None], cols, NUM_KV_HEADS * HEAD_DIM, V_BLOCK_SIZE,
-                                             V_KEY_MAJOR)
-        v_ptrs2 = v_cache_ptr + slot_offsets(slots[:, None, None], cols + HALF, NUM_KV_HEADS * HEAD_DIM,
-                                             V_BLOCK_SIZE, V_KEY_MAJOR)
-        if FP8:
-            vo1, vo2 = _store_e4m3_heads(v1.to(tl.float32), v2.to(tl.float32), v_ptrs1, v_ptrs2, kv_mask,
-                                         v_scale_ptr + scale_offs, scale_mask, INTERPRET)
-        else:
-            vo1, vo2 = v1.to(v_cache_ptr.dtype.element_ty), v2.to(v_cache_ptr.dtype.element_ty)
-            tl.store(v_ptrs1, vo1, mask=kv_mask)
-            tl.store(v_ptrs2, vo2, mask=kv_mask)
-        if COPY:
-            # The stored rows again, as values in the copies' dtype at their copy slots (plain layout).
-            copy_mask = kv_mask & (copy_slots >= 0)[:, None, None]
-            copy_offsets = copy_slots[:, None, None] * (NUM_KV_HEADS * HEAD_DIM) + cols
-            dtype = k_copy_ptr.dtype.element_ty
-            tl.store(k_copy_ptr + copy_offsets, ko1.to(dtype), mask=copy_mask)
-            tl.store(k_copy_ptr + copy_offsets + HALF, ko2.to(dtype), mask=copy_mask)
-            tl.store(v_copy_ptr + copy_offsets, vo1.to(dtype), mask=copy_mask)
-            tl.store(v_copy_ptr + copy_offsets + HALF, vo2.to(dtype), mask=copy_mask)
-
-        if GROUPS > 1:
-            # The next group's rotary rows, now that its positions have arrived.
-            tokens = next_tokens
-            positions, slots, copy_slots, q1, q2, k1, k2, v1, v2 = next_rows
-            cos, sin = _load_cos_sin(cos_sin_ptr, positions, tokens < limit, cos_sin_stride, HALF, BLOCK_HALF)
+    # k (normed + roped) and v (as is) into their cache slot.
+    cols = kv_heads * HEAD_DIM + dims3
+    k_offsets = slot_offsets(slots[:, None, None], cols, NUM_KV_HEADS * HEAD_DIM, 1, False)
+    k1, k2 = _norm_rotate(k1, k2, kw1.to(tl.float32), kw2.to(tl.float32), cos, sin, eps, HEAD_DIM, not FP8)
+    if FP8:
+        # K from its rotated float32 value, unrounded; a scale per (token, head) at [slot, head].
+        heads = tl.arange(0, BLOCK_KH)[None, :]
+        scale_offs = scale_offsets(slots[:, None], heads, stride_scale_block, stride_scale_token, stride_scale_head,
+                                   SCALE_BLOCK)
+        scale_mask = (token_mask & (slots >= 0))[:, None] & (heads < NUM_KV_HEADS)
+        k1, k2 = _store_e4m3_heads(k1, k2, k_cache_ptr + k_offsets, k_cache_ptr + k_offsets + HALF, kv_mask,
+                                   k_scale_ptr + scale_offs, scale_mask, INTERPRET)
+    else:
+        k1, k2 = k1.to(k_cache_ptr.dtype.element_ty), k2.to(k_cache_ptr.dtype.element_ty)
+        tl.store(k_cache_ptr + k_offsets, k1, mask=kv_mask)
+        tl.store(k_cache_ptr + k_offsets + HALF, k2, mask=kv_mask)
+    v_ptrs1 = v_cache_ptr + slot_offsets(slots[:, None, None], cols, NUM_KV_HEADS * HEAD_DIM, V_BLOCK_SIZE, V_KEY_MAJOR)
+    v_ptrs2 = v_cache_ptr + slot_offsets(slots[:, None, None], cols + HALF, NUM_KV_HEADS * HEAD_DIM, V_BLOCK_SIZE,
+                                         V_KEY_MAJOR)
+    if FP8:
+        v1, v2 = _store_e4m3_heads(v1.to(tl.float32), v2.to(tl.float32), v_ptrs1, v_ptrs2, kv_mask,
+                                   v_scale_ptr + scale_offs, scale_mask, INTERPRET)
+    else:
+        v1, v2 = v1.to(v_cache_ptr.dtype.element_ty), v2.to(v_cache_ptr.dtype.element_ty)
+        tl.store(v_ptrs1, v1, mask=kv_mask)
+        tl.store(v_ptrs2, v2, mask=kv_mask)
+    if COPY:
+        # The stored rows again, as values in the copies' dtype at their copy slots (plain layout).
+        copy_mask = kv_mask & (copy_slots >= 0)[:, None, None]
+        copy_offsets = copy_slots[:, None, None] * (NUM_KV_HEADS * HEAD_DIM) + cols
+        dtype = k_copy_ptr.dtype.element_ty
+        tl.store(k_copy_ptr + copy_offsets, k1.to(dtype), mask=copy_mask)
+        tl.store(k_copy_ptr + copy_offsets + HALF, k2.to(dtype), mask=copy_mask)
+        tl.store(v_copy_ptr + copy_offsets, v1.to(dtype), mask=copy_mask)
+        tl.store(v_copy_ptr + copy_offsets + HALF, v2.to(dtype), mask=copy_mask)
 
 
 def _space(dtype, row_bucket, tokens_bucket, cache_dtype=None):
     # row_bucket: the padded elements of one token's q, k and v heads. At least 8 elements a thread.
-    # Groups a program only where there are many tokens (decode-sized calls keep one group).
     return [
-        {"TOKENS": tokens, "GROUPS": groups, "num_warps": warps, "num_stages": 1}
+        {"TOKENS": tokens, "num_warps": warps, "num_stages": 1}
         for tokens in (1, 2, 4)
-        for groups in ((1, 4, 8) if tokens_bucket >= 1024 else (1,))
         for warps in (1, 2, 4, 8)
         if tokens <= tokens_bucket and tokens * row_bucket <= 16384 and (warps == 1 or warps * 32 * 8 <= tokens * row_bucket)
     ]
@@ -199,10 +157,9 @@ def _default(dtype, row_bucket, tokens_bucket, cache_dtype=None):
     # token's V bytes lie a block apart) many tokens go 4 to a program, for runs of 4 adjacent bytes.
     if cache_dtype == "float8_e4m3fn" and tokens_bucket >= 1024:
         tokens = max(1, min(4, 16384 // row_bucket))
-        return {"TOKENS": tokens, "GROUPS": 1, "num_warps": min(8, max(1, tokens * row_bucket // 2048)),
-                "num_stages": 1}
+        return {"TOKENS": tokens, "num_warps": min(8, max(1, tokens * row_bucket // 2048)), "num_stages": 1}
     tokens = max(1, min(4, 2048 // row_bucket)) if tokens_bucket >= 1024 else 1
-    return {"TOKENS": tokens, "GROUPS": 1, "num_warps": min(8, max(1, tokens * row_bucket // 1024)), "num_stages": 1}
+    return {"TOKENS": tokens, "num_warps": min(8, max(1, tokens * row_bucket // 1024)), "num_stages": 1}
 
 
 _TUNING = Tunable("qk_norm_rotary_store", _space, _default)
@@ -295,7 +252,7 @@ def qk_norm_rotary_store(positions, qkv, q_weight, k_weight, eps, cos_sin_cache,
     block_half = triton.next_power_of_2(half)
 
     def launch(config):
-        _qk_norm_rotary_store_kernel[(triton.cdiv(n_tokens, config["TOKENS"] * config["GROUPS"]),)](
+        _qk_norm_rotary_store_kernel[(triton.cdiv(n_tokens, config["TOKENS"]),)](
             positions, qkv, q_weight, k_weight, cos_sin_cache, k_cache, v_cache, slot_mapping, out, k_scale, v_scale,
             copy_slots, k_copy, v_copy,
             n_tokens, qkv.stride(0), cos_sin_cache.stride(0), out.stride(0), out.stride(1), eps,
