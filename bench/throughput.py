@@ -8,8 +8,8 @@ randint(100, 1024) tokens with ignore_eos, temperature 0.6, max_model_len 4096. 
 with dummy weights; a checkpoint folder with its own. With several --kernels or --kv-cache-dtype,
 the same workload runs on each in turn, in this one process, and with two runs their ratio is
 printed. --repeat N times N runs of each (later ones on prompts of the same lengths with other
-tokens, so nothing hits the prefix cache) and gives their median and range: end to end, the same
-tree has varied by 5-10% between calls (NOTES-attention.md).
+tokens, so nothing hits the prefix cache) and gives their median, range and each run's time in
+order: end to end, the same tree has varied by 5-10% between calls (NOTES-attention.md).
 
 Each row also gives the decode floor: the workload's output tokens over the time its decode steps
 would take if each only read its bytes at the copy ceiling (decode_floor), and the share of it
@@ -104,7 +104,8 @@ def run(args, kernels: str, kv_cache_dtype: str, prompts, params) -> dict:
     result = {"kernels": f"{kernels}, KV {kv_cache_dtype}, block {args.kv_block_size}", "output_tokens": output_tokens,
               "seconds": elapsed, "tokens_per_s": output_tokens / elapsed, "preemptions": llm.scheduler.num_preemptions,
               "blocks": llm.runner.num_kv_blocks, "floor": floor,
-              "spread": f"{output_tokens / max(times):.0f}-{output_tokens / min(times):.0f}" if len(times) > 1 else "-"}
+              "spread": f"{output_tokens / max(times):.0f}-{output_tokens / min(times):.0f}" if len(times) > 1 else "-",
+              "runs": " ".join(f"{t:.2f}" for t in times)}
     llm.close()
     del llm, outputs
     gc.collect()
@@ -149,15 +150,15 @@ def main():
     prompts, params = workload(args.num_seqs, args.max_input_len, args.max_output_len, min(10000, vocab - 1))
     print(f"{args.model}, TP {args.tp}, DP {args.dp}: {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, "
           f"{sum(p.max_tokens for p in params)} output tokens")
-    print("\n| kernels | output tokens | time (s) | tokens/s | repeats' range | decode floor (tokens/s) | of floor "
-          "| preemptions | KV blocks |\n|---|---|---|---|---|---|---|---|---|")
+    print("\n| kernels | output tokens | time (s) | tokens/s | repeats' range | runs in order (s) | decode floor (tokens/s) "
+          "| of floor | preemptions | KV blocks |\n|---|---|---|---|---|---|---|---|---|---|")
     results = []
     for kernels in args.kernels:  # each row printed as soon as it is known
         for kv_cache_dtype in args.kv_cache_dtype:
             results.append(run(args, kernels, kv_cache_dtype, prompts, params))
             r = results[-1]
             print(f"| {r['kernels']} | {r['output_tokens']} | {r['seconds']:.2f} | {r['tokens_per_s']:.0f} | {r['spread']} | "
-                  f"{r['floor']:.0f} | {r['tokens_per_s'] / r['floor']:.2f} | {r['preemptions']} | {r['blocks']} |")
+                  f"{r['runs']} | {r['floor']:.0f} | {r['tokens_per_s'] / r['floor']:.2f} | {r['preemptions']} | {r['blocks']} |")
     if len(results) == 2:
         print(f"\n{results[0]['kernels']} / {results[1]['kernels']}: {results[0]['tokens_per_s'] / results[1]['tokens_per_s']:.2f}x")
 
