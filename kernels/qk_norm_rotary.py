@@ -39,43 +39,16 @@ def _norm_rotate(raw1, raw2, w1, w2, cos, sin, eps, HEAD_DIM: tl.constexpr, ROUN
 
 
 @triton.jit
-def _store_where_held(ptrs, values, mask, INTERPRET: tl.constexpr):
-    """tl.store(ptrs, values, mask=mask) of e4m3 bytes or float32 words, each by a thread that holds it.
-
-    tl.store first moves values into the layout its addresses coalesce best in, through shared
-    memory and a barrier. Bytes that lie a block apart (a key-major V) or one word per head (a
-    scale) gain nothing from that move, and a decode-sized launch waits on every barrier. Replicated
-    elements are stored by each of their holders: the same value to the same address."""
-    if INTERPRET:
-        tl.store(ptrs, values, mask=mask)
-    elif values.dtype == tl.float32:
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b32 [$1], $2; mov.b32 $0, 0; }", "=r,l,r,r",
-            [ptrs, values.to(tl.int32, bitcast=True), mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b8 [$1], $2; mov.b32 $0, 0; }", "=r,l,r,r",
-            [ptrs, values.to(tl.uint8, bitcast=True).to(tl.int32), mask.to(tl.int32)], dtype=tl.int32,
-            is_pure=False, pack=1)
-
-
-@triton.jit
-def _store_e4m3_heads(x1, x2, ptrs1, ptrs2, mask, scale_ptrs, scale_mask, SCATTERED: tl.constexpr,
-                      INTERPRET: tl.constexpr):
+def _store_e4m3_heads(x1, x2, ptrs1, ptrs2, mask, scale_ptrs, scale_mask, INTERPRET: tl.constexpr):
     """Heads given as float32 halves [TOKENS, H, BLOCK_HALF] (0 where masked) quantized per (token,
     head) into the cache at ptrs1 / ptrs2 (first / second halves), their scales [TOKENS, H] at scale_ptrs.
-    SCATTERED: the halves' bytes lie apart (key-major). Returns the stored halves' values (code times
-    scale, float32), as a reader of the cache gets them."""
-    scale = e4m3_scale(tl.max(tl.maximum(tl.abs(x1), tl.abs(x2)), axis=2))
-    _store_where_held(scale_ptrs, scale, scale_mask, INTERPRET)
+    Returns the stored halves' values (code times scale, float32), as a reader of the cache gets them."""
+    scale = e4m3_scale(tl.maximum(tl.max(tl.abs(x1), axis=2), tl.max(tl.abs(x2), axis=2)))
+    tl.store(scale_ptrs, scale, mask=scale_mask)
     scale = scale[:, :, None]
     q1, q2 = to_e4m3(x1, scale, INTERPRET), to_e4m3(x2, scale, INTERPRET)
-    if SCATTERED:
-        _store_where_held(ptrs1, q1, mask, INTERPRET)
-        _store_where_held(ptrs2, q2, mask, INTERPRET)
-    else:
-        tl.store(ptrs1, q1, mask=mask)
-        tl.store(ptrs2, q2, mask=mask)
+    tl.store(ptrs1, q1, mask=mask)
+    tl.store(ptrs2, q2, mask=mask)
     return from_e4m3(q1, tl.float32, INTERPRET) * scale, from_e4m3(q2, tl.float32, INTERPRET) * scale
 
 
@@ -142,7 +115,7 @@ def _qk_norm_rotary_store_kernel(
                                    SCALE_BLOCK)
         scale_mask = (token_mask & (slots >= 0))[:, None] & (heads < NUM_KV_HEADS)
         k1, k2 = _store_e4m3_heads(k1, k2, k_cache_ptr + k_offsets, k_cache_ptr + k_offsets + HALF, kv_mask,
-                                   k_scale_ptr + scale_offs, scale_mask, False, INTERPRET)
+                                   k_scale_ptr + scale_offs, scale_mask, INTERPRET)
     else:
         k1, k2 = k1.to(k_cache_ptr.dtype.element_ty), k2.to(k_cache_ptr.dtype.element_ty)
         tl.store(k_cache_ptr + k_offsets, k1, mask=kv_mask)
@@ -152,7 +125,7 @@ def _qk_norm_rotary_store_kernel(
                                          V_KEY_MAJOR)
     if FP8:
         v1, v2 = _store_e4m3_heads(v1.to(tl.float32), v2.to(tl.float32), v_ptrs1, v_ptrs2, kv_mask,
-                                   v_scale_ptr + scale_offs, scale_mask, V_KEY_MAJOR, INTERPRET)
+                                   v_scale_ptr + scale_offs, scale_mask, INTERPRET)
     else:
         v1, v2 = v1.to(v_cache_ptr.dtype.element_ty), v2.to(v_cache_ptr.dtype.element_ty)
         tl.store(v_ptrs1, v1, mask=kv_mask)
