@@ -68,6 +68,16 @@ class ServerProcess:
         assert status == 200, body
         return body
 
+    def wait_idle(self, timeout: float = 120) -> dict:
+        """The stats once nothing runs or waits and every KV block is free (or after timeout seconds)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = self.stats()
+            idle = stats["num_running_seqs"] == stats["num_waiting_seqs"] == 0
+            if (idle and stats["num_free_kv_blocks"] == stats["num_kv_blocks"]) or time.monotonic() > deadline:
+                return stats
+            time.sleep(0.2)
+
     def client(self, **options) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0, timeout=300, **options)
 
