@@ -28,7 +28,14 @@ def server(tiny_qwen3, tmp_path_factory):
     process.stop()
 
 
-def still_answers(client) -> None:
+def check_aborted_early(server, client, before: dict) -> None:
+    """After the client left: its request aborted long before its end, every block free, and the
+    server still answering."""
+    after = server.wait_idle()
+    assert after["num_free_kv_blocks"] == after["num_kv_blocks"] and after["num_running_seqs"] == 0
+    assert after["requests_aborted"] == before["requests_aborted"] + 1
+    generated = after["generation_tokens_total"] - before["generation_tokens_total"]
+    assert generated < MAX_TOKENS // 2, generated
     response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, extra_body={"ignore_eos": True})
     assert response.usage.completion_tokens == 4 and response.choices[0].finish_reason == "length"
 
@@ -42,12 +49,7 @@ def test_dropped_stream_is_aborted_and_frees_its_blocks(server, client):
     running = server.stats()
     assert running["num_running_seqs"] == 1 and running["num_free_kv_blocks"] < running["num_kv_blocks"]
     stream.close()  # the client goes away mid-stream
-    after = server.wait_idle()
-    assert after["num_free_kv_blocks"] == after["num_kv_blocks"] and after["num_running_seqs"] == 0
-    assert after["requests_aborted"] == before["requests_aborted"] + 1
-    generated = after["generation_tokens_total"] - before["generation_tokens_total"]
-    assert generated < MAX_TOKENS // 2, generated  # stopped early
-    still_answers(client)
+    check_aborted_early(server, client, before)
 
 
 def test_a_client_leaving_a_request_not_streamed_aborts_it(server, client):
@@ -58,9 +60,4 @@ def test_a_client_leaving_a_request_not_streamed_aborts_it(server, client):
     while server.stats()["generation_tokens_total"] < before["generation_tokens_total"] + 2 and time.monotonic() < deadline:
         time.sleep(0.05)
     sock.close()
-    after = server.wait_idle()
-    assert after["requests_aborted"] == before["requests_aborted"] + 1
-    assert after["num_free_kv_blocks"] == after["num_kv_blocks"] and after["num_running_seqs"] == 0
-    generated = after["generation_tokens_total"] - before["generation_tokens_total"]
-    assert generated < MAX_TOKENS // 2, generated
-    still_answers(client)
+    check_aborted_early(server, client, before)
