@@ -6,10 +6,12 @@
 256 requests (seed 0): prompts of randint(100, 1024) tokens drawn from [0, 10000], outputs of
 randint(100, 1024) tokens with ignore_eos, temperature 0.6, max_model_len 4096. A preset name runs
 with dummy weights; a checkpoint folder with its own. With several --kernels or --kv-cache-dtype,
-the same workload runs on each in turn, in this one process, and with two runs their ratio is
-printed. --repeat N times N runs of each (later ones on prompts of the same lengths with other
-tokens, so nothing hits the prefix cache) and gives their median, range and each run's time in
-order: end to end, the same tree has varied by 5-10% between calls (NOTES-attention.md).
+the same workload runs on each in turn, in this one process, and with two kinds of row their
+ratio is printed. A value given again runs again (`--kv-cache-dtype auto fp8 fp8 auto`: both
+orders in one process), and the ratio then pools the runs of each kind. --repeat N times N runs
+of each (later ones on prompts of the same lengths with other tokens, so nothing hits the prefix
+cache) and gives their median, range and each run's time in order: end to end, the same tree has
+varied by 5-10% between calls (NOTES-attention.md).
 
 Each row also gives the decode floor: the workload's output tokens over the time its decode steps
 would take if each only read its bytes at the copy ceiling (decode_floor), and the share of it
@@ -105,7 +107,7 @@ def run(args, kernels: str, kv_cache_dtype: str, prompts, params) -> dict:
               "seconds": elapsed, "tokens_per_s": output_tokens / elapsed, "preemptions": llm.scheduler.num_preemptions,
               "blocks": llm.runner.num_kv_blocks, "floor": floor,
               "spread": f"{output_tokens / max(times):.0f}-{output_tokens / min(times):.0f}" if len(times) > 1 else "-",
-              "runs": " ".join(f"{t:.2f}" for t in times)}
+              "times": times, "runs": " ".join(f"{t:.2f}" for t in times)}
     llm.close()
     del llm, outputs
     gc.collect()
@@ -159,8 +161,13 @@ def main():
             r = results[-1]
             print(f"| {r['kernels']} | {r['output_tokens']} | {r['seconds']:.2f} | {r['tokens_per_s']:.0f} | {r['spread']} | "
                   f"{r['runs']} | {r['floor']:.0f} | {r['tokens_per_s'] / r['floor']:.2f} | {r['preemptions']} | {r['blocks']} |")
-    if len(results) == 2:
-        print(f"\n{results[0]['kernels']} / {results[1]['kernels']}: {results[0]['tokens_per_s'] / results[1]['tokens_per_s']:.2f}x")
+    kinds = {}  # a row's label -> the times of all its runs, in the order the labels first ran
+    for r in results:
+        kinds.setdefault(r["kernels"], []).extend(r["times"])
+    if len(kinds) == 2:
+        (first, first_times), (second, second_times) = kinds.items()
+        pooled = f" (medians of {len(first_times)} and {len(second_times)} runs)" if len(results) > 2 else ""
+        print(f"\n{first} / {second}: {statistics.median(second_times) / statistics.median(first_times):.2f}x{pooled}")
 
 
 if __name__ == "__main__":
