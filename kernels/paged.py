@@ -37,10 +37,9 @@ def _key_blocks(block_table_row, n0, seq_len, BLOCK_SIZE: tl.constexpr, BLOCK_N:
     else:
         # The tile spans several blocks: one lookup per key; table entries past the sequence may
         # be padding, so they are never read.
-        # n0 is a multiple of BLOCK_SIZE: one scalar division a tile; per key only the arange's.
-        block = tl.load(block_table_row + n0 // BLOCK_SIZE + offs_n // BLOCK_SIZE, mask=n0 + offs_n < seq_len,
-                        other=0).to(tl.int64)
-        in_block = offs_n % BLOCK_SIZE
+        keys = n0 + offs_n
+        block = tl.load(block_table_row + keys // BLOCK_SIZE, mask=keys < seq_len, other=0).to(tl.int64)
+        in_block = keys % BLOCK_SIZE
     return block, in_block
 
 
