@@ -6,6 +6,8 @@ The ceilings are those of the H200 the notes were measured on (bench/NOTES-eleme
 import time
 
 import torch
+
+import tritonllm  # noqa: F401  (first: without a GPU it selects Triton's interpreter before triton is imported)
 from triton.testing import do_bench
 
 COPY_BYTES_PER_S = 4.24e12  # device-to-device copy: the ceiling of memory-bound kernels
