@@ -47,10 +47,9 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, num
                         stride_x, stride_we, stride_wn, stride_out,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                         EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
-                        TMA: tl.constexpr, X_SORTED: tl.constexpr):
+                        TMA: tl.constexpr):
     # TMA: w_ptr is a descriptor over w13 as [E * 2N, H] of BLOCK_N x BLOCK_K tiles; rows past an
     # expert's gate (or up) rows belong to columns that are not stored, and K past H reads zeros.
-    # X_SORTED: x_ptr is a descriptor over x's rows already in slot order ([P, H], _moe_permute_kernel).
     pid_m, pid_n, expert = _tile(block_expert_ptr, tl.cdiv(inter, BLOCK_N), GROUP_M)
     if expert < 0:
         return
@@ -60,8 +59,7 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, num
     tokens = tl.where(pairs < num_pairs, pairs // top_k, 0)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    if not X_SORTED:
-        a_ptrs = x_ptr + tokens.to(tl.int64)[:, None] * stride_x + offs_k[None, :]
+    a_ptrs = x_ptr + tokens.to(tl.int64)[:, None] * stride_x + offs_k[None, :]
     if TMA:
         gate_row = expert * (2 * inter) + pid_n * BLOCK_N
     else:
@@ -73,9 +71,7 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, num
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
-        if X_SORTED:
-            a = x_ptr.load([pid_m * BLOCK_M, k0])
-        elif EVEN_K:
+        if EVEN_K:
             a = tl.load(a_ptrs)
         else:
             a = tl.load(a_ptrs, mask=(offs_k < hidden - k0)[None, :], other=0.0)
@@ -94,8 +90,7 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, num
             a, gate, up = a.to(tl.float32), gate.to(tl.float32), up.to(tl.float32)
         acc_gate = tl.dot(a, gate, acc_gate, input_precision=DOT_PRECISION)
         acc_up = tl.dot(a, up, acc_up, input_precision=DOT_PRECISION)
-        if not X_SORTED:
-            a_ptrs += BLOCK_K
+        a_ptrs += BLOCK_K
         if not TMA:
             gate_ptrs += BLOCK_K
             up_ptrs += BLOCK_K
@@ -149,22 +144,6 @@ def _moe_down_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, weight
     acc = acc * tl.load(weights_ptr + pairs, mask=valid, other=0.0)[:, None]
     out_offsets = pairs.to(tl.int64)[:, None] * stride_out + cols[None, :]
     tl.store(out_ptr + out_offsets, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (cols < hidden)[None, :])
-
-
-@triton.jit(do_not_specialize=["num_pairs"])
-def _moe_permute_kernel(x_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_pairs, top_k, hidden, stride_x,
-                        BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
-    """x's token row of every slot of the used blocks, in slot order (padding slots: x[0]'s)."""
-    block = tl.program_id(0)
-    if tl.load(block_expert_ptr + block) < 0:
-        return  # the gate/up GEMM never reads an unused block's rows
-    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(sorted_ptr + rows)
-    tokens = tl.where(pairs < num_pairs, pairs // top_k, 0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask = (cols < hidden)[None, :]
-    values = tl.load(x_ptr + tokens[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * hidden + cols[None, :], values, mask=mask)
 
 
 @triton.jit
@@ -294,21 +273,11 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         num_blocks = block_expert.shape[0]
         act = torch.empty(sorted_ids.shape[0], inter, dtype=x.dtype, device=x.device)
         w13_tiles = descriptor(w13, experts * 2 * inter, [up["BLOCK_N"], up["BLOCK_K"]])
-        x_tiles = x
-        if cfg.get("X_SORTED") and w13_tiles is not w13:
-            # One gather pass, then both operands of the gate/up GEMM arrive as TMA tiles.
-            x_sorted = torch.empty(sorted_ids.shape[0], hidden, dtype=x.dtype, device=x.device)
-            block_h = min(256, tuning.pow2(hidden))
-            _moe_permute_kernel[(num_blocks, triton.cdiv(hidden, block_h))](
-                x, x_sorted, sorted_ids, block_expert, topk_ids.numel(), top_k, hidden, x.stride(0),
-                BLOCK_M=up["BLOCK_M"], BLOCK_H=block_h, num_warps=4)
-            x_tiles = descriptor(x_sorted, x_sorted.shape[0], [up["BLOCK_M"], up["BLOCK_K"]])
-            x_tiles = x if x_tiles is x_sorted else x_tiles  # no descriptor: the pointer gather of x
         _moe_gate_up_kernel[(num_blocks * triton.cdiv(inter, up["BLOCK_N"]),)](
-            x_tiles, w13_tiles, act, sorted_ids, block_expert, topk_ids.numel(), top_k, inter, hidden,
+            x, w13_tiles, act, sorted_ids, block_expert, topk_ids.numel(), top_k, inter, hidden,
             x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
             EVEN_K=hidden % up["BLOCK_K"] == 0, DOT_PRECISION=precision, INTERPRET=tuning.INTERPRET,
-            TMA=w13_tiles is not w13, X_SORTED=x_tiles is not x, **up)
+            TMA=w13_tiles is not w13, **up)
         # Rows summed in a fixed order by a second launch: atomics would reorder the adds run to run.
         rows = y if top_k == 1 else torch.empty(topk_ids.numel(), hidden, dtype=x.dtype, device=x.device)
         w2_tiles = descriptor(w2, experts * hidden, [down["BLOCK_N"], down["BLOCK_K"]])

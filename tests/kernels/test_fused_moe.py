@@ -55,9 +55,6 @@ CONFIGS = [
     config(32, 32, 64, GROUP_M=3, DOWN_BLOCK_N=64, DOWN_BLOCK_K=32),
     config(64, 64, 32, GROUP_M=1, DOWN_BLOCK_N=16, DOWN_BLOCK_K=64),
     config(16, 64, 128, DOWN_BLOCK_N=32, DOWN_BLOCK_K=16, DOWN_WARPS=8, DOWN_STAGES=3),
-    # x gathered into slot order first, then read as TMA tiles (K past H: the descriptor's zeros).
-    config(32, 32, 64, X_SORTED=1),
-    config(64, 64, 32, GROUP_M=1, X_SORTED=1),
 ]
 
 
@@ -71,7 +68,6 @@ def test_fused_moe_configs(cfg, dtype):
 def test_fused_moe_many_pairs():
     # Past moe_align's one-program size (2048 pairs): its three-launch path, groups of many blocks.
     check(*moe_inputs(260, 8, 8, 48, 32, torch.bfloat16), config=config(64, 32, 32))
-    check(*moe_inputs(260, 8, 8, 48, 32, torch.bfloat16), config=config(64, 32, 32, X_SORTED=1))
 
 
 def test_fused_moe_one_expert_per_token_writes_y_directly():
