@@ -143,6 +143,16 @@ def kv_cache_cases(quick):
     return cases
 
 
+def store_slots(tokens, num_blocks, block_size):
+    """Cache slots for a store of `tokens` rows: from 1024 tokens on a prefill's, whole shuffled blocks
+    filled in order (a key-major V then gets runs of adjacent bytes); below, decode's, one slot a
+    sequence anywhere in the cache."""
+    if tokens >= 1024:
+        blocks = torch.randperm(num_blocks, device="cuda")[:tokens // block_size]
+        return (blocks[:, None] * block_size + torch.arange(block_size, device="cuda")).flatten()
+    return torch.randperm(num_blocks * block_size, device="cuda")[:tokens]
+
+
 def qk_norm_rotary_cases(quick):
     """Fused q/k RMSNorm + rotary + KV store on a packed bf16 qkv (16/8 heads, D 128, block 16).
 
@@ -158,11 +168,7 @@ def qk_norm_rotary_cases(quick):
         def make(t=tokens, hq=q_heads, hk=kv_heads, bs=16):
             num_blocks = 2 * t // bs + 1
             positions = torch.randint(0, 40960, (t,), device="cuda")
-            if t >= 1024:  # a prefill: whole shuffled blocks, filled in order
-                blocks = torch.randperm(num_blocks, device="cuda")[:t // bs]
-                slots = (blocks[:, None] * bs + torch.arange(bs, device="cuda")).flatten()
-            else:  # decode: one token a sequence, anywhere
-                slots = torch.randperm(num_blocks * bs, device="cuda")[:t]
+            slots = store_slots(t, num_blocks, bs)
             cache = lambda: randn(num_blocks, bs, hk, 128)  # noqa: E731
             return (positions, randn(t, (hq + 2 * hk) * 128), randn(128), randn(128), 1e-6, cos_sin_cache(40960, 128),
                     cache(), cache(), slots, hq, hk)

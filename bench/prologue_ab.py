@@ -15,6 +15,7 @@ import argparse
 
 import torch
 
+from kernel_cases import store_slots
 from prefill_ab import load
 from timing import graph_time_ms
 from tritonllm.kernels import qk_norm_rotary as installed
@@ -32,11 +33,10 @@ def inputs(tokens: int, cache: str) -> tuple:
     blocks = 4096 + tokens // BS
     qkv = torch.randn(tokens, (HQ + 2 * HKV) * D, device="cuda", dtype=torch.bfloat16)
     weights = [torch.randn(D, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
-    if tokens >= 1024:  # whole blocks, consecutive slots in each
-        slots = (torch.randperm(blocks, device="cuda")[: tokens // BS, None] * BS + torch.arange(BS, device="cuda")).flatten()
+    slots = store_slots(tokens, blocks, BS)
+    if tokens >= 1024:
         positions = torch.arange(tokens, device="cuda") % 1024
     else:
-        slots = torch.randperm(blocks * BS, device="cuda")[:tokens]
         positions = torch.randint(0, 4096, (tokens,), device="cuda")
     fp8 = cache != "bf16"
     dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
@@ -71,11 +71,11 @@ def main():
     shipped = installed._TUNING.config  # before the timings replace it
     print("| tokens | cache | config | installed (us) | " + " | ".join(args.files) + " | installed again (us) |\n"
           "|---|---|---|---|" + "---|" * len(args.files) + "---|")
+    configs = [dict(zip(("TOKENS", "num_warps"), map(int, c.split(","))), num_stages=1) for c in args.configs]
     for tokens, cache in CASES:
         sets = [inputs(tokens, cache) for _ in range(4)]
         bucket = installed.qk_norm_rotary_store_bucket(torch.bfloat16, HQ, HKV, D, tokens,
                                                        torch.float8_e4m3fn if cache != "bf16" else None)
-        configs = [dict(zip(("TOKENS", "num_warps"), map(int, c.split(","))), num_stages=1) for c in args.configs]
         for config in configs or [shipped(bucket)]:
             def timed(module):
                 module._TUNING.config = lambda *_, **__: config

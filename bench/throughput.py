@@ -107,7 +107,7 @@ def run(args, kernels: str, kv_cache_dtype: str, prompts, params) -> dict:
               "seconds": elapsed, "tokens_per_s": output_tokens / elapsed, "preemptions": llm.scheduler.num_preemptions,
               "blocks": llm.runner.num_kv_blocks, "floor": floor,
               "spread": f"{output_tokens / max(times):.0f}-{output_tokens / min(times):.0f}" if len(times) > 1 else "-",
-              "times": times, "runs": " ".join(f"{t:.2f}" for t in times)}
+              "times": times}
     llm.close()
     del llm, outputs
     gc.collect()
@@ -160,7 +160,7 @@ def main():
             results.append(run(args, kernels, kv_cache_dtype, prompts, params))
             r = results[-1]
             print(f"| {r['kernels']} | {r['output_tokens']} | {r['seconds']:.2f} | {r['tokens_per_s']:.0f} | {r['spread']} | "
-                  f"{r['runs']} | {r['floor']:.0f} | {r['tokens_per_s'] / r['floor']:.2f} | {r['preemptions']} | {r['blocks']} |")
+                  f"{' '.join(f'{t:.2f}' for t in r['times'])} | {r['floor']:.0f} | {r['tokens_per_s'] / r['floor']:.2f} | {r['preemptions']} | {r['blocks']} |")
     kinds = {}  # a row's label -> the times of all its runs, in the order the labels first ran
     for r in results:
         kinds.setdefault(r["kernels"], []).extend(r["times"])
