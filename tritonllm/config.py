@@ -96,6 +96,11 @@ class EngineConfig:
         field("seed", int)
         field("kernels", str, *one_of(KERNEL_BACKENDS))
         field("kv_cache_dtype", str, *one_of(KV_CACHE_DTYPES))
+        if self.kv_cache_dtype == "fp8" and self.device == "cuda" and self.kernels == "triton":
+            # Triton has no e4m3 type below compute capability 8.9 (Ada): its kernels would not compile.
+            capability = torch.cuda.get_device_capability()
+            field("kv_cache_dtype", str, lambda _: capability >= (8, 9),
+                  f"'auto' on this GPU (compute capability {capability[0]}.{capability[1]}): 'fp8' needs 8.9 or later")
 
     @property
     def cache_dtype(self) -> torch.dtype:

@@ -4,6 +4,7 @@ import torch
 from tiny_qwen3 import hf_greedy
 
 from tritonllm import BUNDLED_MODEL, LLM, SamplingParams
+from tritonllm.config import EngineConfig
 from tritonllm.engine.scheduler import ScheduledBatch
 from tritonllm.engine.step_inputs import build_step_inputs
 from tritonllm.layers.attention import kv_bytes_per_token
@@ -15,6 +16,21 @@ PROMPTS = [list(range(3 * i + 1, 3 * i + 4 + 5 * i)) for i in range(12)]  # 4 to
 def test_unknown_kv_cache_dtype_is_an_error(tiny_qwen3):
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         LLM(str(tiny_qwen3), kv_cache_dtype="int8")
+
+
+def test_fp8_on_a_gpu_without_e4m3_is_a_clear_error(monkeypatch):
+    # A GPU before Ada (here an sm_80 one, faked) has no e4m3 in Triton: an error naming the option,
+    # not a compile failure deep in the first kernel. The torch reference kernels take fp8 anywhere.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8' is invalid: .*capability 8\.0.*8\.9"):
+        EngineConfig.from_options(BUNDLED_MODEL, device="cuda", kv_cache_dtype="fp8")
+    assert EngineConfig.from_options(BUNDLED_MODEL, device="cuda", kv_cache_dtype="fp8",
+                                     kernels="reference").kv_cache_dtype == "fp8"
+    assert EngineConfig.from_options(BUNDLED_MODEL, device="cuda").kv_cache_dtype == "auto"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
+    assert EngineConfig.from_options(BUNDLED_MODEL, device="cuda", kv_cache_dtype="fp8").kv_cache_dtype == "fp8"
 
 
 def test_an_fp8_token_takes_half_the_bytes_plus_its_scales(tiny_qwen3):
