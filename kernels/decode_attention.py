@@ -24,8 +24,6 @@ import triton
 import triton.language as tl
 
 from tritonllm.kernels import tuning
-from tritonllm.kernels.decode_attention_gluon import decode_attention_gluon
-from tritonllm.kernels.decode_attention_gluon import supports as gluon_supports
 from tritonllm.kernels.fp8 import block_scale_offsets, fp8_dot_operand, from_e4m3, scale_strides
 from tritonllm.kernels.paged import (LOG2E, _key_blocks, _key_major_keys, _load_scales, _relative_v_scales,
                                     cache_bucket, check_paged_inputs, dot_precision)
@@ -268,10 +266,7 @@ def _decode_space(dtype_name, head_dim, group, num_kv_heads, block_size, batch, 
     four_warps = [default | {"BLOCK_N": 128, "NUM_SPLITS": num_splits, "num_warps": 4, "num_stages": stages,
                              "SPLIT_MIN": 256}
                   for num_splits in sorted({max(1, n // 2) for n in splits[-2:]}) for stages in (2, 3)]
-    # The Gluon kernel (decode_attention_gluon.py; the Triton kernel where it does not apply).
-    gluon = [default | {"BLOCK_N": block_n, "NUM_SPLITS": num_splits, "GLUON": 1} | extra
-             for block_n, extra in ((16, {}), (32, {}), (32, {"maxnreg": 128})) for num_splits in splits]
-    return one_warp + four_warps + (gluon if dtype_name in ("bfloat16", "float16") and head_dim in (64, 128) else [])
+    return one_warp + four_warps
 
 
 def _decode_default(dtype_name, head_dim, group, num_kv_heads, block_size, batch, context, cache_dtype_name=None):
@@ -346,17 +341,14 @@ def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale=None, *,
             l = torch.empty_like(m)
         else:
             scratch = m = l = out  # not touched with one split
-        args = (q, k_cache, v_cache, k_scale, v_scale, out, scratch, m, l, seq_lens, block_tables, qk_scale,
-                num_q_heads, q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
-                k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), *scale_strides(k_scale))
-        shape = {"GROUP": group, "HEAD_DIM": head_dim, "BLOCK_SIZE": block_size,
-                 "BLOCK_H": max(8, triton.next_power_of_2(group))}
-        grid = (num_splits, num_kv_heads, batch)
-        if cfg.pop("GLUON", 0) and gluon_supports(q, fp8, v_key_major, block_size):
-            decode_attention_gluon(grid, args, shape, cfg)
-        else:
-            _decode_attention_kernel[grid](*args, **shape, DOT_PRECISION=dot_precision(q.dtype),
-                                           INTERPRET=tuning.INTERPRET, FP8=fp8, V_KEY_MAJOR=v_key_major, **cfg)
+        _decode_attention_kernel[(num_splits, num_kv_heads, batch)](
+            q, k_cache, v_cache, k_scale, v_scale, out, scratch, m, l, seq_lens, block_tables, qk_scale, num_q_heads,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+            *scale_strides(k_scale),
+            GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_H=max(8, triton.next_power_of_2(group)),
+            DOT_PRECISION=dot_precision(q.dtype), INTERPRET=tuning.INTERPRET, FP8=fp8,
+            V_KEY_MAJOR=v_key_major, **cfg)
         if num_splits > 1:
             _merge_splits_kernel[(batch, num_q_heads)](
                 scratch, m, l, seq_lens, out, num_q_heads, out.stride(0), out.stride(1),

@@ -128,12 +128,11 @@ def fp8_space_tiles():
     small bucket)."""
     found = {}
     for config in decode_module.DECODE_TUNABLE.space("bfloat16", 64, 2, 2, 16, 4, 4096, "float8_e4m3fn"):
-        found.setdefault((config["BLOCK_N"], config["NUM_SPLITS"], config["SPLIT_MIN"], config.get("GLUON", 0)), config)
+        found.setdefault((config["BLOCK_N"], config["NUM_SPLITS"], config["SPLIT_MIN"]), config)
     return list(found.values())
 
 
-# The e4m3 tuning space (one-warp tiles of 16 and 32 keys, four-warp tiles of 128, the Gluon kernel's
-# tiles of 16 and 32: the Triton kernel on the CPU) over a key-major V.
+# The e4m3 tuning space (one-warp tiles of 16 and 32 keys, four-warp tiles of 128) over a key-major V.
 @pytest.mark.parametrize("config", fp8_space_tiles(), ids=str)
 def test_decode_fp8_space_configs(config):
     seq_lens = [1, 130, 300]
