@@ -27,7 +27,6 @@ from tritonllm.kernels import tuning
 from tritonllm.kernels.fp8 import block_scale_offsets, fp8_dot_operand, from_e4m3, scale_strides
 from tritonllm.kernels.paged import (LOG2E, _key_blocks, _key_major_keys, _load_scales, _relative_v_scales,
                                     cache_bucket, check_paged_inputs, dot_precision)
-from tritonllm.kernels.pdl import pdl_launch, pdl_wait
 
 PROGRAMS_PER_SM = 3  # resident programs per SM that hide memory latency without extra splits
 # Over an e4m3 cache a program is one warp: the softmax's reductions over a tile's keys stay inside
@@ -141,9 +140,7 @@ def _decode_attention_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_MIN: tl.constexpr,
     DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr, FP8: tl.constexpr, V_KEY_MAJOR: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    pdl_wait(PDL)
     # Split fastest, sequence slowest: programs start in row order, a row's all together.
     split = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -209,9 +206,8 @@ def _decode_attention_kernel(
 def _merge_splits_kernel(
     acc_ptr, m_ptr, l_ptr, seq_lens_ptr, o_ptr, num_q_heads, stride_o_batch, stride_o_head,
     HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-    SPLIT_MIN: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+    SPLIT_MIN: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    pdl_wait(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -352,12 +348,12 @@ def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale=None, *,
             *scale_strides(k_scale),
             GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_H=max(8, triton.next_power_of_2(group)),
             DOT_PRECISION=dot_precision(q.dtype), INTERPRET=tuning.INTERPRET, FP8=fp8,
-            V_KEY_MAJOR=v_key_major, **cfg, **pdl_launch(q))
+            V_KEY_MAJOR=v_key_major, **cfg)
         if num_splits > 1:
             _merge_splits_kernel[(batch, num_q_heads)](
                 scratch, m, l, seq_lens, out, num_q_heads, out.stride(0), out.stride(1),
                 HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
-                SPLIT_MIN=cfg["SPLIT_MIN"], BLOCK_N=cfg["BLOCK_N"], **pdl_launch(q))
+                SPLIT_MIN=cfg["SPLIT_MIN"], BLOCK_N=cfg["BLOCK_N"])
 
     if config is None:
         bucket = decode_attention_bucket(q.dtype, head_dim, group, num_kv_heads, block_size, batch, context,

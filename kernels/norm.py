@@ -3,7 +3,6 @@ import torch
 import triton
 import triton.language as tl
 
-from tritonllm.kernels.pdl import pdl_launch, pdl_wait
 from tritonllm.kernels.tuning import Tunable, dtype_name, pow2
 
 
@@ -11,9 +10,8 @@ from tritonllm.kernels.tuning import Tunable, dtype_name, pow2
 def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, y_ptr, h_ptr,
     n_rows, n_cols, x_stride, residual_stride, y_stride, h_stride, eps,
-    HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    pdl_wait(PDL)
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < n_cols
@@ -71,7 +69,7 @@ def _norm(tunable, x, residual, weight, y, h, eps):
         _rms_norm_kernel[grid](
             x, residual, weight, y, h, n_rows, n_cols,
             x.stride(0), residual.stride(0), y.stride(0), h.stride(0), eps,
-            HAS_RESIDUAL=has_residual, BLOCK_N=block_n, **config, **pdl_launch(x),
+            HAS_RESIDUAL=has_residual, BLOCK_N=block_n, **config,
         )
 
     restore = (x, residual) if has_residual else ()

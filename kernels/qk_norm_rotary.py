@@ -11,7 +11,6 @@ import triton.language as tl
 from tritonllm.kernels import tuning
 from tritonllm.kernels.fp8 import check_kv_scales, e4m3_scale, from_e4m3, scale_offsets, scale_strides, to_e4m3
 from tritonllm.kernels.kv_cache import check_block_copies, check_store_caches, slot_offsets
-from tritonllm.kernels.pdl import pdl_launch, pdl_wait
 from tritonllm.kernels.tuning import INTERPRET, Tunable, dtype_name, pow2
 
 
@@ -62,9 +61,8 @@ def _qk_norm_rotary_store_kernel(
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr, TOKENS: tl.constexpr,
     FP8: tl.constexpr, INTERPRET: tl.constexpr, V_BLOCK_SIZE: tl.constexpr, V_KEY_MAJOR: tl.constexpr,
-    SCALE_BLOCK: tl.constexpr, COPY: tl.constexpr, PDL: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr, COPY: tl.constexpr,
 ):
-    pdl_wait(PDL)
     # Each program handles TOKENS tokens: all their q, k and v heads. Tensors are
     # [TOKENS, heads, BLOCK_HALF]; a head is processed as its two rotary halves.
     tokens = (tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)).to(tl.int64)
@@ -262,7 +260,7 @@ def qk_norm_rotary_store(positions, qkv, q_weight, k_weight, eps, cos_sin_cache,
             NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
             BLOCK_QH=block_qh, BLOCK_KH=block_kh, BLOCK_HALF=block_half, FP8=fp8, INTERPRET=INTERPRET,
             V_BLOCK_SIZE=k_cache.shape[1] if v_key_major else 1, V_KEY_MAJOR=v_key_major,
-            SCALE_BLOCK=k_cache.shape[1] if fp8 else 1, COPY=copy, **config, **pdl_launch(qkv),
+            SCALE_BLOCK=k_cache.shape[1] if fp8 else 1, COPY=copy, **config,
         )
 
     # The launch only writes q_out and cache slots it fully determines: repeating it is harmless.

@@ -3,13 +3,11 @@ import torch
 import triton
 import triton.language as tl
 
-from tritonllm.kernels.pdl import pdl_launch, pdl_wait
 from tritonllm.kernels.tuning import Tunable, dtype_name, pow2
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, y_ptr, inter, x_stride, y_stride, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    pdl_wait(PDL)
+def _silu_and_mul_kernel(x_ptr, y_ptr, inter, x_stride, y_stride, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -56,7 +54,7 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
 
     def launch(config):
         grid = (n_rows, triton.cdiv(inter, config["BLOCK"]))
-        _silu_and_mul_kernel[grid](x, y, inter, x.stride(0), y.stride(0), **config, **pdl_launch(x))
+        _silu_and_mul_kernel[grid](x, y, inter, x.stride(0), y.stride(0), **config)
 
     launch(_TUNING.config(silu_and_mul_bucket(x.dtype, inter, n_rows), launch))
     return y
