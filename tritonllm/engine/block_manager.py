@@ -105,11 +105,14 @@ class BlockManager:
 
     def register_computed_blocks(self, seq: Sequence) -> None:
         """Register the full blocks whose K/V are now computed, so later requests can hit them."""
-        for i in range(seq.num_hashed_blocks, seq.num_computed_tokens // self.block_size):
+        full = seq.num_computed_tokens // self.block_size
+        if full <= seq.num_hashed_blocks:  # the common case: called for every token, a block fills every block_size
+            return
+        for i in range(seq.num_hashed_blocks, full):
             block = self.blocks[seq.block_table[i]]
             if block.hash == -1:
                 parent = self.blocks[seq.block_table[i - 1]].hash if i else -1
                 block.token_ids = seq.block_tokens(i)
                 block.hash = block_hash(block.token_ids, parent)
                 self.hash_to_block.setdefault(block.hash, block.block_id)
-        seq.num_hashed_blocks = max(seq.num_hashed_blocks, seq.num_computed_tokens // self.block_size)
+        seq.num_hashed_blocks = full

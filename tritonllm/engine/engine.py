@@ -292,14 +292,13 @@ class LLMEngine:
     def _advance(self, request: Request, sample: Sample) -> RequestOutput | None:
         """The one place a sample finishes: EOS or a stop token, a stop string, max_tokens."""
         seq, params = sample.seq, sample.seq.params
-        completion = seq.completion_token_ids
-        token = completion[-1]
+        num_completion, token = seq.num_known_completion_tokens, seq.token_ids[-1]
         reason = None
-        if len(completion) > params.min_tokens and (token in params.stop_token_ids
-                                                    or (not params.ignore_eos and token in self.eos_ids)):
+        if num_completion > params.min_tokens and (token in params.stop_token_ids
+                                                   or (not params.ignore_eos and token in self.eos_ids)):
             reason = "stop"
-        last = reason is not None or len(completion) >= params.max_tokens
-        if sample.text is not None and sample.text.update(completion, final=last):
+        last = reason is not None or num_completion >= params.max_tokens
+        if sample.text is not None and sample.text.update(seq.completion_token_ids, final=last):
             reason = "stop"
         if reason is None and last:
             reason = "length"

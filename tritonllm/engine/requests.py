@@ -65,9 +65,9 @@ def step_output(request: Request, sample: Sample, finished: bool, tokenizer) -> 
     """The sample's tokens, text and logprobs since its last output; the final output if finished."""
     seq, params = sample.seq, sample.seq.params
     start = sample.num_emitted
-    sample.num_emitted = len(seq.completion_token_ids)
+    sample.num_emitted = seq.num_known_completion_tokens
     delta = sample.text.delta(finished) if request.stream and sample.text is not None else ""
-    return RequestOutput(request.request_id, seq.completion_token_ids[start:], delta, finished,
+    return RequestOutput(request.request_id, seq.token_ids[seq.num_prompt_tokens + start:], delta, finished,
                          final_output(sample, tokenizer) if finished else None, sample.index,
                          seq.logprobs[start:] if params.wants_logprobs else None,
                          seq.top_logprobs[start:] if params.top_logprobs else None)

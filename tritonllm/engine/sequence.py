@@ -50,6 +50,11 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
+    def num_known_completion_tokens(self) -> int:
+        """len(completion_token_ids), without copying them (it is asked for every token)."""
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
     def num_completion_tokens(self) -> int:
         """Sampled tokens, those still pending included."""
         return len(self) - self.num_prompt_tokens
