@@ -10,6 +10,8 @@ Also counts kernel launches per step and layer, and splits the idle time by gap 
 trace: gaps of a few microseconds sit between the kernels of one CUDA graph or launch sequence,
 long ones are the GPU waiting for the host; the long gaps are also counted by the kinds of
 kernel before and after them, which tells which step or launch left the GPU waiting.
+Last, the decode steps by batch size: the host's busy time a step (schedule, build, launch, resolve) and its
+wait for the previous step's sampled ids; steps that barely waited left the GPU idle until their launch.
 """
 import argparse
 import json
@@ -25,6 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 from throughput import warm_up, workload
 from tritonllm import LLM
 from tritonllm.config import KV_CACHE_DTYPES
+from tritonllm.engine.model_runner import SampledTokens
 from tritonllm.loader import load_config
 
 KINDS = [  # first match wins, on the kernel's name
@@ -80,6 +83,47 @@ def print_gaps(gaps: list[tuple[float, str, str]], long_us: float = 20.0, rows: 
         print(f"| {before} | {after} | {count} | {seconds:.3f} |")
 
 
+class StepClock:
+    """Each step's host time, split into the wait for the previous step's sampled ids (the GPU still
+    busy) and the rest (schedule, build, launch, resolve: the host busy). A decode step that barely
+    waited found the GPU done before its launch: the GPU idled for the host in between."""
+
+    def __init__(self):
+        self.rows = []  # (batch, is_prefill, host busy s, wait s)
+        self._wait = 0.0
+        self._result = SampledTokens.result
+        clock = self
+
+        def timed_result(tokens, check=None):
+            start = time.perf_counter()
+            try:
+                return clock._result(tokens, check)
+            finally:
+                clock._wait += time.perf_counter() - start
+        SampledTokens.result = timed_result
+
+    def step(self, llm):
+        self._wait, start = 0.0, time.perf_counter()
+        outputs = llm.step()
+        if llm.last_step is not None:
+            num_tokens, is_prefill, _ = llm.last_step
+            self.rows.append((num_tokens, is_prefill, time.perf_counter() - start - self._wait, self._wait))
+        return outputs
+
+    def close(self):
+        SampledTokens.result = self._result
+
+    def print(self, waited_us: float = 20.0):
+        print(f"\n| decode batch | steps | host busy ms a step | wait ms a step | steps that waited < {waited_us:g} us |"
+              "\n|---|---|---|---|---|")
+        bounds = (1, 32, 64, 128, 256, float("inf"))
+        for low, high in zip(bounds, bounds[1:]):
+            rows = [(busy, wait) for batch, prefill, busy, wait in self.rows if not prefill and low <= batch < high]
+            if rows:
+                print(f"| {low}-{high - 1:g} | {len(rows)} | {1e3 * sum(b for b, _ in rows) / len(rows):.2f} | "
+                      f"{1e3 * sum(w for _, w in rows) / len(rows):.2f} | {sum(w < waited_us / 1e6 for _, w in rows)} |")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen3-0.6b", help="preset name (dummy weights) or checkpoint folder")
@@ -89,7 +133,7 @@ def main():
     parser.add_argument("--trace", type=Path, help="also write a Chrome trace here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("bench/profile.py needs a CUDA GPU")
+        raise SystemExit("bench/breakdown.py needs a CUDA GPU")
     config = load_config(args.model)
     prompts, params = workload(args.num_seqs, 1024, 1024, min(10000, config.vocab_size - 1))
     llm = LLM(args.model, max_model_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype)
@@ -99,14 +143,16 @@ def main():
     for prompt, p in zip(prompts, params):
         llm.add_request(prompt, p, stream=False)
     torch.cuda.synchronize()
+    clock = StepClock()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:  # kernels only: CPU op tracing would slow the host
         start = time.perf_counter()
         while llm.has_unfinished():
-            outputs += [out.output for out in llm.step()]
+            outputs += [out.output for out in clock.step(llm)]
             if llm.last_step is not None:
                 steps[llm.last_step[1]] += 1  # is_prefill
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
+    clock.close()
     gaps = idle_gaps(prof, args.trace)
 
     by_kind, launches, names = defaultdict(float), Counter(), defaultdict(list)
@@ -129,6 +175,7 @@ def main():
         print(f"\n{kind} kernels, longest first: " + "; ".join(
             f"{name[:70]} {seconds:.3f} s x{count}" for seconds, count, name in sorted(names[kind], reverse=True)[:8]))
     print_gaps(gaps)
+    clock.print()
     per_step = steps[True] + steps[False]
     print(f"\nkernel launches per step and layer ({config.num_hidden_layers} layers; sampler and LM head included): "
           + ", ".join(f"{kind} {n / per_step / config.num_hidden_layers:.2f}" for kind, n in sorted(launches.items()))
