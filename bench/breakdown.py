@@ -139,7 +139,7 @@ def main():
     llm = LLM(args.model, max_model_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype)
     warm_up(llm, prompts)
 
-    steps, outputs = Counter(), []
+    outputs = []
     for prompt, p in zip(prompts, params):
         llm.add_request(prompt, p, stream=False)
     torch.cuda.synchronize()
@@ -148,11 +148,10 @@ def main():
         start = time.perf_counter()
         while llm.has_unfinished():
             outputs += [out.output for out in clock.step(llm)]
-            if llm.last_step is not None:
-                steps[llm.last_step[1]] += 1  # is_prefill
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
     clock.close()
+    steps = Counter(is_prefill for _, is_prefill, _, _ in clock.rows)
     gaps = idle_gaps(prof, args.trace)
 
     by_kind, launches, names = defaultdict(float), Counter(), defaultdict(list)

@@ -13,7 +13,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from timing import BF16_FLOPS_PER_S, COPY_BYTES_PER_S, L2_BYTES, graph_time_ms
+from timing import BF16_FLOPS_PER_S, COPY_BYTES_PER_S, graph_time_ms, input_sets
 from tritonllm.loader import load_config
 
 
@@ -26,13 +26,13 @@ def layer_shapes(config) -> dict[str, tuple[int, int]]:
             "down": (config.hidden_size, config.intermediate_size), "lm_head": (config.vocab_size, config.hidden_size)}
 
 
+def gemm_bytes(batch: int, n: int, k: int) -> int:
+    """bf16 bytes a GEMM of [batch, k] x [k, n] moves at least: weights, input and output."""
+    return (n * k + batch * (n + k)) * 2
+
+
 def floor_us(batch: int, n: int, k: int) -> float:
-    return 1e6 * max((n * k + batch * (n + k)) * 2 / COPY_BYTES_PER_S, 2 * batch * n * k / BF16_FLOPS_PER_S)
-
-
-def weight_sets(shapes: list[tuple[int, int]]) -> int:
-    """Enough copies of the weights that cycling through them misses L2."""
-    return max(2, -(-2 * L2_BYTES // sum(2 * n * k for n, k in shapes)))
+    return 1e6 * max(gemm_bytes(batch, n, k) / COPY_BYTES_PER_S, 2 * batch * n * k / BF16_FLOPS_PER_S)
 
 
 def main():
@@ -49,13 +49,13 @@ def main():
     for batch in args.batches:
         for name, (n, k) in shapes.items():
             sets = [(torch.randn(batch, k, **bf16), torch.randn(n, k, **bf16) * 0.02)
-                    for _ in range(weight_sets([(n, k)]))]
+                    for _ in range(input_sets(gemm_bytes(batch, n, k)))]
             us = 1e3 * graph_time_ms(F.linear, sets)
             floor = floor_us(batch, n, k)
             print(f"| {batch} | {name} | {us:.1f} | {floor:.1f} | {floor / us:.0%} | {2 * batch * n * k / us / 1e6:.0f} | "
-                  f"{(n * k + batch * (n + k)) * 2 / us / 1e3:.0f} |")
+                  f"{gemm_bytes(batch, n, k) / us / 1e3:.0f} |")
         sets = [tuple(t for n, k in layer for t in (torch.randn(batch, k, **bf16), torch.randn(n, k, **bf16) * 0.02))
-                for _ in range(weight_sets(layer))]
+                for _ in range(input_sets(sum(gemm_bytes(batch, n, k) for n, k in layer)))]
 
         def four(*tensors):
             for x, w in zip(tensors[::2], tensors[1::2]):

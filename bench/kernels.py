@@ -20,7 +20,7 @@ import triton
 from kernel_cases import all_cases
 from moe_cases import moe_cases
 from prefill_cases import prefill_cases
-from timing import BF16_FLOPS_PER_S, COPY_BYTES_PER_S, L2_BYTES, graph_time_ms, time_ms
+from timing import BF16_FLOPS_PER_S, COPY_BYTES_PER_S, graph_time_ms, input_sets, time_ms
 from tritonllm.kernels import tuning
 
 
@@ -46,8 +46,8 @@ def run_case(case) -> Result:
     else:
         for config, ms in tunable.results.get(key, []):
             print(f"   {ms * 1e3:10.1f} us  {config}")
-    if case.graph:  # enough input sets to fill 3x L2, at most 64
-        arg_sets = [args] + [case.make() for _ in range(min(63, 3 * L2_BYTES // max(case.bytes, 1)))]
+    if case.graph:
+        arg_sets = [args] + [case.make() for _ in range(input_sets(case.bytes) - 1)]
         timer = lambda fn: graph_time_ms(fn, arg_sets)  # noqa: E731
     else:
         timer = lambda fn: time_ms(lambda: fn(*args))  # noqa: E731

@@ -17,14 +17,14 @@ N 1536, H 4096) at 1 to 16384 tokens.
 import torch
 
 from kernel_cases import Case, randn, reference_anchors
-from timing import L2_BYTES
+from timing import MAX_INPUT_SETS, input_sets
 from tritonllm import kernels
 from tritonllm.kernels import reference
 
 SHAPES = {"30B-A3B": (128, 8, 768, 2048), "30B-A3B TP2": (128, 8, 384, 2048), "235B-A22B": (128, 8, 1536, 4096)}
 TOKENS = (1, 16, 64, 256, 4096, 16384)
 DECODE_MAX = 256  # up to this many tokens: bytes and CUDA graphs; past it FLOPs
-SETS = 64  # the most input sets bench/kernels.py times a graph over
+SETS = MAX_INPUT_SETS  # router logits for every input set bench/kernels.py may time
 
 _weights = {}
 
@@ -51,7 +51,7 @@ def touched_bytes(tokens, experts, top_k, inter, hidden):
         return distinct * 3 * inter * hidden * 2 + tokens * (experts + 2 * hidden) * 2
 
     estimate = sum(moved(i) for i in range(SETS)) // SETS
-    used = 1 + min(SETS - 1, 3 * L2_BYTES // estimate)  # bench/kernels.py's count of graph input sets
+    used = input_sets(estimate)  # as many as bench/kernels.py will time
     return sum(moved(i) for i in range(used)) // used
 
 

@@ -13,12 +13,19 @@ from triton.testing import do_bench
 COPY_BYTES_PER_S = 4.24e12  # device-to-device copy: the ceiling of memory-bound kernels
 BF16_FLOPS_PER_S = 690e12  # bf16 GEMM: the ceiling of compute-bound kernels
 L2_BYTES = 50 * 2**20
+MAX_INPUT_SETS = 64  # the most input sets a graph timing cycles through
 WARM_UP_S = 0.1  # seconds of graph replays before the timed ones (see graph_time_ms)
 
 
 def time_ms(fn) -> float:
     """Median time of fn in ms; do_bench warms up and flushes L2 between repetitions."""
     return do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+def input_sets(bytes_per_set: int) -> int:
+    """How many input sets a graph timing cycles through: enough to fill 3x L2, so each call reads its
+    inputs from memory, and at most MAX_INPUT_SETS."""
+    return 1 + min(MAX_INPUT_SETS - 1, 3 * L2_BYTES // max(bytes_per_set, 1))
 
 
 def graph_time_ms(fn, arg_sets: list[tuple], replays: int = 30) -> float:
