@@ -1,4 +1,4 @@
-"""The decode step's GEMMs against their floors: cuBLAS (F.linear) and kernels.linear (the engine's) at decode batch sizes.
+"""The decode step's GEMMs against their floors: cuBLAS (F.linear, as the engine calls it) at decode batch sizes.
 
     python bench/decode_gemms.py [--model qwen3-0.6b] [--batches 8 16 32 64 128 256]
 
@@ -6,20 +6,15 @@ For each batch B: a layer's four projections (q/k/v, o, gate/up, down) and the L
 alone, then the four of a layer back to back in one graph (the engine's order, with the kernels in
 between left out), as graph replays over weight sets larger than L2. The floor of a GEMM is the larger
 of its bytes (weights, input, output) over the copy ceiling and its FLOPs over the bf16 GEMM ceiling.
-kernels.linear runs its tuned configs (bench/kernels.py --only linear tunes them, from `linear_cases`).
-NOTES-linear.md has the numbers.
+NOTES-engine.md has the workload's sum: the decode GEMMs ran at about 42% of their floor.
 """
 import argparse
 
 import torch
 import torch.nn.functional as F
 
-from kernel_cases import Case
 from timing import BF16_FLOPS_PER_S, COPY_BYTES_PER_S, graph_time_ms, input_sets
-from tritonllm import kernels
 from tritonllm.loader import load_config
-
-PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 
 def layer_shapes(config) -> dict[str, tuple[int, int]]:
@@ -40,18 +35,6 @@ def floor_us(batch: int, n: int, k: int) -> float:
     return 1e6 * max(gemm_bytes(batch, n, k) / COPY_BYTES_PER_S, 2 * batch * n * k / BF16_FLOPS_PER_S)
 
 
-def linear_cases(quick: bool, model: str = "qwen3-0.6b") -> list[Case]:
-    """bench/kernels.py's cases of kernels.linear: a layer's four projections at the engine's decode
-    batch buckets, bf16, graph-timed against cuBLAS; bytes as gemm_bytes."""
-    shapes = layer_shapes(load_config(model))
-    batches = (16, 256) if quick else (1, 2, 4, 8, 16, 32, 64, 128, 256)
-    bf16 = dict(dtype=torch.bfloat16, device="cuda")
-    return [Case("linear", f"{name} N{n} K{k} M{batch} bf16",
-                 lambda b=batch, n=n, k=k: (torch.randn(b, k, **bf16), torch.randn(n, k, **bf16) * k**-0.5),
-                 kernels.linear, {"cuBLAS": F.linear}, bytes=gemm_bytes(batch, n, k), graph=True)
-            for batch in batches for name in PROJECTIONS for n, k in [shapes[name]]]
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen3-0.6b", help="preset name or checkpoint folder")
@@ -61,33 +44,25 @@ def main():
         raise SystemExit("bench/decode_gemms.py needs a CUDA GPU")
     shapes = layer_shapes(load_config(args.model))
     bf16 = dict(dtype=torch.bfloat16, device="cuda")
-    gemms = {"cuBLAS": F.linear, "triton": kernels.linear}
-    print(f"{args.model}: (N, K) {shapes}\n\n| B | GEMM | floor us | cuBLAS us | of floor | triton us | of floor | "
-          "triton GB/s | cuBLAS / triton |\n|---|---|---|---|---|---|---|---|---|")
-    layer = [shapes[name] for name in PROJECTIONS]
-
-    def row(batch, name, floor, times, moved):
-        cublas, triton = times["cuBLAS"], times["triton"]
-        print(f"| {batch} | {name} | {floor:.1f} | {cublas:.1f} | {floor / cublas:.0%} | {triton:.1f} | "
-              f"{floor / triton:.0%} | {moved / triton / 1e3:.0f} | {cublas / triton:.2f} |")
-
+    print(f"{args.model}: (N, K) {shapes}\n\n| B | GEMM | us | floor us | of floor | TFLOP/s | GB/s |\n|---|---|---|---|---|---|---|")
+    layer = [shapes[name] for name in ("qkv", "o", "gate_up", "down")]
     for batch in args.batches:
         for name, (n, k) in shapes.items():
             sets = [(torch.randn(batch, k, **bf16), torch.randn(n, k, **bf16) * 0.02)
                     for _ in range(input_sets(gemm_bytes(batch, n, k)))]
-            times = {label: 1e3 * graph_time_ms(fn, sets) for label, fn in gemms.items()}
-            row(batch, name, floor_us(batch, n, k), times, gemm_bytes(batch, n, k))
+            us = 1e3 * graph_time_ms(F.linear, sets)
+            floor = floor_us(batch, n, k)
+            print(f"| {batch} | {name} | {us:.1f} | {floor:.1f} | {floor / us:.0%} | {2 * batch * n * k / us / 1e6:.0f} | "
+                  f"{gemm_bytes(batch, n, k) / us / 1e3:.0f} |")
         sets = [tuple(t for n, k in layer for t in (torch.randn(batch, k, **bf16), torch.randn(n, k, **bf16) * 0.02))
                 for _ in range(input_sets(sum(gemm_bytes(batch, n, k) for n, k in layer)))]
 
-        def four(fn):
-            def run(*tensors):
-                for x, w in zip(tensors[::2], tensors[1::2]):
-                    fn(x, w)
-            return run
-        times = {label: 1e3 * graph_time_ms(four(fn), sets) for label, fn in gemms.items()}
-        row(batch, "a layer's four, back to back", sum(floor_us(batch, n, k) for n, k in layer), times,
-            sum(gemm_bytes(batch, n, k) for n, k in layer))
+        def four(*tensors):
+            for x, w in zip(tensors[::2], tensors[1::2]):
+                F.linear(x, w)
+        us = 1e3 * graph_time_ms(four, sets)
+        floor = sum(floor_us(batch, n, k) for n, k in layer)
+        print(f"| {batch} | a layer's four, back to back | {us:.1f} | {floor:.1f} | {floor / us:.0%} | | |")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ from pathlib import Path
 import torch
 import triton
 
-from decode_gemms import linear_cases
 from kernel_cases import all_cases
 from moe_cases import moe_cases
 from prefill_cases import prefill_cases
@@ -85,7 +84,7 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("bench/kernels.py needs a CUDA GPU (the interpreter cannot time kernels)")
     torch.manual_seed(0)
-    cases = all_cases(args.quick) + linear_cases(args.quick) + prefill_cases(args.quick) + moe_cases(args.quick)
+    cases = all_cases(args.quick) + prefill_cases(args.quick) + moe_cases(args.quick)
     if args.only:  # in the order given
         cases = [case for name in args.only for case in cases if case.kernel == name]
     if args.match:

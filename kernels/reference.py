@@ -129,13 +129,6 @@ def silu_and_mul(x):
     return (gate.to(xf.dtype) * xf[..., inter:]).to(x.dtype)
 
 
-def linear(x, weight, bias=None, *, out=None):
-    """y = x @ weight.T (+ bias) in float32 (float64 for float64 x), rounded once to x's dtype."""
-    dtype = _compute_dtype(x.dtype)
-    y = torch.nn.functional.linear(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
-    return y.to(x.dtype) if out is None else out.copy_(y)
-
-
 def moe_route(router_logits, top_k, renormalize):
     """Softmax over the experts (float32, float64 for float64 logits), the top_k largest (ties to the
     lower expert: a stable sort), divided by their sum if renormalize; (weights, ids int32) [T, top_k]."""

@@ -121,15 +121,6 @@ def cases():
                 t(600, 16, hk, 128, dtype=torch.float8_e4m3fn), key_major_e4m3(600, 16, hk, 128),
                 t(n, dtype=torch.int32), hq, hk, k_scale=t(600, 16, hk, dtype=torch.float32),
                 v_scale=t(600, 16, hk, dtype=torch.float32)))
-    from tritonllm.kernels import linear
-
-    # The decode projections of Qwen3-0.6B at 1, 16 and 256 rows (default configs), and the largest tile.
-    for dtype in (torch.float16, torch.bfloat16):
-        for rows, n, k in [(1, 4096, 1024), (16, 1024, 3072), (256, 6144, 1024), (100, 1024, 2048)]:
-            calls.append(lambda d=dtype, m=rows, n=n, k=k: linear(torch.zeros(m, k, dtype=d), torch.zeros(n, k, dtype=d)))
-        calls.append(lambda d=dtype: linear(torch.zeros(256, 1024, dtype=d), torch.zeros(4096, 1024, dtype=d),
-                                            config={"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 256, "SPLIT_K": 2,
-                                                    "num_warps": 4, "num_stages": 4}))
     from tritonllm.kernels import gather_kv_blocks
 
     # The copies prefill takes of an e4m3 cache (V key-major), and of a bf16 one.

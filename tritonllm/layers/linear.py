@@ -3,9 +3,8 @@
 `loaded` in the weight loaders is a torch tensor or a safetensors slice (read lazily, so each
 rank reads only its part of the checkpoint).
 """
-from types import ModuleType
-
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tritonllm.distributed import all_reduce, tp_rank, tp_size
@@ -32,11 +31,8 @@ def copy_weight(param: nn.Parameter, loaded) -> None:
 
 
 class LinearBase(nn.Module):
-    """ops: the kernel backend whose `linear` computes y = x W^T (+ b) (layers/ops.py)."""
-
-    def __init__(self, input_size: int, output_size: int, bias: bool, ops: ModuleType):
+    def __init__(self, input_size: int, output_size: int, bias: bool):
         super().__init__()
-        self.ops = ops
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
@@ -49,25 +45,25 @@ class LinearBase(nn.Module):
 class ColumnParallelLinear(LinearBase):
     """y = x W^T with W's output rows split over the ranks; y stays split."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, *, ops: ModuleType):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
         if output_size % tp_size():
             raise ValueError(f"output size {output_size} is not divisible by tensor_parallel_size {tp_size()}")
-        super().__init__(input_size, output_size // tp_size(), bias, ops)
+        super().__init__(input_size, output_size // tp_size(), bias)
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None):
         size = param.shape[0]
         param.data.copy_(narrow(loaded, 0, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs in one GEMM (gate and up): shard i sits after shards < i."""
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, *, ops: ModuleType):
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
         self.output_sizes = output_sizes
-        super().__init__(input_size, sum(output_sizes), bias, ops=ops)
+        super().__init__(input_size, sum(output_sizes), bias)
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id: int):
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
@@ -78,14 +74,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 class QKVParallelLinear(ColumnParallelLinear):
     """Packed q, k, v projections; each rank holds its query heads and its KV heads."""
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False, *,
-                 ops: ModuleType):
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
         for name, heads in (("num_attention_heads", num_heads), ("num_key_value_heads", num_kv_heads)):
             if heads % tp_size():
                 raise ValueError(f"{name}={heads} is not divisible by tensor_parallel_size {tp_size()}")
         self.head_dim = head_dim
         self.num_heads, self.num_kv_heads = num_heads // tp_size(), num_kv_heads // tp_size()
-        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias, ops=ops)
+        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id: str):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -96,10 +91,10 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(LinearBase):
     """y = x W^T with W's input columns split over the ranks; partial sums all-reduced."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, *, ops: ModuleType):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
         if input_size % tp_size():
             raise ValueError(f"input size {input_size} is not divisible by tensor_parallel_size {tp_size()}")
-        super().__init__(input_size // tp_size(), output_size, bias, ops)
+        super().__init__(input_size // tp_size(), output_size, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None):
         if param.dim() == 1:  # the bias is added once, on rank 0
@@ -110,4 +105,4 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None
-        return all_reduce(self.ops.linear(x, self.weight, bias))
+        return all_reduce(F.linear(x, self.weight, bias))
