@@ -17,8 +17,6 @@ the K/V bytes; each tile also reads its keys' scales (kernels/paged.py). Over it
 warp by default: converting the bytes costs instructions, and one-warp tiles reduce over their keys
 with shuffles instead of barriers while more programs an SM keep the loads in flight.
 """
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -229,16 +227,11 @@ def _merge_splits_kernel(
     tl.store(o_ptr + o_offsets, out.to(o_ptr.dtype.element_ty))
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def num_sms() -> int:
     """SMs of the current GPU; 1 under the interpreter, where every program runs serially."""
     if tuning.INTERPRET or not torch.cuda.is_available():
         return 1
-    return _sm_count(torch.cuda.current_device())
+    return tuning.sm_count(torch.cuda.current_device())
 
 
 def default_num_splits(batch, num_kv_heads, context, split_min, sms, programs_per_sm=PROGRAMS_PER_SM):

@@ -373,10 +373,11 @@ def supports(q, k_cache, v_cache, group, v_key_major, fp8) -> bool:
             and k_cache.data_ptr() % 16 == 0 and v_cache.data_ptr() % 16 == 0)
 
 
-@functools.cache
 def _sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a GPU (132 for CPU tensors: the sm_90 compile checks)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    if device.type != "cuda":
+        return 132
+    return tuning.sm_count(torch.cuda.current_device() if device.index is None else device.index)
 
 
 def prefill_attention_hopper(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out, qk_scale, group,

@@ -32,6 +32,12 @@ def has_tma(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
+@functools.cache
+def sm_count(device_index: int) -> int:
+    """Streaming multiprocessors of CUDA device `device_index`."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def pow2(n: int) -> int:
     """The bucket of a size: the next power of two (at least 1)."""
     return triton.next_power_of_2(max(int(n), 1))
