@@ -1,5 +1,5 @@
 """Triton kernels of tritonllm; kernels/reference.py holds the PyTorch reference of each, README.md the contract."""
-from tritonllm.kernels.decode_attention import decode_attention, fused_decode_attention
+from tritonllm.kernels.decode_attention import decode_attention
 from tritonllm.kernels.fused_moe import fused_moe
 from tritonllm.kernels.kv_cache import gather_kv_blocks, store_kv_cache
 from tritonllm.kernels.logprobs import compute_logprobs, compute_top_logprobs

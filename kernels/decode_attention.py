@@ -25,15 +25,12 @@ from tritonllm.kernels import tuning
 from tritonllm.kernels.fp8 import block_scale_offsets, fp8_dot_operand, from_e4m3, scale_strides
 from tritonllm.kernels.paged import (LOG2E, _key_blocks, _key_major_keys, _load_scales, _relative_v_scales,
                                     cache_bucket, check_paged_inputs, dot_precision)
-from tritonllm.kernels.qk_norm_rotary import _decode_prologue
 
 PROGRAMS_PER_SM = 3  # resident programs per SM that hide memory latency without extra splits
 # Over an e4m3 cache a program is one warp: the softmax's reductions over a tile's keys stay inside
 # the warp (shuffles, no barriers), and twice as many programs an SM keep the bytes in flight.
 FP8_PROGRAMS_PER_SM = 6
 MAX_BATCH = 65535  # sequences are the grid's third dimension, which CUDA caps there
-NO_PROLOGUE = {"positions_ptr": None, "slot_ptr": None, "q_weight_ptr": None, "k_weight_ptr": None,
-               "cos_sin_ptr": None, "cos_sin_stride": 0, "eps": 0.0}
 
 
 @triton.jit
@@ -131,18 +128,16 @@ def _decode_tile(acc, m_i, l_i, v_ref, qt, k_cache, v_cache, k_scale_ptr, v_scal
     return acc, m_new, l_i, v_ref
 
 
-@triton.jit(do_not_specialize=["stride_block_table", "eps"])  # eager steps: the widest table varies
+@triton.jit(do_not_specialize=["stride_block_table"])  # eager steps: the widest table varies
 def _decode_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, o_ptr, acc_ptr, m_ptr, l_ptr, seq_lens_ptr,
     block_tables_ptr, qk_scale, num_q_heads,
     stride_q_batch, stride_q_head, stride_o_batch, stride_o_head,
     stride_cache_block, stride_cache_token, stride_cache_head, stride_block_table,
     stride_scale_block, stride_scale_token, stride_scale_head,
-    positions_ptr, slot_ptr, q_weight_ptr, k_weight_ptr, cos_sin_ptr, cos_sin_stride, eps,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_MIN: tl.constexpr,
     DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr, FP8: tl.constexpr, V_KEY_MAJOR: tl.constexpr,
-    PROLOGUE: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
 ):
     # Split fastest, sequence slowest: programs start in row order, a row's all together.
     split = tl.program_id(0)
@@ -160,20 +155,8 @@ def _decode_attention_kernel(
     head = kv_head * GROUP + rows
     row_mask = rows < GROUP
     offs_d = tl.arange(0, HEAD_DIM)
-    if PROLOGUE:
-        # q_ptr is the row's packed q/k/v: this program norms and rotates its heads' q; the one
-        # whose split holds the row's last key first stores that key and value, then reads them
-        # back in its last tile.
-        slot = tl.load(slot_ptr + seq).to(tl.int64)
-        store = (seq_len > 0) & (slot >= 0) & ((seq_len - 1) // split_len == split)
-        q = _decode_prologue(q_ptr + seq.to(tl.int64) * stride_q_batch, tl.load(positions_ptr + seq).to(tl.int64),
-                             slot, q_weight_ptr, k_weight_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr,
-                             v_scale_ptr, kv_head, num_q_heads, cos_sin_stride, eps, stride_scale_block,
-                             stride_scale_token, stride_scale_head, store, GROUP, BLOCK_H, HEAD_DIM, NUM_KV_HEADS,
-                             BLOCK_SIZE if V_KEY_MAJOR else 1, V_KEY_MAJOR, BLOCK_SIZE, FP8, INTERPRET)
-    else:
-        q_rows = seq.to(tl.int64) * stride_q_batch + head * stride_q_head
-        q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_mask[:, None], other=0.0)
+    q_rows = seq.to(tl.int64) * stride_q_batch + head * stride_q_head
+    q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_mask[:, None], other=0.0)
     if INTERPRET:
         q = q.to(tl.float32)
     elif FP8:
@@ -328,52 +311,6 @@ def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale=None, *,
     out: optional [B, Hq, D] output buffer written in place. config: launch config overriding the
     tuned/default one (tests, benchmarks). Returns o [B, Hq, D] in q's dtype (`out` if given).
     """
-    return _decode(q, k_cache, v_cache, seq_lens, block_tables, scale, max_seq_len, out, config, k_scale, v_scale)
-
-
-def fused_decode_attention(positions, qkv, q_weight, k_weight, eps, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                           seq_lens, block_tables, num_heads, num_kv_heads, scale=None, *,
-                           max_seq_len: int | None = None, out: torch.Tensor | None = None,
-                           config: dict | None = None, k_scale: torch.Tensor | None = None,
-                           v_scale: torch.Tensor | None = None):
-    """qk_norm_rotary_store then decode_attention on a decode step's packed QKV rows, in one launch
-    (plus the split merge); CUDA-graph capturable.
-
-    The arguments are those two functions': qkv [B, (Hq + 2*Hkv) * D] holds one new token per
-    sequence at positions[b] (its last position, seq_lens[b] - 1) going to cache slot
-    slot_mapping[b] (< 0: not stored, as store_kv_cache skips it). Every program normalizes and
-    rotates the q heads it attends with, and the program whose split holds a sequence's last key
-    first stores that key and value (with their scales in an e4m3 cache), so the cache ends as
-    qk_norm_rotary_store leaves it. q itself is never written out. Returns o [B, Hq, D] in qkv's
-    dtype (`out` if given).
-    """
-    if qkv.dim() != 2 or qkv.stride(1) != 1:
-        raise ValueError(f"qkv must be [B, (Hq + 2*Hkv) * D] with a contiguous last dim, got {tuple(qkv.shape)}")
-    batch, head_dim = qkv.shape[0], k_cache.shape[-1]
-    if num_heads <= 0 or num_kv_heads <= 0 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim:
-        raise ValueError(f"qkv width {qkv.shape[1]} is not (Hq + 2*Hkv) * D with Hq={num_heads}, Hkv={num_kv_heads}, "
-                         f"D={head_dim} (the cache's)")
-    if q_weight.shape != (head_dim,) or k_weight.shape != (head_dim,):
-        raise ValueError(f"q_weight and k_weight must have shape ({head_dim},), got {tuple(q_weight.shape)}, "
-                         f"{tuple(k_weight.shape)}")
-    if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != head_dim or cos_sin_cache.stride(1) != 1:
-        raise ValueError(f"cos_sin_cache must be [max_pos, {head_dim}] with contiguous rows, got "
-                         f"{tuple(cos_sin_cache.shape)}")
-    if positions.shape != (batch,) or slot_mapping.shape != (batch,):
-        raise ValueError(f"positions and slot_mapping must have shape ({batch},), got {tuple(positions.shape)}, "
-                         f"{tuple(slot_mapping.shape)}")
-    q = qkv[:, : num_heads * head_dim].unflatten(1, (num_heads, head_dim))
-    prologue = {"positions_ptr": positions, "slot_ptr": slot_mapping, "q_weight_ptr": q_weight,
-                "k_weight_ptr": k_weight, "cos_sin_ptr": cos_sin_cache, "cos_sin_stride": cos_sin_cache.stride(0),
-                "eps": eps}
-    return _decode(q, k_cache, v_cache, seq_lens, block_tables, scale, max_seq_len, out, config, k_scale, v_scale,
-                   prologue)
-
-
-def _decode(q, k_cache, v_cache, seq_lens, block_tables, scale, max_seq_len, out, config, k_scale, v_scale,
-            prologue=None):
-    """decode_attention's launch; with `prologue` (the prologue kernel arguments), q is the q heads of
-    the packed QKV rows, which the kernel norms and rotates itself."""
     group, block_size, fp8, v_key_major = check_paged_inputs(q, k_cache, v_cache, seq_lens, block_tables, out,
                                                              k_scale, v_scale)
     batch, num_q_heads, head_dim = q.shape
@@ -381,7 +318,7 @@ def _decode(q, k_cache, v_cache, seq_lens, block_tables, scale, max_seq_len, out
         raise ValueError(f"seq_lens must be [B = {batch}], got shape {tuple(seq_lens.shape)}")
     if batch > MAX_BATCH:
         raise ValueError(f"q's batch must be at most {MAX_BATCH} (the grid's third dimension), got {batch}")
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
+    out = torch.empty_like(q) if out is None else out
     if batch == 0:
         return out
     num_kv_heads = k_cache.shape[2]
@@ -401,11 +338,10 @@ def _decode(q, k_cache, v_cache, seq_lens, block_tables, scale, max_seq_len, out
             q, k_cache, v_cache, k_scale, v_scale, out, scratch, m, l, seq_lens, block_tables, qk_scale, num_q_heads,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-            *scale_strides(k_scale), **(prologue or NO_PROLOGUE),
+            *scale_strides(k_scale),
             GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_H=max(8, triton.next_power_of_2(group)),
             DOT_PRECISION=dot_precision(q.dtype), INTERPRET=tuning.INTERPRET, FP8=fp8,
-            V_KEY_MAJOR=v_key_major, PROLOGUE=prologue is not None,
-            NUM_KV_HEADS=num_kv_heads if prologue else 1, **cfg)
+            V_KEY_MAJOR=v_key_major, **cfg)
         if num_splits > 1:
             _merge_splits_kernel[(batch, num_q_heads)](
                 scratch, m, l, seq_lens, out, num_q_heads, out.stride(0), out.stride(1),

@@ -52,58 +52,6 @@ def _store_e4m3_heads(x1, x2, ptrs1, ptrs2, mask, scale_ptrs, scale_mask, INTERP
     return from_e4m3(q1, tl.float32, INTERPRET) * scale, from_e4m3(q2, tl.float32, INTERPRET) * scale
 
 
-@triton.jit
-def _decode_prologue(qkv_row, position, slot, q_weight_ptr, k_weight_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr,
-                     k_scale_ptr, v_scale_ptr, kv_head, num_q_heads, cos_sin_stride, eps, stride_scale_block,
-                     stride_scale_token, stride_scale_head, store, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
-                     HEAD_DIM: tl.constexpr, NUM_KV_HEADS: tl.constexpr, V_BLOCK_SIZE: tl.constexpr,
-                     V_KEY_MAJOR: tl.constexpr, SCALE_BLOCK: tl.constexpr, FP8: tl.constexpr,
-                     INTERPRET: tl.constexpr):
-    """The prologue of one decode row (qkv_row points at it) for one KV head, as the kernel above
-    computes it: returns the GROUP q heads of kv_head normed and rotated, [BLOCK_H, HEAD_DIM] in
-    qkv's dtype (rows past GROUP zero); where `store` (a scalar), also writes the head's k (normed,
-    rotated) and v to cache slot `slot` (>= 0), with their scales in an e4m3 cache, before it returns."""
-    HALF: tl.constexpr = HEAD_DIM // 2
-    dims = tl.arange(0, HALF)
-    dims3 = dims[None, None, :]
-    cos_sin = cos_sin_ptr + position * cos_sin_stride + dims3
-    cos = tl.load(cos_sin).to(tl.float32)
-    sin = tl.load(cos_sin + HALF).to(tl.float32)
-    heads = tl.arange(0, BLOCK_H)[None, :, None]
-    q_mask = (heads < GROUP) & (dims3 < HALF)
-    q1, q2 = _load_halves(qkv_row + (kv_head * GROUP + heads) * HEAD_DIM + dims3, q_mask, HALF)
-    qw1, qw2 = _load_halves(q_weight_ptr + dims, dims < HALF, HALF)
-    if store:
-        # Loads before the stores, as in the kernel above.
-        kv_mask = dims3 < HALF
-        k1, k2 = _load_halves(qkv_row + (num_q_heads + kv_head) * HEAD_DIM + dims3, kv_mask, HALF)
-        v1, v2 = _load_halves(qkv_row + (num_q_heads + NUM_KV_HEADS + kv_head) * HEAD_DIM + dims3, kv_mask, HALF)
-        kw1, kw2 = _load_halves(k_weight_ptr + dims, dims < HALF, HALF)
-        k1, k2 = _norm_rotate(k1, k2, kw1.to(tl.float32), kw2.to(tl.float32), cos, sin, eps, HEAD_DIM, not FP8)
-        cols = kv_head * HEAD_DIM + dims3
-        k_ptrs = k_cache_ptr + slot_offsets(slot, cols, NUM_KV_HEADS * HEAD_DIM, 1, False)
-        v_ptrs1 = v_cache_ptr + slot_offsets(slot, cols, NUM_KV_HEADS * HEAD_DIM, V_BLOCK_SIZE, V_KEY_MAJOR)
-        v_ptrs2 = v_cache_ptr + slot_offsets(slot, cols + HALF, NUM_KV_HEADS * HEAD_DIM, V_BLOCK_SIZE, V_KEY_MAJOR)
-        if FP8:
-            one = tl.full([1, 1], 0, tl.int64)
-            scale_offs = scale_offsets(slot + one, kv_head + one, stride_scale_block, stride_scale_token,
-                                       stride_scale_head, SCALE_BLOCK)
-            scale_mask = one == 0
-            _store_e4m3_heads(k1, k2, k_ptrs, k_ptrs + HALF, kv_mask, k_scale_ptr + scale_offs, scale_mask, INTERPRET)
-            _store_e4m3_heads(v1.to(tl.float32), v2.to(tl.float32), v_ptrs1, v_ptrs2, kv_mask,
-                              v_scale_ptr + scale_offs, scale_mask, INTERPRET)
-        else:
-            tl.store(k_ptrs, k1.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
-            tl.store(k_ptrs + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
-            tl.store(v_ptrs1, v1.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
-            tl.store(v_ptrs2, v2.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
-        # The caller reads these rows back: every thread's stores before any thread's loads.
-        tl.debug_barrier()
-    q1, q2 = _norm_rotate(q1, q2, qw1.to(tl.float32), qw2.to(tl.float32), cos, sin, eps, HEAD_DIM, True)
-    # [1, BLOCK_H, HALF] x 2 -> [BLOCK_H, HEAD_DIM]: the halves side by side along D.
-    return tl.reshape(tl.permute(tl.join(q1, q2), (0, 1, 3, 2)), (BLOCK_H, HEAD_DIM))
-
-
 @triton.jit(do_not_specialize=["n_tokens", "eps"])
 def _qk_norm_rotary_store_kernel(
     positions_ptr, qkv_ptr, q_weight_ptr, k_weight_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, q_out_ptr,

@@ -226,17 +226,6 @@ def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale=None, *,
     return out.reshape(batch, num_heads, head_dim).to(q.dtype)
 
 
-def fused_decode_attention(positions, qkv, q_weight, k_weight, eps, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                           seq_lens, block_tables, num_heads, num_kv_heads, scale=None, *, max_seq_len=None, out=None,
-                           k_scale=None, v_scale=None):
-    """qk_norm_rotary_store (the caches written in place), then decode_attention on its q."""
-    q = qk_norm_rotary_store(positions, qkv, q_weight, k_weight, eps, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                             num_heads, num_kv_heads, k_scale=k_scale, v_scale=v_scale)
-    o = decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale, max_seq_len=max_seq_len,
-                         k_scale=k_scale, v_scale=v_scale)
-    return o if out is None else out.copy_(o)
-
-
 def sampling_probs(logits, temperature, top_k, top_p, min_p):
     """The exact distribution `sample` draws from, [B, V] float64, zero outside the allowed set.
 

@@ -157,7 +157,7 @@ def cases():
     for buffer_dtype in (torch.int32, torch.uint8):  # generated-token counts, the prompt mask
         calls.append(lambda d=buffer_dtype: count_tokens(vocab_rows(d, 4), torch.zeros(300, dtype=torch.int32),
                                                          torch.zeros(300, dtype=torch.int64)))
-    from tritonllm.kernels import decode_attention, fused_decode_attention, prefill_attention
+    from tritonllm.kernels import decode_attention, prefill_attention
     from tritonllm.kernels.decode_attention import DECODE_TUNABLE, decode_attention_bucket
 
     def i32(*shape):
@@ -191,11 +191,6 @@ def cases():
                     q(256), c(65536), v(65536), i32(256), i32(256, 4096 // bs), **s(65536)),
                 lambda q=q, c=cache, v=v_cache, s=scales, bs=bs, cfg=split: decode_attention(
                     q(1), c(32768), v(32768), i32(1), i32(1, 32768 // bs), config=cfg, **s(32768)),
-                # The engine's decode step: the q/k-norm + rotary + store prologue inside the launch.
-                lambda d=dtype, c=cache, v=v_cache, s=scales, bs=bs: fused_decode_attention(
-                    torch.zeros(256, dtype=torch.int64), torch.zeros(256, 32 * 128, dtype=d), torch.zeros(128, dtype=d),
-                    torch.zeros(128, dtype=d), 1e-6, torch.zeros(4096, 128), c(65536), v(65536),
-                    torch.zeros(256, dtype=torch.int64), i32(256), i32(256, 4096 // bs), 16, 8, **s(65536)),
             ]
     from tritonllm.kernels import tuning
     from tritonllm.kernels.prefill_attention_hopper import HOPPER_TUNABLE, prefill_attention_hopper

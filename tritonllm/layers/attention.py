@@ -14,7 +14,7 @@ class Attention(nn.Module):
     """One layer's attention over its paged KV cache, prologue included.
 
     forward(positions, qkv): per-head q/k RMSNorm, rotary and the new K/V stored in the cache (one
-    fused launch), then prefill attention; or, in a decode step, all of it inside decode attention.
+    fused launch), then prefill or decode attention as the step's forward context says.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, eps: float, rotary: RotaryEmbedding,
@@ -35,13 +35,8 @@ class Attention(nn.Module):
         """qkv [T, (Hq + 2 Hkv) * D] -> o [T, Hq, D]."""
         context = get_context()
         scales = {"k_scale": self.k_scale, "v_scale": self.v_scale}
-        if not context.is_prefill:  # the prologue runs inside decode attention's own launch
-            return self.ops.fused_decode_attention(
-                positions, qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.rotary.cos_sin_cache,
-                self.k_cache, self.v_cache, context.slot_mapping, context.seq_lens, context.block_tables,
-                self.num_heads, self.num_kv_heads, self.scale, max_seq_len=context.max_seq_len, **scales)
         copies = {}
-        if context.gather_tables is not None:
+        if context.is_prefill and context.gather_tables is not None:
             # An fp8 cache: prefill runs the kernel of a plain cache (on Hopper the warp-specialized
             # one) on copies of the step's blocks in q's dtype. The store writes the new tokens' rows
             # there as it quantizes them; only blocks with cached tokens are copied out of the cache.
@@ -56,8 +51,11 @@ class Attention(nn.Module):
                                              out=(copies["k_copy"], copies["v_copy"]))
             return self.ops.prefill_attention(q, k, v, context.cu_seqlens_q, context.seq_lens, context.gather_tables,
                                               self.scale, max_q_len=context.max_q_len)
-        return self.ops.prefill_attention(q, self.k_cache, self.v_cache, context.cu_seqlens_q, context.seq_lens,
-                                          context.block_tables, self.scale, max_q_len=context.max_q_len, **scales)
+        if context.is_prefill:
+            return self.ops.prefill_attention(q, self.k_cache, self.v_cache, context.cu_seqlens_q, context.seq_lens,
+                                              context.block_tables, self.scale, max_q_len=context.max_q_len, **scales)
+        return self.ops.decode_attention(q, self.k_cache, self.v_cache, context.seq_lens, context.block_tables,
+                                         self.scale, max_seq_len=context.max_seq_len, **scales)
 
 
 def kv_bytes_per_token(model: nn.Module, dtype: torch.dtype) -> int:
