@@ -47,11 +47,9 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, num
                         stride_x, stride_we, stride_wn, stride_out,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                         EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
-                        TMA: tl.constexpr, ONE_DOT: tl.constexpr = 0):
+                        TMA: tl.constexpr):
     # TMA: w_ptr is a descriptor over w13 as [E * 2N, H] of BLOCK_N x BLOCK_K tiles; rows past an
     # expert's gate (or up) rows belong to columns that are not stored, and K past H reads zeros.
-    # ONE_DOT: a descriptor over w13 as [2E, N, H] of 2 x BLOCK_N x BLOCK_K tiles, the gate and up
-    # rows of a tile as one [2 BLOCK_N, BLOCK_K] operand of one dot (rows past N read zeros).
     pid_m, pid_n, expert = _tile(block_expert_ptr, tl.cdiv(inter, BLOCK_N), GROUP_M)
     if expert < 0:
         return
@@ -72,15 +70,12 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, num
         up_ptrs = w_base + (w_rows + inter)[None, :] * stride_wn
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs)
         else:
             a = tl.load(a_ptrs, mask=(offs_k < hidden - k0)[None, :], other=0.0)
-        if ONE_DOT:
-            w = tl.trans(tl.reshape(w_ptr.load([2 * expert, pid_n * BLOCK_N, k0]), [2 * BLOCK_N, BLOCK_K]))
-        elif TMA:
+        if TMA:
             gate = tl.trans(w_ptr.load([gate_row, k0]))
             up = tl.trans(w_ptr.load([gate_row + inter, k0]))
         elif EVEN_K:
@@ -90,22 +85,15 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, num
             k_mask = offs_k < hidden - k0
             gate = tl.load(gate_ptrs, mask=k_mask[:, None], other=0.0)
             up = tl.load(up_ptrs, mask=k_mask[:, None], other=0.0)
-        if ONE_DOT:
-            if INTERPRET:
-                a, w = a.to(tl.float32), w.to(tl.float32)
-            acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
-        else:
-            if INTERPRET:
-                # The interpreter's tl.dot multiplies raw bfloat16 bits: compute in float32 there.
-                a, gate, up = a.to(tl.float32), gate.to(tl.float32), up.to(tl.float32)
-            acc_gate = tl.dot(a, gate, acc_gate, input_precision=DOT_PRECISION)
-            acc_up = tl.dot(a, up, acc_up, input_precision=DOT_PRECISION)
+        if INTERPRET:
+            # The interpreter's tl.dot multiplies raw bfloat16 bits: compute in float32 there.
+            a, gate, up = a.to(tl.float32), gate.to(tl.float32), up.to(tl.float32)
+        acc_gate = tl.dot(a, gate, acc_gate, input_precision=DOT_PRECISION)
+        acc_up = tl.dot(a, up, acc_up, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         if not TMA:
             gate_ptrs += BLOCK_K
             up_ptrs += BLOCK_K
-    if ONE_DOT:
-        acc_gate, acc_up = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N]), [0, 2, 1]))
     # As HF and silu_and_mul: gate and up rounded to the model dtype, then silu(gate), then the product.
     dtype = out_ptr.dtype.element_ty
     gate = acc_gate.to(dtype).to(tl.float32)
@@ -221,10 +209,9 @@ def _split(config: dict) -> tuple[dict, dict]:
     """The gate/up and down launch configs of a fused_moe config; DOWN_* default to the gate/up ones."""
     up = {key: config[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")}
     up["GROUP_M"] = config.get("GROUP_M", 8)
-    up["ONE_DOT"] = config.get("ONE_DOT", 0)
     down_keys = {"BLOCK_N": "DOWN_BLOCK_N", "BLOCK_K": "DOWN_BLOCK_K", "num_warps": "DOWN_WARPS",
                  "num_stages": "DOWN_STAGES"}
-    down = {k: v for k, v in up.items() if k != "ONE_DOT"} | {key: config.get(name, up[key]) for key, name in down_keys.items()}
+    down = up | {key: config.get(name, up[key]) for key, name in down_keys.items()}
     return up, down
 
 
@@ -270,31 +257,27 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         return y
     precision = dot_precision(x.dtype)
 
-    def descriptor(t, rows, block, shape=None):
+    def descriptor(t, rows, block):
         """A TMA descriptor over t as [rows, t.shape[-1]] of `block` tiles, or t itself (pointers)
         where TMA does not apply: rows not 16-byte multiples, t not contiguous or aligned, no TMA."""
         if not (t.is_contiguous() and t.data_ptr() % 16 == 0 and t.shape[-1] * t.element_size() % 16 == 0):
             return t
         if t.is_cuda and not tuning.has_tma(t.device.index):
             return t
-        shape = shape or [rows, t.shape[-1]]
-        return TensorDescriptor.from_tensor(t.view(shape), block)
+        shape = [rows, t.shape[-1]]
+        return TensorDescriptor(t.view(shape), shape, [shape[1], 1], block)
 
     def launch(cfg):
         up, down = _split(cfg)
         sorted_ids, block_expert, _ = moe_align(topk_ids, experts, up["BLOCK_M"])
         num_blocks = block_expert.shape[0]
         act = torch.empty(sorted_ids.shape[0], inter, dtype=x.dtype, device=x.device)
-        one_dot = up.pop("ONE_DOT", 0)
-        if one_dot:
-            w13_tiles = descriptor(w13, 0, [2, up["BLOCK_N"], up["BLOCK_K"]], [2 * experts, inter, hidden])
-        else:
-            w13_tiles = descriptor(w13, experts * 2 * inter, [up["BLOCK_N"], up["BLOCK_K"]])
+        w13_tiles = descriptor(w13, experts * 2 * inter, [up["BLOCK_N"], up["BLOCK_K"]])
         _moe_gate_up_kernel[(num_blocks * triton.cdiv(inter, up["BLOCK_N"]),)](
             x, w13_tiles, act, sorted_ids, block_expert, topk_ids.numel(), top_k, inter, hidden,
             x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
             EVEN_K=hidden % up["BLOCK_K"] == 0, DOT_PRECISION=precision, INTERPRET=tuning.INTERPRET,
-            TMA=w13_tiles is not w13, ONE_DOT=one_dot and w13_tiles is not w13, **up)
+            TMA=w13_tiles is not w13, **up)
         # Rows summed in a fixed order by a second launch: atomics would reorder the adds run to run.
         rows = y if top_k == 1 else torch.empty(topk_ids.numel(), hidden, dtype=x.dtype, device=x.device)
         w2_tiles = descriptor(w2, experts * hidden, [down["BLOCK_N"], down["BLOCK_K"]])
