@@ -7,11 +7,21 @@ config given below: the call's median time (bench/timing.py), its TFLOP/s over t
 its ratio to cuBLAS on the same two GEMMs without the routing, then each kernel's time from
 torch.profiler. Each config runs with the router's ids (random routing: each expert's group padded
 to BLOCK_M) and with balanced ids (every expert gets exactly T k / E pairs: no padding), which
-prices the padding. Needs a GPU.
+prices the padding.
+
+Then the ceilings of the two GEMMs alone at that shape (gate/up and down, us, and the pair against
+cuBLAS): cuBLAS on the dense [T k, H] x [H, 2N] and [T k, N] x [N, H]; a dense Triton GEMM at our
+prefill tiles (TMA for both operands: what Triton 3.x reaches with no grouping); PyTorch's CUTLASS
+grouped GEMM (torch._grouped_mm, sm_90) over the router's and the balanced group sizes, rows already
+in expert order; and fused_moe's two GEMMs (tuned config) from the profiler. Needs a GPU.
 """
 import torch
+import triton
+import triton.language as tl
 from torch.profiler import ProfilerActivity, profile
+from triton.tools.tensor_descriptor import TensorDescriptor
 
+from moe_cases import group_ends
 from timing import time_ms
 from tritonllm import kernels
 
@@ -26,6 +36,7 @@ def config(block_m, up, down, group_m=8):
 
 
 CONFIGS = {
+    "tuned": None,
     "128 s3": config(128, (128, 64, 8, 3), (256, 64, 8, 3)),
     "128 s4": config(128, (128, 64, 8, 4), (256, 64, 8, 4)),
     "128 s3 group 32": config(128, (128, 64, 8, 3), (256, 64, 8, 3), group_m=32),
@@ -45,6 +56,51 @@ def kernel_times(fn, reps=10) -> dict[str, float]:
         torch.cuda.synchronize()
     return {event.key: event.self_device_time_total / reps for event in prof.key_averages()
             if event.device_type == torch.autograd.DeviceType.CUDA and event.self_device_time_total > 0}
+
+
+@triton.jit
+def _dense_kernel(a_desc, b_desc, c_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    # c = a b^T; consecutive programs share a's row block (b, one expert's size, stays in L2).
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_m, pid_n = tl.program_id(0) // num_n, tl.program_id(0) % num_n
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        acc = tl.dot(a_desc.load([pid_m * BLOCK_M, k0]), tl.trans(b_desc.load([pid_n * BLOCK_N, k0])), acc)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(c_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], acc.to(c_ptr.dtype.element_ty),
+             mask=(rows < M)[:, None] & (cols < N)[None, :])
+
+
+def dense_triton(a, b, c, block_n, stages):
+    """c = a @ b.T by _dense_kernel with 128-row tiles, 64-deep K steps, 8 warps."""
+    a_tiles = TensorDescriptor.from_tensor(a, [128, 64])
+    b_tiles = TensorDescriptor.from_tensor(b, [block_n, 64])
+    grid = (triton.cdiv(a.shape[0], 128) * triton.cdiv(b.shape[0], block_n),)
+    _dense_kernel[grid](a_tiles, b_tiles, c, a.shape[0], b.shape[0], a.shape[1], BLOCK_M=128, BLOCK_N=block_n,
+                        BLOCK_K=64, num_warps=8, num_stages=stages)
+
+
+def ceilings(x, w13, w2, weights, a1, a2, routings):
+    """(label, gate/up ms, down ms) of each GEMM pair at this shape; a1 [T k, H] and a2 [T k, N] stand
+    for the rows in expert order."""
+    c1 = torch.empty(a1.shape[0], w13.shape[1], device="cuda", dtype=x.dtype)
+    c2 = torch.empty(a1.shape[0], x.shape[1], device="cuda", dtype=x.dtype)
+    rows = [("cuBLAS dense", time_ms(lambda: a1 @ w13[0].T), time_ms(lambda: a2 @ w2[0].T))]
+    for block_n, stages in ((128, 4), (256, 3)):
+        rows.append((f"Triton dense 128x{block_n}", time_ms(lambda: dense_triton(a1, w13[0], c1, block_n, stages)),
+                     time_ms(lambda: dense_triton(a2, w2[0], c2, block_n, stages))))
+    for routing, topk_ids in routings:
+        if hasattr(torch, "_grouped_mm"):
+            ends = group_ends(topk_ids, w13.shape[0])
+            up = time_ms(lambda: torch._grouped_mm(a1, w13.transpose(1, 2), offs=ends))
+            down = time_ms(lambda: torch._grouped_mm(a2, w2.transpose(1, 2), offs=ends))
+            rows.append((f"CUTLASS grouped, {routing}", up, down))
+        times = kernel_times(lambda: kernels.fused_moe(x, w13, w2, weights, topk_ids))
+        rows.append((f"fused_moe, {routing}", sum(us for key, us in times.items() if "gate_up" in key) / 1e3,
+                     sum(us for key, us in times.items() if "down" in key) / 1e3))
+    return rows
 
 
 def main():
@@ -72,6 +128,11 @@ def main():
                 times = sorted(kernel_times(call).items(), key=lambda kv: -kv[1])
                 parts = ", ".join(f"{key.removesuffix('_kernel').lstrip('_')} {us:.0f}" for key, us in times if us > 2)
                 print(f"| {label} | {routing} | {ms * 1e3:.0f} | {flops / ms / 1e9:.0f} | {cublas / ms:.2f}x | {parts} |")
+        print(f"\n{name} T{tokens}, the two GEMMs alone:\n\n| GEMMs | gate/up us | down us | pair us "
+              "| vs cuBLAS pair |\n|---|---|---|---|---|")
+        for label, up, down in ceilings(x, w13, w2, weights, a1, a2, (("router", ids), ("balanced", balanced))):
+            pair = up + down
+            print(f"| {label} | {up * 1e3:.0f} | {down * 1e3:.0f} | {pair * 1e3:.0f} | {cublas / pair:.2f}x |")
 
 
 if __name__ == "__main__":

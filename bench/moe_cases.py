@@ -11,7 +11,9 @@ N 1536, H 4096) at 1 to 16384 tokens.
   differently, so the experts come from HBM.
 - At 4096 and 16384 tokens: FLOPs = 2 T k 3 N H, % of the 690 TFLOP/s bf16 ceiling. Anchor "cuBLAS
   dense pair": torch.matmul of [T k, H] x [H, 2N] and [T k, N] x [N, H], the same FLOPs without
-  the gather, the routing or the sum.
+  the gather, the routing or the sum. Anchor "CUTLASS grouped pair": torch._grouped_mm (PyTorch's
+  CUTLASS grouped GEMM on sm_90) of the same two GEMMs over the same ids' group sizes, from the router
+  logits (moe_route, the group ends) on rows already in expert order: no gather, no padding, no sum.
 - Anchor "torch": reference.moe_route + reference.fused_moe (a loop over the experts), eager.
 """
 import torch
@@ -78,12 +80,29 @@ def moe_cases(quick):
         anchors = {"torch": torch_moe}
         if not decode:
             anchors["cuBLAS dense pair"] = lambda logits, x, w13, w2, a1, a2: (a1 @ w13[0].T, a2 @ w2[0].T)
+            if hasattr(torch, "_grouped_mm"):
+                anchors["CUTLASS grouped pair"] = grouped_pair
         label = f"{name} E{experts} k{top_k} N{inter} H{hidden} T{tokens} bf16"
         size = {"bytes": touched_bytes(tokens, experts, top_k, inter, hidden)} if decode else {
             "flops": 2 * tokens * top_k * 3 * inter * hidden}
         cases.append(Case("fused_moe", label, make, triton_moe, anchors, graph=decode, eager_anchors=("torch",),
                           **size))
     return route_cases(quick) + cases
+
+
+def group_ends(topk_ids, experts):
+    """Where each expert's rows end when the pairs are sorted by expert (torch._grouped_mm's offs),
+    int32, with no host sync (bincount would take one)."""
+    ids = topk_ids.flatten().long()
+    counts = torch.zeros(experts, dtype=torch.int32, device=ids.device)
+    return torch.cumsum(counts.scatter_add_(0, ids, torch.ones_like(ids, dtype=torch.int32)), 0, dtype=torch.int32)
+
+
+def grouped_pair(logits, x, w13, w2, a1, a2, k=8):
+    """The two expert GEMMs as PyTorch's grouped GEMM over the router's group sizes, rows pre-sorted."""
+    ends = group_ends(kernels.moe_route(logits, k, True)[1], w13.shape[0])
+    return (torch._grouped_mm(a1, w13.transpose(1, 2), offs=ends),
+            torch._grouped_mm(a2, w2.transpose(1, 2), offs=ends))
 
 
 def route_cases(quick):
