@@ -15,6 +15,10 @@ Where their rows are 16-byte multiples (every real shape), the expert weights, a
 intermediate rows, arrive as TMA tiles through tensor descriptors; x's gathered token rows, and
 every operand otherwise, through pointers.
 
+A few tokens (config PAIR_BLOCKS) skip step 1: block b is pair b alone (expert topk_ids[b], its
+other BLOCK_M - 1 slots padding), so the GEMMs read the ids directly and there is no align launch.
+An expert that two pairs share is then read by both blocks.
+
 Grids depend on the shapes only (P // BLOCK_M blocks; those past the used ones exit at once), so
 decode steps can be captured in CUDA graphs. Programs walk GROUP_M blocks down a column of tiles
 before moving right, so the blocks of one expert read its weight tile while it is in L2.
@@ -41,20 +45,28 @@ def _tile(block_expert_ptr, num_n, GROUP_M: tl.constexpr):
     return pid_m, (pid % width) // group, tl.load(block_expert_ptr + pid_m)
 
 
+@triton.jit
+def _block_pairs(sorted_ptr, pid_m, num_pairs, BLOCK_M: tl.constexpr, PAIR_BLOCKS: tl.constexpr):
+    """The flat pair index of each slot of block pid_m (num_pairs: padding)."""
+    if PAIR_BLOCKS:
+        return tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_pairs)
+    return tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+
+
 # num_pairs changes every prefill step: unspecialized, one compile serves them all.
 @triton.jit(do_not_specialize=["num_pairs"])
 def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_pairs, top_k, inter, hidden,
                         stride_x, stride_we, stride_wn, stride_out,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                         EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
-                        TMA: tl.constexpr):
+                        TMA: tl.constexpr, PAIR_BLOCKS: tl.constexpr):
     # TMA: w_ptr is a descriptor over w13 as [E * 2N, H] of BLOCK_N x BLOCK_K tiles; rows past an
     # expert's gate (or up) rows belong to columns that are not stored, and K past H reads zeros.
     pid_m, pid_n, expert = _tile(block_expert_ptr, tl.cdiv(inter, BLOCK_N), GROUP_M)
     if expert < 0:
         return
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(sorted_ptr + rows)
+    pairs = _block_pairs(sorted_ptr, pid_m, num_pairs, BLOCK_M, PAIR_BLOCKS)
     # Padding slots read token 0, so the loads need no row mask.
     tokens = tl.where(pairs < num_pairs, pairs // top_k, 0)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -107,14 +119,14 @@ def _moe_down_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, weight
                      stride_a, stride_we, stride_wn, stride_out,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                      EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
-                     TMA: tl.constexpr):
+                     TMA: tl.constexpr, PAIR_BLOCKS: tl.constexpr):
     # TMA: a_ptr and w_ptr are descriptors over the intermediate [P, N] (BLOCK_M x BLOCK_K tiles) and
     # w2 as [E * H, N] (BLOCK_N x BLOCK_K tiles); K past N reads zeros.
     pid_m, pid_n, expert = _tile(block_expert_ptr, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     if expert < 0:
         return
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(sorted_ptr + rows)
+    pairs = _block_pairs(sorted_ptr, pid_m, num_pairs, BLOCK_M, PAIR_BLOCKS)
     valid = pairs < num_pairs
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -157,6 +169,11 @@ def _moe_sum_kernel(rows_ptr, y_ptr, top_k, hidden, stride_y, BLOCK_H: tl.conste
     tl.store(y_ptr + token * stride_y + cols, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+# Up to this many tokens a block per pair beats the align launch it saves (its experts are distinct
+# but for a few); past it, experts read twice by blocks of one pair cost more (bench/NOTES-moe.md).
+_PAIR_BLOCKS_TOKENS = 2
+
+
 def _rows_per_expert(experts, tokens):
     return tokens * 8 // experts  # Qwen3-MoE routes each token to 8 experts
 
@@ -169,10 +186,10 @@ _LARGE_UP = [(64, 64, 4, 4), (128, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), 
 _LARGE_DOWN = [(128, 64, 4, 4), (128, 64, 8, 3), (256, 64, 8, 3), (256, 64, 8, 4), (128, 128, 8, 3)]
 
 
-def _config(block_m, up, down, group_m=8):
+def _config(block_m, up, down, group_m=8, pair_blocks=0):
     return {"BLOCK_M": block_m, "BLOCK_N": up[0], "BLOCK_K": up[1], "GROUP_M": group_m, "num_warps": up[2],
             "num_stages": up[3], "DOWN_BLOCK_N": down[0], "DOWN_BLOCK_K": down[1], "DOWN_WARPS": down[2],
-            "DOWN_STAGES": down[3]}
+            "DOWN_STAGES": down[3], "PAIR_BLOCKS": pair_blocks}
 
 
 def _space(dtype, experts, inter, hidden, tokens):
@@ -180,18 +197,22 @@ def _space(dtype, experts, inter, hidden, tokens):
         return [_config(block_m, (32, 32, 4, 2), (32, 32, 4, 2)) for block_m in (16, 32, 64)]
     rows = _rows_per_expert(experts, tokens)
     block_ms = (16,) if rows <= 8 else (16, 32, 64) if rows <= 64 else (64, 128)
-    return [_config(block_m, up, down) for block_m in block_ms
-            for up, down in ([(u, d) for u in _SMALL_UP for d in _SMALL_DOWN] if block_m <= 32 else
-                             [(u, d) for u in _LARGE_UP for d in _LARGE_DOWN])]
+    configs = [_config(block_m, up, down) for block_m in block_ms
+               for up, down in ([(u, d) for u in _SMALL_UP for d in _SMALL_DOWN] if block_m <= 32 else
+                                [(u, d) for u in _LARGE_UP for d in _LARGE_DOWN])]
+    if tokens <= _PAIR_BLOCKS_TOKENS * 2:
+        configs += [config | {"PAIR_BLOCKS": 1} for config in configs if config["BLOCK_M"] == 16]
+    return configs
 
 
 def _default(dtype, experts, inter, hidden, tokens):
     rows = _rows_per_expert(experts, tokens)
     block_m = 16 if rows <= 16 else 32 if rows <= 64 else 64 if rows <= 256 else 128
+    pairs = {"PAIR_BLOCKS": int(tokens <= _PAIR_BLOCKS_TOKENS)}
     if dtype == "float32":  # exact float32 products run on FMA: small tiles
-        return _config(min(block_m, 32), (32, 32, 4, 2), (32, 32, 4, 2))
+        return _config(min(block_m, 32), (32, 32, 4, 2), (32, 32, 4, 2)) | pairs
     if block_m <= 32:
-        return _config(block_m, (32, 128, 4, 4), (64, 128, 4, 4))
+        return _config(block_m, (32, 128, 4, 4), (64, 128, 4, 4)) | pairs
     if block_m == 64:
         return _config(block_m, (64, 64, 4, 4), (128, 64, 4, 4))
     return _config(block_m, (128, 64, 8, 4), (256, 64, 8, 4))
@@ -232,7 +253,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     k > 1) are fixed by the shapes and the config. out: optional [T, H] output written in place.
     config: overrides the tuned config (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages
     of the gate/up GEMM; DOWN_BLOCK_N, DOWN_BLOCK_K, DOWN_WARPS, DOWN_STAGES of the down GEMM,
-    each defaulting to its gate/up counterpart). Returns y [T, H] of x's dtype (`out` if given).
+    each defaulting to its gate/up counterpart; PAIR_BLOCKS 1: a block per pair, no align).
+    Returns y [T, H] of x's dtype (`out` if given).
     """
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"x must be [T, H] with contiguous rows, got shape {tuple(x.shape)} strides {x.stride()}")
@@ -269,15 +291,19 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 
     def launch(cfg):
         up, down = _split(cfg)
-        sorted_ids, block_expert, _ = moe_align(topk_ids, experts, up["BLOCK_M"])
+        pair_blocks = bool(cfg.get("PAIR_BLOCKS", 0))
+        if pair_blocks:  # block b is pair b: its expert is topk_ids' b-th entry, no slot table
+            block_expert = sorted_ids = topk_ids.view(-1)
+        else:
+            sorted_ids, block_expert, _ = moe_align(topk_ids, experts, up["BLOCK_M"])
         num_blocks = block_expert.shape[0]
-        act = torch.empty(sorted_ids.shape[0], inter, dtype=x.dtype, device=x.device)
+        act = torch.empty(num_blocks * up["BLOCK_M"], inter, dtype=x.dtype, device=x.device)
         w13_tiles = descriptor(w13, experts * 2 * inter, [up["BLOCK_N"], up["BLOCK_K"]])
         _moe_gate_up_kernel[(num_blocks * triton.cdiv(inter, up["BLOCK_N"]),)](
             x, w13_tiles, act, sorted_ids, block_expert, topk_ids.numel(), top_k, inter, hidden,
             x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
             EVEN_K=hidden % up["BLOCK_K"] == 0, DOT_PRECISION=precision, INTERPRET=tuning.INTERPRET,
-            TMA=w13_tiles is not w13, **up)
+            TMA=w13_tiles is not w13, PAIR_BLOCKS=pair_blocks, **up)
         # Rows summed in a fixed order by a second launch: atomics would reorder the adds run to run.
         rows = y if top_k == 1 else torch.empty(topk_ids.numel(), hidden, dtype=x.dtype, device=x.device)
         w2_tiles = descriptor(w2, experts * hidden, [down["BLOCK_N"], down["BLOCK_K"]])
@@ -287,7 +313,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
             act_tiles if tma else act, w2_tiles if tma else w2, rows, sorted_ids, block_expert, topk_weights,
             topk_ids.numel(), inter, hidden, act.stride(0), w2.stride(0), w2.stride(1), rows.stride(0),
             EVEN_K=inter % down["BLOCK_K"] == 0, DOT_PRECISION=precision, INTERPRET=tuning.INTERPRET, TMA=tma,
-            **down)
+            PAIR_BLOCKS=pair_blocks, **down)
         if top_k > 1:
             block_h = min(1024, tuning.pow2(hidden))
             _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block_h))](

@@ -210,9 +210,10 @@ def cases():
 
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         calls.append(lambda d=dtype: moe_route(torch.zeros(4096, 128, dtype=d), 8, True))
-        # Qwen3-30B-A3B's expert shapes, 8 experts (nothing compiled depends on E): one token (decode
-        # tiles, moe_align in one program), 4096 (wgmma tiles, moe_align's three launches), k = 1.
-        for tokens, top_k in ((1, 8), (4096, 8), (64, 1)):
+        # Qwen3-30B-A3B's expert shapes, 8 experts (nothing compiled depends on E): one token (a block
+        # per pair, no align), 16 (decode tiles, moe_align in one program), 4096 (wgmma tiles,
+        # moe_align's three launches), k = 1.
+        for tokens, top_k in ((1, 8), (16, 8), (4096, 8), (64, 1)):
             calls.append(lambda d=dtype, t=tokens, k=top_k: fused_moe(
                 torch.zeros(t, 2048, dtype=d), torch.zeros(8, 1536, 2048, dtype=d), torch.zeros(8, 2048, 768, dtype=d),
                 torch.zeros(t, k), torch.zeros(t, k, dtype=torch.int32)))

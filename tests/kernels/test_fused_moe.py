@@ -55,6 +55,9 @@ CONFIGS = [
     config(32, 32, 64, GROUP_M=3, DOWN_BLOCK_N=64, DOWN_BLOCK_K=32),
     config(64, 64, 32, GROUP_M=1, DOWN_BLOCK_N=16, DOWN_BLOCK_K=64),
     config(16, 64, 128, DOWN_BLOCK_N=32, DOWN_BLOCK_K=16, DOWN_WARPS=8, DOWN_STAGES=3),
+    # A block per pair, no align: the expert of block b is topk_ids' b-th entry.
+    config(16, 32, 64, PAIR_BLOCKS=1),
+    config(32, 16, 16, GROUP_M=3, DOWN_BLOCK_N=64, PAIR_BLOCKS=1),
 ]
 
 
