@@ -186,10 +186,10 @@ _LARGE_UP = [(64, 64, 4, 4), (128, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), 
 _LARGE_DOWN = [(128, 64, 4, 4), (128, 64, 8, 3), (256, 64, 8, 3), (256, 64, 8, 4), (128, 128, 8, 3)]
 
 
-def _config(block_m, up, down, group_m=8, pair_blocks=0):
+def _config(block_m, up, down, group_m=8):
     return {"BLOCK_M": block_m, "BLOCK_N": up[0], "BLOCK_K": up[1], "GROUP_M": group_m, "num_warps": up[2],
             "num_stages": up[3], "DOWN_BLOCK_N": down[0], "DOWN_BLOCK_K": down[1], "DOWN_WARPS": down[2],
-            "DOWN_STAGES": down[3], "PAIR_BLOCKS": pair_blocks}
+            "DOWN_STAGES": down[3], "PAIR_BLOCKS": 0}
 
 
 def _space(dtype, experts, inter, hidden, tokens):
