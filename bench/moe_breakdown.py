@@ -1,6 +1,7 @@
-"""Where the time of a prefill-sized fused_moe call goes, kernel by kernel (issue 18's diagnosis).
+"""Where the time of a fused_moe call goes, kernel by kernel (issue 18's diagnosis).
 
-    python bench/moe_breakdown.py
+    python bench/moe_breakdown.py            # prefill-sized calls
+    python bench/moe_breakdown.py --decode   # decode-sized calls
 
 For each shape (Qwen3-30B-A3B at 4096 and 16384 tokens, its TP 2 half, 235B-A22B at 4096) and each
 config given below: the call's median time (bench/timing.py), its TFLOP/s over the routed FLOPs and
@@ -13,8 +14,14 @@ Then the ceilings of the two GEMMs alone at that shape (gate/up and down, us, an
 cuBLAS): cuBLAS on the dense [T k, H] x [H, 2N] and [T k, N] x [N, H]; a dense Triton GEMM at our
 prefill tiles (TMA for both operands: what Triton 3.x reaches with no grouping); PyTorch's CUTLASS
 grouped GEMM (torch._grouped_mm, sm_90) over the router's and the balanced group sizes, rows already
-in expert order; and fused_moe's two GEMMs (tuned config) from the profiler. Needs a GPU.
+in expert order; and fused_moe's two GEMMs (tuned config) from the profiler.
+
+--decode: moe_route + fused_moe at 1 to 64 tokens of each shape, tuned configs, as CUDA-graph replays
+cycling through weight sets whose touched experts exceed L2 together; the call's time and each
+kernel's duration inside the replays (the profiler over replays of the same graph). Needs a GPU.
 """
+import argparse
+
 import torch
 import triton
 import triton.language as tl
@@ -22,7 +29,7 @@ from torch.profiler import ProfilerActivity, profile
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moe_cases import group_ends
-from timing import time_ms
+from timing import graph_time_ms, input_sets, time_ms
 from tritonllm import kernels
 
 SHAPES = {"30B": (128, 8, 768, 2048), "30B TP2": (128, 8, 384, 2048), "235B": (128, 8, 1536, 4096)}
@@ -46,16 +53,20 @@ CONFIGS = {
 RUNS = [("30B", 4096), ("30B", 16384), ("30B TP2", 4096), ("235B", 4096)]
 
 
+def profiled_times(run, calls) -> dict[str, float]:
+    """Each CUDA kernel's mean time in us per call, over the `calls` calls that run() makes."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    return {event.key: event.self_device_time_total / calls for event in prof.key_averages()
+            if event.device_type == torch.autograd.DeviceType.CUDA and event.self_device_time_total > 0}
+
+
 def kernel_times(fn, reps=10) -> dict[str, float]:
-    """Each CUDA kernel's mean time per call in us."""
+    """Each CUDA kernel's mean time per eager call of fn in us."""
     fn()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    return {event.key: event.self_device_time_total / reps for event in prof.key_averages()
-            if event.device_type == torch.autograd.DeviceType.CUDA and event.self_device_time_total > 0}
+    return profiled_times(lambda: [fn() for _ in range(reps)], reps)
 
 
 @triton.jit
@@ -103,11 +114,49 @@ def ceilings(x, w13, w2, weights, a1, a2, routings):
     return rows
 
 
+def graph_kernel_times(arg_sets, fn, reps=10) -> dict[str, float]:
+    """Each CUDA kernel's mean time per fn call in us, inside replays of a graph of fn over arg_sets."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for args in arg_sets:
+            fn(*args)
+    graph.replay()
+    torch.cuda.synchronize()
+    return profiled_times(lambda: [graph.replay() for _ in range(reps)], reps * len(arg_sets))
+
+
+def decode_breakdown(bf16):
+    for name, (experts, top_k, inter, hidden) in SHAPES.items():
+        print(f"\n## {name}\n\n| tokens | us a call | kernels (us) |\n|---|---|---|")
+        expert_bytes = 3 * inter * hidden * 2
+        sets = input_sets(min(experts, 8 * top_k) * expert_bytes)  # the weight sets a T 8 call cycles through
+        weights = [(torch.randn(experts, 2 * inter, hidden, **bf16) * hidden**-0.5,
+                    torch.randn(experts, hidden, inter, **bf16) * inter**-0.5) for _ in range(sets)]
+        for tokens in (1, 2, 4, 8, 16, 64):
+            arg_sets = [(torch.randn(tokens, experts, **bf16), torch.randn(tokens, hidden, **bf16), *w)
+                        for w in weights]
+
+            def call(logits, x, w13, w2, k=top_k):
+                return kernels.fused_moe(x, w13, w2, *kernels.moe_route(logits, k, True))
+
+            us = graph_time_ms(call, arg_sets) * 1e3
+            times = sorted(graph_kernel_times(arg_sets, call).items(), key=lambda kv: -kv[1])
+            parts = ", ".join(f"{key.removesuffix('_kernel').lstrip('_')} {t:.1f}" for key, t in times)
+            print(f"| {tokens} | {us:.1f} | {parts} |")
+        del weights
+        torch.cuda.empty_cache()
+
+
 def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--decode", action="store_true", help="decode-sized calls instead of prefill-sized ones")
+    args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/moe_breakdown.py needs a CUDA GPU")
     torch.manual_seed(0)
     bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    if args.decode:
+        return decode_breakdown(bf16)
     for name, tokens in RUNS:
         experts, top_k, inter, hidden = SHAPES[name]
         w13 = torch.randn(experts, 2 * inter, hidden, **bf16) * hidden**-0.5
