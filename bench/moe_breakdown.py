@@ -129,7 +129,7 @@ def decode_breakdown(bf16):
     for name, (experts, top_k, inter, hidden) in SHAPES.items():
         print(f"\n## {name}\n\n| tokens | us a call | kernels (us) |\n|---|---|---|")
         expert_bytes = 3 * inter * hidden * 2
-        sets = input_sets(min(experts, 8 * top_k) * expert_bytes)  # the weight sets a T 8 call cycles through
+        sets = input_sets(top_k * expert_bytes)  # enough weight sets that one token's experts come from HBM
         weights = [(torch.randn(experts, 2 * inter, hidden, **bf16) * hidden**-0.5,
                     torch.randn(experts, hidden, inter, **bf16) * inter**-0.5) for _ in range(sets)]
         for tokens in (1, 2, 4, 8, 16, 64):
