@@ -15,12 +15,9 @@ Where their rows are 16-byte multiples (every real shape), the expert weights, a
 intermediate rows, arrive as TMA tiles through tensor descriptors; x's gathered token rows, and
 every operand otherwise, through pointers.
 
-Decode-sized calls skip step 1 in one of two ways (configs), so the GEMMs read the ids directly
-and there is no align launch:
-- PAIR_BLOCKS: block b is pair b alone (expert topk_ids[b], its other BLOCK_M - 1 slots padding).
-  An expert that two pairs share is read by both blocks: for one or two tokens.
-- EXPERT_BLOCKS (BLOCK_M >= T): block e is expert e and slot t is token t, padding where t did not
-  pick e. Every expert's weights are read once; a block whose expert no token picked exits.
+A few tokens (config PAIR_BLOCKS) skip step 1: block b is pair b alone (expert topk_ids[b], its
+other BLOCK_M - 1 slots padding), so the GEMMs read the ids directly and there is no align launch.
+An expert that two pairs share is then read by both blocks.
 
 Grids depend on the shapes only (P // BLOCK_M blocks; those past the used ones exit at once), so
 decode steps can be captured in CUDA graphs. Programs walk GROUP_M blocks down a column of tiles
@@ -37,7 +34,7 @@ from tritonllm.kernels.paged import dot_precision
 
 
 @triton.jit
-def _tile(block_expert_ptr, num_n, GROUP_M: tl.constexpr, EXPERT_BLOCKS: tl.constexpr):
+def _tile(block_expert_ptr, num_n, GROUP_M: tl.constexpr):
     """This program's block, column tile and the block's expert (-1: an unused block)."""
     pid = tl.program_id(0)
     num_m = tl.num_programs(0) // num_n
@@ -45,21 +42,7 @@ def _tile(block_expert_ptr, num_n, GROUP_M: tl.constexpr, EXPERT_BLOCKS: tl.cons
     first_m = pid // width * GROUP_M
     group = tl.minimum(num_m - first_m, GROUP_M)
     pid_m = first_m + (pid % width) % group
-    if EXPERT_BLOCKS:
-        expert = pid_m
-    else:
-        expert = tl.load(block_expert_ptr + pid_m)
-    return pid_m, (pid % width) // group, expert
-
-
-@triton.jit
-def _expert_hits(ids_ptr, expert, num_pairs, top_k, BLOCK_M: tl.constexpr, BLOCK_TOPK: tl.constexpr):
-    """EXPERT_BLOCKS: [BLOCK_M, BLOCK_TOPK], whether token t's j-th choice is `expert`."""
-    tokens = tl.arange(0, BLOCK_M)
-    choices = tl.arange(0, BLOCK_TOPK)
-    mask = (tokens < num_pairs // top_k)[:, None] & (choices < top_k)[None, :]
-    ids = tl.load(ids_ptr + tokens[:, None] * top_k + choices[None, :], mask=mask, other=-1)
-    return ids == expert
+    return pid_m, (pid % width) // group, tl.load(block_expert_ptr + pid_m)
 
 
 @triton.jit
@@ -76,23 +59,16 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, num
                         stride_x, stride_we, stride_wn, stride_out,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                         EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
-                        TMA: tl.constexpr, PAIR_BLOCKS: tl.constexpr, EXPERT_BLOCKS: tl.constexpr,
-                        BLOCK_TOPK: tl.constexpr):
+                        TMA: tl.constexpr, PAIR_BLOCKS: tl.constexpr):
     # TMA: w_ptr is a descriptor over w13 as [E * 2N, H] of BLOCK_N x BLOCK_K tiles; rows past an
     # expert's gate (or up) rows belong to columns that are not stored, and K past H reads zeros.
-    pid_m, pid_n, expert = _tile(block_expert_ptr, tl.cdiv(inter, BLOCK_N), GROUP_M, EXPERT_BLOCKS)
+    pid_m, pid_n, expert = _tile(block_expert_ptr, tl.cdiv(inter, BLOCK_N), GROUP_M)
     if expert < 0:
         return
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = _block_pairs(sorted_ptr, pid_m, num_pairs, BLOCK_M, PAIR_BLOCKS)
     # Padding slots read token 0, so the loads need no row mask.
-    if EXPERT_BLOCKS:
-        picked = tl.max(_expert_hits(sorted_ptr, expert, num_pairs, top_k, BLOCK_M, BLOCK_TOPK).to(tl.int32), 1)
-        if tl.max(picked, 0) == 0:
-            return
-        tokens = tl.where(picked > 0, tl.arange(0, BLOCK_M), 0)
-    else:
-        pairs = _block_pairs(sorted_ptr, pid_m, num_pairs, BLOCK_M, PAIR_BLOCKS)
-        tokens = tl.where(pairs < num_pairs, pairs // top_k, 0)
+    tokens = tl.where(pairs < num_pairs, pairs // top_k, 0)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + tokens.to(tl.int64)[:, None] * stride_x + offs_k[None, :]
@@ -139,25 +115,19 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, num
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
-def _moe_down_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, weights_ptr, num_pairs, top_k, inter,
-                     hidden, stride_a, stride_we, stride_wn, stride_out,
+def _moe_down_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, weights_ptr, num_pairs, inter, hidden,
+                     stride_a, stride_we, stride_wn, stride_out,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                      EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
-                     TMA: tl.constexpr, PAIR_BLOCKS: tl.constexpr, EXPERT_BLOCKS: tl.constexpr,
-                     BLOCK_TOPK: tl.constexpr):
+                     TMA: tl.constexpr, PAIR_BLOCKS: tl.constexpr):
     # TMA: a_ptr and w_ptr are descriptors over the intermediate [P, N] (BLOCK_M x BLOCK_K tiles) and
     # w2 as [E * H, N] (BLOCK_N x BLOCK_K tiles); K past N reads zeros.
-    pid_m, pid_n, expert = _tile(block_expert_ptr, tl.cdiv(hidden, BLOCK_N), GROUP_M, EXPERT_BLOCKS)
+    pid_m, pid_n, expert = _tile(block_expert_ptr, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     if expert < 0:
         return
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    if EXPERT_BLOCKS:
-        hits = _expert_hits(sorted_ptr, expert, num_pairs, top_k, BLOCK_M, BLOCK_TOPK)
-        if tl.max(tl.max(hits.to(tl.int32), 1), 0) == 0:
-            return
-    else:
-        pairs = _block_pairs(sorted_ptr, pid_m, num_pairs, BLOCK_M, PAIR_BLOCKS)
-        valid = pairs < num_pairs
+    pairs = _block_pairs(sorted_ptr, pid_m, num_pairs, BLOCK_M, PAIR_BLOCKS)
+    valid = pairs < num_pairs
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     # Every slot of a used block holds a finite intermediate row (padding: x[0]'s): no row mask.
@@ -183,24 +153,9 @@ def _moe_down_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, weight
         if not TMA:
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
-    if EXPERT_BLOCKS:
-        # Token t's row goes to each of its pairs with this expert (one, where its k experts are
-        # distinct as moe_route's are), scaled by that pair's weight.
-        tokens = tl.arange(0, BLOCK_M)
-        choices = tl.arange(0, BLOCK_TOPK)
-        pair_grid = tokens[:, None] * top_k + choices[None, :]
-        weights = tl.load(weights_ptr + pair_grid, mask=hits, other=0.0)
-        for j in tl.static_range(BLOCK_TOPK):
-            hit = tl.max(tl.where(choices[None, :] == j, hits.to(tl.int32), 0), 1) > 0
-            weight = tl.sum(tl.where(choices[None, :] == j, weights, 0.0), 1)
-            out_offsets = (tokens * top_k + j).to(tl.int64)[:, None] * stride_out + cols[None, :]
-            tl.store(out_ptr + out_offsets, (acc * weight[:, None]).to(out_ptr.dtype.element_ty),
-                     mask=hit[:, None] & (cols < hidden)[None, :])
-    else:
-        acc = acc * tl.load(weights_ptr + pairs, mask=valid, other=0.0)[:, None]
-        out_offsets = pairs.to(tl.int64)[:, None] * stride_out + cols[None, :]
-        tl.store(out_ptr + out_offsets, acc.to(out_ptr.dtype.element_ty),
-                 mask=valid[:, None] & (cols < hidden)[None, :])
+    acc = acc * tl.load(weights_ptr + pairs, mask=valid, other=0.0)[:, None]
+    out_offsets = pairs.to(tl.int64)[:, None] * stride_out + cols[None, :]
+    tl.store(out_ptr + out_offsets, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (cols < hidden)[None, :])
 
 
 @triton.jit
@@ -217,9 +172,6 @@ def _moe_sum_kernel(rows_ptr, y_ptr, top_k, hidden, stride_y, BLOCK_H: tl.conste
 # Up to this many tokens a block per pair beats the align launch it saves (its experts are distinct
 # but for a few); past it, experts read twice by blocks of one pair cost more (bench/NOTES-moe.md).
 _PAIR_BLOCKS_TOKENS = 2
-# Expert blocks hold a row for every token, most of them padding: past 16 tokens the larger tiles
-# cost more than the align launch they save (bench/NOTES-moe.md).
-_EXPERT_BLOCKS_TOKENS = 16
 
 
 def _rows_per_expert(experts, tokens):
@@ -237,7 +189,7 @@ _LARGE_DOWN = [(128, 64, 4, 4), (128, 64, 8, 3), (256, 64, 8, 3), (256, 64, 8, 4
 def _config(block_m, up, down, group_m=8):
     return {"BLOCK_M": block_m, "BLOCK_N": up[0], "BLOCK_K": up[1], "GROUP_M": group_m, "num_warps": up[2],
             "num_stages": up[3], "DOWN_BLOCK_N": down[0], "DOWN_BLOCK_K": down[1], "DOWN_WARPS": down[2],
-            "DOWN_STAGES": down[3], "PAIR_BLOCKS": 0, "EXPERT_BLOCKS": 0}
+            "DOWN_STAGES": down[3], "PAIR_BLOCKS": 0}
 
 
 def _space(dtype, experts, inter, hidden, tokens):
@@ -250,8 +202,6 @@ def _space(dtype, experts, inter, hidden, tokens):
                                 [(u, d) for u in _LARGE_UP for d in _LARGE_DOWN])]
     if tokens <= _PAIR_BLOCKS_TOKENS * 2:
         configs += [config | {"PAIR_BLOCKS": 1} for config in configs if config["BLOCK_M"] == 16]
-    if tokens <= _EXPERT_BLOCKS_TOKENS:
-        configs += [_config(max(16, tokens), up, down) | {"EXPERT_BLOCKS": 1} for up in _SMALL_UP for down in _SMALL_DOWN]
     return configs
 
 
@@ -303,8 +253,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     k > 1) are fixed by the shapes and the config. out: optional [T, H] output written in place.
     config: overrides the tuned config (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages
     of the gate/up GEMM; DOWN_BLOCK_N, DOWN_BLOCK_K, DOWN_WARPS, DOWN_STAGES of the down GEMM,
-    each defaulting to its gate/up counterpart; PAIR_BLOCKS 1: a block per pair, no align;
-    EXPERT_BLOCKS 1: a block per expert with a slot per token, no align, BLOCK_M >= T).
+    each defaulting to its gate/up counterpart; PAIR_BLOCKS 1: a block per pair, no align).
     Returns y [T, H] of x's dtype (`out` if given).
     """
     if x.dim() != 2 or x.stride(1) != 1:
@@ -342,25 +291,19 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 
     def launch(cfg):
         up, down = _split(cfg)
-        pair_blocks, expert_blocks = bool(cfg.get("PAIR_BLOCKS", 0)), bool(cfg.get("EXPERT_BLOCKS", 0))
-        if pair_blocks and expert_blocks:
-            raise ValueError("config: PAIR_BLOCKS and EXPERT_BLOCKS exclude each other")
-        if expert_blocks and up["BLOCK_M"] < num_tokens:
-            raise ValueError(f"config: EXPERT_BLOCKS needs BLOCK_M >= T = {num_tokens}, got {up['BLOCK_M']}")
-        if pair_blocks or expert_blocks:  # the GEMMs read the ids themselves: no slot table
-            sorted_ids = block_expert = topk_ids.view(-1)
-            num_blocks = experts if expert_blocks else sorted_ids.numel()
+        pair_blocks = bool(cfg.get("PAIR_BLOCKS", 0))
+        if pair_blocks:  # block b is pair b: its expert is topk_ids' b-th entry, no slot table
+            block_expert = sorted_ids = topk_ids.view(-1)
         else:
             sorted_ids, block_expert, _ = moe_align(topk_ids, experts, up["BLOCK_M"])
-            num_blocks = block_expert.shape[0]
-        modes = {"PAIR_BLOCKS": pair_blocks, "EXPERT_BLOCKS": expert_blocks, "BLOCK_TOPK": tuning.pow2(top_k)}
+        num_blocks = block_expert.shape[0]
         act = torch.empty(num_blocks * up["BLOCK_M"], inter, dtype=x.dtype, device=x.device)
         w13_tiles = descriptor(w13, experts * 2 * inter, [up["BLOCK_N"], up["BLOCK_K"]])
         _moe_gate_up_kernel[(num_blocks * triton.cdiv(inter, up["BLOCK_N"]),)](
             x, w13_tiles, act, sorted_ids, block_expert, topk_ids.numel(), top_k, inter, hidden,
             x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
             EVEN_K=hidden % up["BLOCK_K"] == 0, DOT_PRECISION=precision, INTERPRET=tuning.INTERPRET,
-            TMA=w13_tiles is not w13, **modes, **up)
+            TMA=w13_tiles is not w13, PAIR_BLOCKS=pair_blocks, **up)
         # Rows summed in a fixed order by a second launch: atomics would reorder the adds run to run.
         rows = y if top_k == 1 else torch.empty(topk_ids.numel(), hidden, dtype=x.dtype, device=x.device)
         w2_tiles = descriptor(w2, experts * hidden, [down["BLOCK_N"], down["BLOCK_K"]])
@@ -368,9 +311,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         tma = w2_tiles is not w2 and act_tiles is not act
         _moe_down_kernel[(num_blocks * triton.cdiv(hidden, down["BLOCK_N"]),)](
             act_tiles if tma else act, w2_tiles if tma else w2, rows, sorted_ids, block_expert, topk_weights,
-            topk_ids.numel(), top_k, inter, hidden, act.stride(0), w2.stride(0), w2.stride(1), rows.stride(0),
+            topk_ids.numel(), inter, hidden, act.stride(0), w2.stride(0), w2.stride(1), rows.stride(0),
             EVEN_K=inter % down["BLOCK_K"] == 0, DOT_PRECISION=precision, INTERPRET=tuning.INTERPRET, TMA=tma,
-            **modes, **down)
+            PAIR_BLOCKS=pair_blocks, **down)
         if top_k > 1:
             block_h = min(1024, tuning.pow2(hidden))
             _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block_h))](

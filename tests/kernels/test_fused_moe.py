@@ -58,9 +58,6 @@ CONFIGS = [
     # A block per pair, no align: the expert of block b is topk_ids' b-th entry.
     config(16, 32, 64, PAIR_BLOCKS=1),
     config(32, 16, 16, GROUP_M=3, DOWN_BLOCK_N=64, PAIR_BLOCKS=1),
-    # A block per expert, a slot per token (BLOCK_M >= T): padding where the token did not pick it.
-    config(32, 32, 64, EXPERT_BLOCKS=1),
-    config(64, 16, 16, GROUP_M=3, DOWN_BLOCK_N=64, DOWN_BLOCK_K=32, EXPERT_BLOCKS=1),
 ]
 
 
@@ -94,25 +91,6 @@ def test_fused_moe_same_expert_for_every_token():
     x, w13, w2, weights, _ = moe_inputs(17, 4, 2, 48, 32, torch.bfloat16)
     ids = torch.tensor([[2, 0]] * 17, dtype=torch.int32, device=DEVICE)
     check(x, w13, w2, weights, ids, config=config(16, 16, 32))
-
-
-@pytest.mark.parametrize("tokens, top_k", [(1, 1), (16, 8), (13, 3)])
-def test_fused_moe_expert_blocks(tokens, top_k):
-    # BLOCK_M == T, experts no token picked, and a token that picked one expert twice (both its
-    # pairs get the expert's row, each scaled by its own weight).
-    x, w13, w2, weights, ids = moe_inputs(tokens, 60, top_k, 48, 32, torch.bfloat16)
-    check(x, w13, w2, weights, ids, config=config(16, 16, 16, EXPERT_BLOCKS=1))
-    if top_k > 1:
-        ids[tokens // 2, 1] = ids[tokens // 2, 0]
-        check(x, w13, w2, weights, ids, config=config(16, 32, 32, EXPERT_BLOCKS=1))
-
-
-def test_fused_moe_bad_configs():
-    x, w13, w2, weights, ids = moe_inputs(17, 8, 2, 48, 32, torch.float16)
-    with pytest.raises(ValueError, match="BLOCK_M >= T = 17"):
-        fused_moe(x, w13, w2, weights, ids, config=config(16, 16, 16, EXPERT_BLOCKS=1))
-    with pytest.raises(ValueError, match="exclude each other"):
-        fused_moe(x, w13, w2, weights, ids, config=config(32, 16, 16, EXPERT_BLOCKS=1, PAIR_BLOCKS=1))
 
 
 def test_fused_moe_empty_and_bad_shapes():
