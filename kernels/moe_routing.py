@@ -15,8 +15,11 @@ import triton.language as tl
 
 from tritonllm.kernels.tuning import Tunable, dtype_name, pow2
 
-SMALL_PAIRS = 512  # up to this many pairs, moe_align is one program
-CHUNK = 256  # pairs a histogram / scatter step
+# Past 16 tokens of top-8 routing, three launches that scatter chunks in parallel beat one program
+# that scatters them in turn; narrower chunks cost less in the scatter's CHUNK x CHUNK compare
+# (bench/NOTES-moe.md).
+SMALL_PAIRS = 128  # up to this many pairs, moe_align is one program
+CHUNK = 64  # pairs a histogram / scatter step
 
 
 # Counts of tokens, pairs, chunks and blocks change every prefill step; left unspecialized (Triton

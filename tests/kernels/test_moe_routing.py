@@ -89,6 +89,7 @@ def test_moe_align(tokens, experts, top_k, block_m):
 
 
 @pytest.mark.parametrize("tokens, experts, top_k, block_m", [
+    (SMALL_PAIRS // 8, 128, 8, 16),  # one program at its limit, over several chunks
     (SMALL_PAIRS // 8 + 1, 128, 8, 64),  # just past one program: three launches, three chunks
     (700, 60, 4, 16),
     (1500, 512, 8, 128),
