@@ -125,6 +125,11 @@ def graph_kernel_times(arg_sets, fn, reps=10) -> dict[str, float]:
     return profiled_times(lambda: [graph.replay() for _ in range(reps)], reps * len(arg_sets))
 
 
+def short_name(kernel: str) -> str:
+    """A profiler kernel name as the table shows it: ours without `_..._kernel`, PyTorch's fill as torch.zeros."""
+    return "torch.zeros" if "FillFunctor" in kernel else kernel.removesuffix("_kernel").lstrip("_")
+
+
 def decode_breakdown(bf16):
     for name, (experts, top_k, inter, hidden) in SHAPES.items():
         print(f"\n## {name}\n\n| tokens | us a call | kernels (us) |\n|---|---|---|")
@@ -141,7 +146,7 @@ def decode_breakdown(bf16):
 
             us = graph_time_ms(call, arg_sets) * 1e3
             times = sorted(graph_kernel_times(arg_sets, call).items(), key=lambda kv: -kv[1])
-            parts = ", ".join(f"{key.removesuffix('_kernel').lstrip('_')} {t:.1f}" for key, t in times)
+            parts = ", ".join(f"{short_name(key)} {t:.1f}" for key, t in times)
             print(f"| {tokens} | {us:.1f} | {parts} |")
         del weights
         torch.cuda.empty_cache()
@@ -176,7 +181,7 @@ def main():
                     return kernels.fused_moe(x, w13, w2, weights, topk_ids, config=cfg)
                 ms = time_ms(call)
                 times = sorted(kernel_times(call).items(), key=lambda kv: -kv[1])
-                parts = ", ".join(f"{key.removesuffix('_kernel').lstrip('_')} {us:.0f}" for key, us in times if us > 2)
+                parts = ", ".join(f"{short_name(key)} {us:.0f}" for key, us in times if us > 2)
                 print(f"| {label} | {routing} | {ms * 1e3:.0f} | {flops / ms / 1e9:.0f} | {cublas / ms:.2f}x | {parts} |")
         print(f"\n{name} T{tokens}, the two GEMMs alone:\n\n| GEMMs | gate/up us | down us | pair us "
               "| vs cuBLAS pair |\n|---|---|---|---|---|")
