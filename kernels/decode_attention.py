@@ -2,20 +2,17 @@
 
 Decode is bound by reading K/V. One program per (sequence, KV head, split) handles the G query
 heads of its KV head over one contiguous segment of the keys, so each K/V byte is read once. Its
-dots are transposed (`_decode_tile`): keys are the MMA's M and the G heads its N, padded to
-BLOCK_H >= 8, which costs fewer instructions a key than heads as M padded to 16. The grid is
-fixed by the shapes (CUDA-graph capturable): it launches NUM_SPLITS splits per (sequence, KV
-head), a count chosen on the host from B, Hkv, the context bound and the SM count; each sequence
-then uses only min(NUM_SPLITS, cdiv(len, SPLIT_MIN)) of them, computed on the GPU, and the others
-exit at once. The grid puts the splits fastest and the sequences slowest, so the GPU starts
-programs in row order, a row's all together: a batch ordered longest row first (the engine's
-decode batches) starts its longest programs first and fills the last wave with short ones
-(longest-processing-time-first), where random order could start a long row last. Splits write an
-unnormalized accumulator, row max and row sum to float32 scratch; a second launch merges them. With
-NUM_SPLITS == 1 the first launch writes o itself. An e4m3 cache (k_scale / v_scale given) halves
-the K/V bytes; each tile also reads its keys' scales (kernels/paged.py). Over it a program is one
-warp by default: converting the bytes costs instructions, and one-warp tiles reduce over their keys
-with shuffles instead of barriers while more programs an SM keep the loads in flight.
+dots are transposed (`_decode_tile`): keys are the MMA's M, the G heads its N padded to BLOCK_H >= 8
+(fewer instructions a key than heads as M padded to 16). The grid is fixed by the shapes (CUDA-graph
+capturable): NUM_SPLITS splits per (sequence, KV head), chosen on the host from B, Hkv, the context
+bound and the SM count; a sequence uses min(NUM_SPLITS, cdiv(len, SPLIT_MIN)) of them (computed on
+the GPU), the others exit at once. Splits run fastest and sequences slowest, so a batch ordered
+longest row first (the engine's) starts its longest programs first and fills the last wave with
+short ones. Splits write an unnormalized accumulator, row max and row sum to float32 scratch that a
+second launch merges; with NUM_SPLITS == 1 the first launch writes o. An e4m3 cache (k_scale /
+v_scale given) halves the K/V bytes, each tile also reading its keys' scales (kernels/paged.py);
+there a program is one warp by default: the conversions cost instructions, and one-warp tiles
+reduce over keys with shuffles instead of barriers while more programs an SM keep loads in flight.
 """
 import torch
 import triton
@@ -27,9 +24,7 @@ from tritonllm.kernels.paged import (LOG2E, _key_blocks, _key_major_keys, _load_
                                     cache_bucket, check_paged_inputs, dot_precision)
 
 PROGRAMS_PER_SM = 3  # resident programs per SM that hide memory latency without extra splits
-# Over an e4m3 cache a program is one warp: the softmax's reductions over a tile's keys stay inside
-# the warp (shuffles, no barriers), and twice as many programs an SM keep the bytes in flight.
-FP8_PROGRAMS_PER_SM = 6
+FP8_PROGRAMS_PER_SM = 6  # one-warp programs over an e4m3 cache: twice as many an SM keep bytes in flight
 MAX_BATCH = 65535  # sequences are the grid's third dimension, which CUDA caps there
 
 
