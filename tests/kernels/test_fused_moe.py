@@ -69,7 +69,7 @@ def test_fused_moe_configs(cfg, dtype):
 
 
 def test_fused_moe_many_pairs():
-    # Past moe_align's one-program size (2048 pairs): its three-launch path, groups of many blocks.
+    # Far past moe_align's one-program size: its three-launch path, groups of many blocks.
     check(*moe_inputs(260, 8, 8, 48, 32, torch.bfloat16), config=config(64, 32, 32))
 
 
