@@ -158,47 +158,6 @@ def _moe_down_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, weight
     tl.store(out_ptr + out_offsets, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (cols < hidden)[None, :])
 
 
-# PAIR_BLOCKS with k > 1 and DOWN_SUM: a program per (token, BLOCK_N columns of H) multiplies all k of
-# its token's intermediate rows with their experts' w2 rows at once (k experts' bytes in flight), and
-# adds the k rounded terms in order j = 0..k-1 in registers: no [T*k, H] rows, no sum launch. The
-# products are one batched dot, [k, BLOCK_N, BLOCK_K] x [k, BLOCK_K, 16] (the row repeated in 16
-# columns, the MMA's least), so that its loads are pipelined as the GEMMs' are.
-@triton.jit
-def _moe_down_sum_kernel(a_ptr, w_ptr, y_ptr, ids_ptr, weights_ptr, top_k, inter, hidden, stride_pair, stride_we,
-                         stride_wn, stride_y, BLOCK_J: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
-    token = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    choices = tl.arange(0, BLOCK_J)
-    chosen = choices < top_k
-    pairs = token * top_k + choices
-    experts = tl.load(ids_ptr + pairs, mask=chosen, other=0).to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + (pairs.to(tl.int64) * stride_pair)[:, None, None] + offs_k[None, :, None] \
-        + tl.zeros([1, 1, 16], tl.int64)
-    # Columns past H wrap onto real weight rows (no mask in the loop); they are not stored.
-    w_ptrs = (w_ptr + (experts * stride_we)[:, None, None] + ((cols % hidden).to(tl.int64) * stride_wn)[None, :, None]
-              + offs_k[None, None, :])
-    acc = tl.zeros([BLOCK_J, BLOCK_N, 16], tl.float32)
-    for k0 in range(0, inter, BLOCK_K):
-        k_mask = offs_k < inter - k0
-        a = tl.load(a_ptrs, mask=chosen[:, None, None] & k_mask[None, :, None], other=0.0)
-        w = tl.load(w_ptrs, mask=chosen[:, None, None] & k_mask[None, None, :], other=0.0)
-        if INTERPRET:
-            a, w = a.to(tl.float32), w.to(tl.float32)
-        acc = tl.dot(w, a, acc, input_precision=DOT_PRECISION)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    dtype = y_ptr.dtype.element_ty
-    products = tl.max(acc, 2)  # 16 equal columns
-    terms = (products * tl.load(weights_ptr + pairs, mask=chosen, other=0.0)[:, None]).to(dtype).to(tl.float32)
-    y = tl.zeros([BLOCK_N], tl.float32)
-    # Each where-sum is term j plus zeros (exact): y adds the terms in order, as _moe_sum_kernel does.
-    for j in tl.static_range(BLOCK_J):
-        y += tl.sum(tl.where(choices[:, None] == j, terms, 0.0), 0)
-    tl.store(y_ptr + token.to(tl.int64) * stride_y + cols, y.to(dtype), mask=cols < hidden)
-
-
 @triton.jit
 def _moe_sum_kernel(rows_ptr, y_ptr, top_k, hidden, stride_y, BLOCK_H: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
@@ -225,8 +184,6 @@ _SMALL_UP = [(16, 256, 4, 3), (32, 128, 4, 4), (32, 256, 4, 3), (64, 128, 4, 4)]
 _SMALL_DOWN = [(32, 128, 4, 4), (64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 3)]
 _LARGE_UP = [(64, 64, 4, 4), (128, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), (64, 128, 8, 3)]
 _LARGE_DOWN = [(128, 64, 4, 4), (128, 64, 8, 3), (256, 64, 8, 3), (256, 64, 8, 4), (128, 128, 8, 3)]
-# DOWN_SUM tiles: [k, BLOCK_N, BLOCK_K] of weights a step, BLOCK_N the dot's M (at least 16).
-_SUM_DOWN = [(16, 64, 4, 3), (16, 128, 4, 3), (32, 64, 4, 3), (32, 128, 4, 3), (64, 64, 4, 3)]
 
 
 def _config(block_m, up, down, group_m=8):
@@ -244,9 +201,7 @@ def _space(dtype, experts, inter, hidden, tokens):
                for up, down in ([(u, d) for u in _SMALL_UP for d in _SMALL_DOWN] if block_m <= 32 else
                                 [(u, d) for u in _LARGE_UP for d in _LARGE_DOWN])]
     if tokens <= _PAIR_BLOCKS_TOKENS * 2:
-        pairs = [config | {"PAIR_BLOCKS": 1} for config in configs if config["BLOCK_M"] == 16]
-        configs += pairs + [_config(16, up, down) | {"PAIR_BLOCKS": 1, "DOWN_SUM": 1} for up in _SMALL_UP
-                            for down in _SUM_DOWN]
+        configs += [config | {"PAIR_BLOCKS": 1} for config in configs if config["BLOCK_M"] == 16]
     return configs
 
 
@@ -298,8 +253,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     k > 1) are fixed by the shapes and the config. out: optional [T, H] output written in place.
     config: overrides the tuned config (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages
     of the gate/up GEMM; DOWN_BLOCK_N, DOWN_BLOCK_K, DOWN_WARPS, DOWN_STAGES of the down GEMM,
-    each defaulting to its gate/up counterpart; PAIR_BLOCKS 1: a block per pair, no align; with
-    it DOWN_SUM 1: one launch for the down GEMM and the sum, a program per token and column tile).
+    each defaulting to its gate/up counterpart; PAIR_BLOCKS 1: a block per pair, no align).
     Returns y [T, H] of x's dtype (`out` if given).
     """
     if x.dim() != 2 or x.stride(1) != 1:
@@ -350,13 +304,6 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
             x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
             EVEN_K=hidden % up["BLOCK_K"] == 0, DOT_PRECISION=precision, INTERPRET=tuning.INTERPRET,
             TMA=w13_tiles is not w13, PAIR_BLOCKS=pair_blocks, **up)
-        if pair_blocks and top_k > 1 and cfg.get("DOWN_SUM", 0):
-            _moe_down_sum_kernel[(num_tokens, triton.cdiv(hidden, down["BLOCK_N"]))](
-                act, w2, y, topk_ids, topk_weights, top_k, inter, hidden, act.stride(0) * up["BLOCK_M"],
-                w2.stride(0), w2.stride(1), y.stride(0), BLOCK_J=tuning.pow2(top_k), BLOCK_N=down["BLOCK_N"],
-                BLOCK_K=down["BLOCK_K"], DOT_PRECISION=precision, INTERPRET=tuning.INTERPRET,
-                num_warps=down["num_warps"], num_stages=down["num_stages"])
-            return
         # Rows summed in a fixed order by a second launch: atomics would reorder the adds run to run.
         rows = y if top_k == 1 else torch.empty(topk_ids.numel(), hidden, dtype=x.dtype, device=x.device)
         w2_tiles = descriptor(w2, experts * hidden, [down["BLOCK_N"], down["BLOCK_K"]])

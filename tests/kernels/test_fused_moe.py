@@ -58,9 +58,6 @@ CONFIGS = [
     # A block per pair, no align: the expert of block b is topk_ids' b-th entry.
     config(16, 32, 64, PAIR_BLOCKS=1),
     config(32, 16, 16, GROUP_M=3, DOWN_BLOCK_N=64, PAIR_BLOCKS=1),
-    # With the down GEMM and the sum in one launch: columns wrapped past H, K tails masked.
-    config(16, 32, 64, PAIR_BLOCKS=1, DOWN_SUM=1, DOWN_BLOCK_N=16, DOWN_BLOCK_K=32),
-    config(16, 16, 32, PAIR_BLOCKS=1, DOWN_SUM=1, DOWN_BLOCK_N=64, DOWN_BLOCK_K=64, DOWN_WARPS=8),
 ]
 
 
