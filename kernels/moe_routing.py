@@ -65,7 +65,7 @@ def _route_space(dtype, experts_bucket, tokens_bucket):
 
 
 def _route_default(dtype, experts_bucket, tokens_bucket):
-    # About 512 logits a program (4 rows of 128 experts), a warp a 128: the H200's sweep of E 128
+    # About 512 logits a program (4 rows of 128 experts), a warp per 128 logits: the H200 sweep at E 128
     # (bench/NOTES-moe.md) found that fastest from 4 to 1024 tokens, one warp best for one token.
     rows = max(1, min(4, 512 // experts_bucket, tokens_bucket))
     return {"ROWS": rows, "num_warps": max(1, min(4, rows * experts_bucket // 128)), "num_stages": 1}
