@@ -28,7 +28,7 @@ import triton.language as tl
 from torch.profiler import ProfilerActivity, profile
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from moe_cases import group_ends
+from moe_cases import group_ends, new_expert_weights
 from timing import graph_time_ms, input_sets, time_ms
 from tritonllm import kernels
 
@@ -135,8 +135,7 @@ def decode_breakdown(bf16):
         print(f"\n## {name}\n\n| tokens | us a call | kernels (us) |\n|---|---|---|")
         expert_bytes = 3 * inter * hidden * 2
         sets = input_sets(top_k * expert_bytes)  # enough weight sets that one token's experts come from HBM
-        weights = [(torch.randn(experts, 2 * inter, hidden, **bf16) * hidden**-0.5,
-                    torch.randn(experts, hidden, inter, **bf16) * inter**-0.5) for _ in range(sets)]
+        weights = [new_expert_weights(experts, inter, hidden) for _ in range(sets)]
         for tokens in (1, 2, 4, 8, 16, 64):
             arg_sets = [(torch.randn(tokens, experts, **bf16), torch.randn(tokens, hidden, **bf16), *w)
                         for w in weights]
@@ -164,8 +163,7 @@ def main():
         return decode_breakdown(bf16)
     for name, tokens in RUNS:
         experts, top_k, inter, hidden = SHAPES[name]
-        w13 = torch.randn(experts, 2 * inter, hidden, **bf16) * hidden**-0.5
-        w2 = torch.randn(experts, hidden, inter, **bf16) * inter**-0.5
+        w13, w2 = new_expert_weights(experts, inter, hidden)
         x = torch.randn(tokens, hidden, **bf16)
         weights, ids = kernels.moe_route(torch.randn(tokens, experts, **bf16), top_k, True)
         balanced = (torch.arange(tokens * top_k, device="cuda", dtype=torch.int32) % experts).view(tokens, top_k)

@@ -31,11 +31,16 @@ SETS = MAX_INPUT_SETS  # router logits for every input set bench/kernels.py may 
 _weights = {}
 
 
+def new_expert_weights(experts, inter, hidden):
+    """Random w13 [E, 2N, H], w2 [E, H, N] bf16 on the GPU, scaled so that each stage stays O(1)."""
+    return randn(experts, 2 * inter, hidden) * hidden**-0.5, randn(experts, hidden, inter) * inter**-0.5
+
+
 def expert_weights(experts, inter, hidden):
-    """w13 [E, 2N, H], w2 [E, H, N] bf16, made once per shape (the 235B layer is 4.8 GB)."""
+    """new_expert_weights, made once per shape (the 235B layer is 4.8 GB)."""
     key = (experts, inter, hidden)
     if key not in _weights:
-        _weights[key] = (randn(experts, 2 * inter, hidden) * hidden**-0.5, randn(experts, hidden, inter) * inter**-0.5)
+        _weights[key] = new_expert_weights(experts, inter, hidden)
     return _weights[key]
 
 
