@@ -57,7 +57,7 @@ def fastest(times: dict) -> str:
 
 
 def wide_candidates(fp8: bool):
-    warps = (4, 8) if fp8 else (4,)  # e4m3 tiles gain from more warps (NOTES-attention.md)
+    warps = (4, 8) if fp8 else (4,)  # e4m3 tiles gain from more warps (NOTES-decode-attention.md)
     for block_n, splits, split_min, stages, num_warps in itertools.product((64, 128), (1, 2, 4, 8), (128, 256, 512),
                                                                            (2, 3), warps):
         if splits == 1 and split_min != 256:

@@ -11,7 +11,7 @@ ratio is printed. A value given again runs again (`--kv-cache-dtype auto fp8 fp8
 orders in one process), and the ratio then pools the runs of each kind. --repeat N times N runs
 of each (later ones on prompts of the same lengths with other tokens, so nothing hits the prefix
 cache) and gives their median, range and each run's time in order: end to end, the same tree has
-varied by 5-10% between calls (NOTES-attention.md).
+varied by 5-10% between calls (NOTES-decode-attention.md).
 
 Each row also gives the decode floor: the workload's output tokens over the time its decode steps
 would take if each only read its bytes at the copy ceiling (decode_floor), and the share of it

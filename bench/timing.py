@@ -42,7 +42,7 @@ def graph_time_ms(fn, arg_sets: list[tuple], replays: int = 30) -> float:
         for args in arg_sets:
             fn(*args)
     # Replays for WARM_UP_S first, so that the timed ones find the GPU busy, as a serving engine
-    # keeps it, rather than just out of the host's setup (the suspect of a gap in NOTES-attention.md).
+    # keeps it, rather than just out of the host's setup (the suspect of a gap in NOTES-decode-attention.md).
     deadline = time.perf_counter() + WARM_UP_S
     while time.perf_counter() < deadline:
         graph.replay()

@@ -241,7 +241,7 @@ def _decode_space(dtype_name, head_dim, group, num_kv_heads, block_size, batch, 
     splits = sorted({max(1, base // 2), base, base * 2})
     if default["num_warps"] > 1:
         # Bandwidth-bound: what matters is bytes in flight per SM (tile size) and the split count;
-        # the stage count barely moves the time (bench/NOTES-attention.md).
+        # the stage count barely moves the time (bench/NOTES-decode-attention.md).
         return [default | {"BLOCK_N": block_n, "NUM_SPLITS": num_splits, "num_stages": 3}
                 for block_n in (32, 64, 128) for num_splits in splits]
     # e4m3: one-warp programs of 16 or 32 keys a tile (some capped at 128 registers, where 16 of

@@ -4,7 +4,7 @@ A cache is [num_blocks, block_size, Hkv, D]; slot = block * block_size + offset.
 either contiguous (a cache row of Hkv * D values per slot) or, for V, key-major: each block laid
 out as [Hkv, D, block_size], so a head's values run over the block's keys. Indexing means the same
 in both. The PV dot reduces over keys: from a key-major V an e4m3 tile reaches the tensor cores
-without a byte-wise transpose (sm_90 has no 8-bit ldmatrix.trans; bench/NOTES-attention.md).
+without a byte-wise transpose (sm_90 has no 8-bit ldmatrix.trans; bench/NOTES-decode-attention.md).
 """
 import torch
 import triton

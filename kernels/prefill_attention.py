@@ -103,7 +103,7 @@ def _prefill_space(dtype_name, head_dim, group, block_size, q_len, cache_dtype_n
     configs = []
     for block_m, num_warps in ((64, 4), (128, 4), (128, 8)):
         for block_n in (32, 64, 128):
-            for num_stages in (2, 3):  # 4 never won a tuning run (bench/NOTES-attention.md)
+            for num_stages in (2, 3):  # 4 never won a tuning run (bench/NOTES-prefill-attention.md)
                 if block_m >= group:
                     configs.append({"BLOCK_M": block_m, "BLOCK_N": block_n,
                                     "num_warps": num_warps, "num_stages": num_stages})
@@ -116,7 +116,7 @@ def _prefill_default(dtype_name, head_dim, group, block_size, q_len, cache_dtype
         return {"BLOCK_M": max(32, triton.next_power_of_2(group)), "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
     # One warpgroup (4 warps) per tile of 128 rows for wgmma; at about 98 KB of shared memory two
     # programs share an SM and overlap each other's softmax and dots (8 warps lost in tuning, with
-    # and without TMA: bench/NOTES-attention.md). Short queries and big heads take BLOCK_M 64.
+    # and without TMA: bench/NOTES-prefill-attention.md). Short queries and big heads take BLOCK_M 64.
     if cache_dtype_name is not None:
         # Over an e4m3 cache, 128 rows on 4 warps spill the converted K/V tiles; 64 rows do not.
         return {"BLOCK_M": max(64, triton.next_power_of_2(group)), "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
