@@ -1,10 +1,7 @@
 """E4M3 (torch.float8_e4m3fn) KV-cache rows: the quantization helpers the store and attention kernels share.
 
-A row x of D values (float32) is stored as q = e4m3(x * (1 / scale)), scale = max|x| / 448 (1.0
-for an all-zero row), the reciprocal and the product rounded to float32, then to nearest even e4m3
-and saturated to +-448; its value is float(q) * scale. The product is within 1.5 float32 ulps of
-x / scale, so it rounds to the same code but where x / scale lies within that of an e4m3 tie; one
-reciprocal a row replaces a division an element.
+A row x of D values (float32) is stored as q = e4m3(x / scale), scale = max|x| / 448 (1.0 for an
+all-zero row), rounded to nearest even and saturated to +-448; its value is float(q) * scale.
 
 Triton's interpreter converts exact e4m3 values correctly both ways, but rounds float32 -> e4m3
 wrongly (half up on the first dropped bit, no carry into the exponent, no saturation, values below
@@ -40,12 +37,18 @@ def _round_e4m3(x):
 
 @triton.jit
 def to_e4m3(x, scale, INTERPRET: tl.constexpr):
-    """x times scale's reciprocal (float32, each rounded to nearest) as tl.float8e4nv: nearest even,
-    saturated to +-448 (inf included), -0 kept. scale broadcasts against x (one per row)."""
-    y = x * tl.div_rn(1.0, scale)
+    """x / scale (float32, correctly rounded division) as tl.float8e4nv: nearest even, saturated to +-448.
+
+    scale broadcasts against x (one per row). On the GPU the quotient is x times scale's reciprocal,
+    corrected once by a fused multiply-add (Markstein), which rounds it as a division would: one
+    division a row instead of one an element. Where the correction is 0 (x = +-0) or NaN (x = +-inf)
+    the product stands, so -0 stays -0 and inf saturates; the conversion saturates by itself."""
     if INTERPRET:
-        return _round_e4m3(tl.minimum(tl.maximum(y, -E4M3_MAX), E4M3_MAX)).to(tl.float8e4nv)
-    return y.to(tl.float8e4nv)  # the conversion saturates by itself
+        return _round_e4m3(tl.minimum(tl.maximum(tl.div_rn(x, scale), -E4M3_MAX), E4M3_MAX)).to(tl.float8e4nv)
+    r = tl.div_rn(1.0, scale)
+    y = x * r
+    e = tl.fma(-y, scale, x)
+    return tl.where(tl.abs(e) > 0.0, tl.fma(e, r, y), y).to(tl.float8e4nv)
 
 
 @triton.jit

@@ -154,7 +154,7 @@ def store_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scal
     contiguous, v_cache contiguous or key-major (empty_kv_cache); slot_mapping [T] int32 or int64.
     Modifies the caches in place; values are cast to the cache dtype. A torch.float8_e4m3fn cache
     needs k_scale, v_scale [num_blocks, block_size, Hkv] float32, contiguous or head-major
-    (kernels/fp8.empty_kv_scales): each (token, head) row is stored as e4m3(row * (1 / scale)), scale =
+    (kernels/fp8.empty_kv_scales): each (token, head) row is stored as e4m3(row / scale), scale =
     max|row| / 448 (1.0 for a zero row), and its scale is written at [slot, head] (kernels/fp8.py).
     """
     n_tokens, num_heads, head_dim = k.shape

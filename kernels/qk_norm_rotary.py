@@ -214,7 +214,7 @@ def qk_norm_rotary_store(positions, qkv, q_weight, k_weight, eps, cos_sin_cache,
 
     A torch.float8_e4m3fn cache needs k_scale, v_scale [num_blocks, block_size, Hkv] float32,
     contiguous or head-major (kernels/fp8.empty_kv_scales): each (token, head) row of k (rotated,
-    in float32, before rounding to qkv's dtype) and of v is stored as e4m3(row * (1 / scale)), scale =
+    in float32, before rounding to qkv's dtype) and of v is stored as e4m3(row / scale), scale =
     max|row| / 448 (1.0 for a zero row), and its scale is written at [slot, head] (kernels/fp8.py);
     slot < 0 skips the scales too.
 
