@@ -28,6 +28,10 @@ from tritonllm.kernels.paged import LOG2E, _attend_tile, cache_bucket, check_pag
 from tritonllm.kernels.prefill_attention_hopper import HOPPER_TUNABLE, prefill_attention_hopper, supports
 
 PATHS = ("auto", "portable", "hopper")
+# "auto" takes the Hopper kernel from this much causal work a call (new tokens x longest query).
+# Below it a call's GPU time is short and the Hopper launch costs 55-160 us more host time than
+# the portable one, which such host-bound steps pay in full (bench/NOTES-prefill-attention.md).
+HOPPER_MIN_WORK = 1 << 22
 
 
 @triton.jit(do_not_specialize=["stride_block_table"])  # the step's widest table: one compile for all
@@ -188,15 +192,16 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
     place. config: launch config overriding the tuned/default one (tests, benchmarks).
     path: "hopper" runs the warp-specialized Gluon kernel (kernels/prefill_attention_hopper.py; an
     sm_90 GPU, bf16/fp16 q and cache, plain layout), "portable" the Triton kernel of this file,
-    "auto" (the default) the Hopper kernel wherever it applies.
+    "auto" (the default) the Hopper kernel wherever it applies and the call has at least
+    HOPPER_MIN_WORK new tokens x max_q_len, else the portable one.
     Returns o [T, Hq, D] in q's dtype (`out` if given); nothing else is modified.
     """
     group, block_size, fp8, v_key_major = check_paged_inputs(q, k_cache, v_cache, seq_lens, block_tables, out,
                                                              k_scale, v_scale)
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
-    hopper = path != "portable" and supports(q, k_cache, v_cache, group, v_key_major, fp8)
-    if path == "hopper" and not hopper:
+    applies = path != "portable" and supports(q, k_cache, v_cache, group, v_key_major, fp8)
+    if path == "hopper" and not applies:
         raise ValueError("path='hopper' needs an sm_90 GPU, bf16/fp16 q and cache in the plain layout, D 64 or 128, "
                          "block_size >= 16 and Hq / Hkv <= 64")
     batch = seq_lens.shape[0]
@@ -209,6 +214,7 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
         max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())
     if max_q_len <= 0:
         return out
+    hopper = applies and (path == "hopper" or q.shape[0] * max_q_len >= HOPPER_MIN_WORK)
     head_dim = q.shape[2]
     num_kv_heads = k_cache.shape[2]
     qk_scale = (head_dim**-0.5 if scale is None else scale) * LOG2E

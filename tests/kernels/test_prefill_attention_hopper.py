@@ -62,13 +62,30 @@ def test_hopper_prefix_hits(head_dim, num_q_heads, num_kv_heads, block_size, dty
 @HALF
 def test_hopper_chunked_prefill_equals_one_shot(dtype, monkeypatch):
     taken = spy_paths(monkeypatch)
-    check_chunked(dtype, False)  # path "auto": the Gluon kernel on this GPU
+    monkeypatch.setattr(prefill_module, "HOPPER_MIN_WORK", 0)  # "auto" takes the Gluon kernel for any size
+    check_chunked(dtype, False)
     assert taken and set(taken) == {"hopper"}
+
+
+@needs_hopper
+def test_auto_takes_hopper_from_its_minimum_work(monkeypatch):
+    # One sequence of S new tokens is S * S of work: the Gluon kernel from 2048 (2^22) on.
+    taken = spy_paths(monkeypatch)
+    for new_tokens, expected in [(2047, []), (2048, ["hopper"]), (64, [])]:
+        taken.clear()
+        inputs = prefill_inputs([0], [new_tokens], 4, 2, 64, 16, torch.bfloat16)
+        out, ref = run_prefill(*inputs)
+        assert taken == expected, new_tokens
+        assert_close(out, ref, torch.bfloat16, ATTN)
+    monkeypatch.setattr(prefill_module, "HOPPER_MIN_WORK", 64 * 64)
+    run_prefill(*prefill_inputs([0], [64], 4, 2, 64, 16, torch.bfloat16))
+    assert taken == ["hopper"]
 
 
 @needs_hopper
 def test_auto_takes_hopper_only_where_it_applies(monkeypatch):
     taken = spy_paths(monkeypatch)
+    monkeypatch.setattr(prefill_module, "HOPPER_MIN_WORK", 0)
     for dtype, fp8, v_layout, expected in [(torch.bfloat16, False, "contiguous", ["hopper"]),
                                            (torch.float32, False, "contiguous", []),
                                            (torch.bfloat16, True, "contiguous", []),
