@@ -29,8 +29,8 @@ from tritonllm.kernels.prefill_attention_hopper import HOPPER_TUNABLE, prefill_a
 
 PATHS = ("auto", "portable", "hopper")
 # "auto" takes the Hopper kernel from this much causal work a call (new tokens x longest query).
-# Below it a call's GPU time is short and the Hopper launch costs 55-160 us more host time than
-# the portable one, which such host-bound steps pay in full (bench/NOTES-prefill-attention.md).
+# Below it a call's GPU time is short and the Hopper launch's larger host time, which such
+# host-bound steps pay in full, costs more than the kernel saves (bench/NOTES-prefill-attention.md).
 HOPPER_MIN_WORK = 1 << 22
 
 

@@ -106,9 +106,7 @@ class ModelRunner:
 
     def _warmup(self) -> None:
         """A largest-possible prefill, so the peak activation memory (with an fp8 cache, the largest
-        copies of its blocks) is known before the cache is sized; then a short one, so the prefill
-        attention kernel of small steps (kernels/prefill_attention.HOPPER_MIN_WORK) compiles now, not
-        in the first short request."""
+        copies of its blocks) is known before the cache is sized."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         num_tokens = min(self.config.max_num_batched_tokens, self.config.max_model_len * self.config.max_num_seqs)
@@ -116,13 +114,6 @@ class ModelRunner:
         if num_tokens % self.config.max_model_len:
             lengths.append(num_tokens % self.config.max_model_len)
         allocate_kv_caches(self.model, 1, self.block_size, self.config.cache_dtype, self.device, fill=0.0)
-        self._warmup_prefill(lengths)
-        self._warmup_prefill([min(16, self.config.max_model_len)])
-        torch.cuda.synchronize(self.device)
-
-    def _warmup_prefill(self, lengths: list[int]) -> None:
-        """A prefill of sequences of these lengths over the one-block warmup cache, storing nothing."""
-        num_tokens = sum(lengths)
         cu = torch.tensor([0] + lengths, device=self.device).cumsum(0).to(torch.int32)
         positions = torch.cat([torch.arange(n, device=self.device) for n in lengths])
         tables = torch.zeros(len(lengths), -(-max(lengths) // self.block_size), dtype=torch.int32, device=self.device)
@@ -134,6 +125,7 @@ class ModelRunner:
             context.gather_blocks = torch.zeros(gather, dtype=torch.int32, device=self.device)
             context.gather_tables, context.copy_slots, context.num_copies = tables, no_slots, gather
         self._forward(torch.zeros(num_tokens, dtype=torch.long, device=self.device), positions, context)
+        torch.cuda.synchronize(self.device)
 
     # ---- inputs (rank 0) -> broadcast -> forward (every rank)
 
