@@ -16,7 +16,9 @@ from tritonllm.distributed import (all_reduce, broadcast, broadcast_object, clos
 from tritonllm.engine.penalties import PenaltyRows
 from tritonllm.engine.sequence import Sequence
 from tritonllm.engine.step_inputs import StepInputs
-from tritonllm.layers.attention import allocate_kv_caches, kv_bytes_per_token
+from tritonllm.kernels.prefill_attention import HOPPER_MIN_WORK
+from tritonllm.kernels.tuning import pow2
+from tritonllm.layers.attention import Attention, allocate_kv_caches, kv_bytes_per_token
 from tritonllm.layers.ops import backend
 from tritonllm.loader import build_model, init_dummy_weights, load_weights
 
@@ -26,6 +28,23 @@ CPU_KV_CACHE_BYTES = 1 << 30
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     sizes = [1, 2, 4, 8] + list(range(16, max_num_seqs + 1, 16))
     return sorted({min(s, max_num_seqs) for s in sizes} | {max_num_seqs})
+
+
+def prefill_warmup_steps(max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int) -> list[list[int]]:
+    """Sequence lengths of prefill steps that together reach every tuning bucket a prefill step can:
+    the attention kernels' configs go by the longest query (its power of two, and whether new
+    tokens x longest query reach HOPPER_MIN_WORK), the other kernels' by the step's token count.
+    Each step is a longest query q (a bucket's first and last length) and others up to t tokens."""
+    longest = min(max_model_len, max_num_batched_tokens)
+    steps, seen = [], set()
+    for q in sorted({n for i in range(longest.bit_length()) for n in (1 << i, (1 << i) + 1) if n <= longest} | {longest}):
+        most = min(max_num_batched_tokens, max_num_seqs * q)
+        for tokens in sorted({q, most} | {1 << i for i in range(most.bit_length()) if q < 1 << i < most}):
+            keys = {("query", pow2(q), tokens * q >= HOPPER_MIN_WORK), ("tokens", pow2(tokens))}
+            if not keys <= seen:
+                seen |= keys
+                steps.append([q] * (tokens // q) + ([tokens % q] if tokens % q else []))
+    return steps
 
 
 class SampledTokens:
@@ -102,6 +121,8 @@ class ModelRunner:
         if num_blocks < 1:
             raise ValueError("no memory left for the KV cache: lower max_num_batched_tokens or raise gpu_memory_utilization")
         allocate_kv_caches(self.model, num_blocks, self.block_size, self.config.cache_dtype, self.device)
+        if self.device.type == "cuda" and self.config.kernels == "triton":
+            self._compile_prefill()
         return num_blocks
 
     def _warmup(self) -> None:
@@ -114,18 +135,45 @@ class ModelRunner:
         if num_tokens % self.config.max_model_len:
             lengths.append(num_tokens % self.config.max_model_len)
         allocate_kv_caches(self.model, 1, self.block_size, self.config.cache_dtype, self.device, fill=0.0)
-        cu = torch.tensor([0] + lengths, device=self.device).cumsum(0).to(torch.int32)
-        positions = torch.cat([torch.arange(n, device=self.device) for n in lengths])
-        tables = torch.zeros(len(lengths), -(-max(lengths) // self.block_size), dtype=torch.int32, device=self.device)
-        gather = self.config.prefill_gather_blocks  # the most copies, each of the one warmup block
-        no_slots = torch.full((num_tokens,), -1, device=self.device)
-        context = Context(True, no_slots, torch.tensor(lengths, dtype=torch.int32, device=self.device), tables, cu,
-                          max(lengths), max(lengths))
-        if gather:
-            context.gather_blocks = torch.zeros(gather, dtype=torch.int32, device=self.device)
-            context.gather_tables, context.copy_slots, context.num_copies = tables, no_slots, gather
-        self._forward(torch.zeros(num_tokens, dtype=torch.long, device=self.device), positions, context)
+        self._dummy_prefill(lengths, self.config.prefill_gather_blocks)  # the most copies, each of block 0
         torch.cuda.synchronize(self.device)
+
+    def _compile_prefill(self) -> None:
+        """Run the prefill steps of `prefill_warmup_steps` (over an fp8 cache, on copies of its blocks
+        and in place), so no Triton compile (seconds each) lands in the middle of serving, as for
+        the sampler. They read zeroed block 0 and store nothing."""
+        config = self.config
+        for module in self.model.modules():
+            if isinstance(module, Attention):  # block 0 is free: the first request that takes it overwrites it
+                for t in (module.k_cache, module.v_cache, module.k_scale, module.v_scale):
+                    if t is not None:
+                        t[0].zero_()
+        copies = 1 if config.prefill_gather_blocks else 0
+        steps = prefill_warmup_steps(config.max_model_len, config.max_num_batched_tokens, config.max_num_seqs)
+        for lengths in steps:
+            self._dummy_prefill(lengths, copies)
+        if copies:  # steps holding more blocks than the copies take read the fp8 cache in place
+            for lengths in steps:
+                if len(lengths) == 1:  # one a query bucket
+                    self._dummy_prefill(lengths, 0)
+        torch.cuda.synchronize(self.device)
+
+    def _dummy_prefill(self, lengths: list[int], copies: int) -> None:
+        """A prefill of sequences of these lengths that stores nothing (slots -1) and reads block 0 of
+        the cache for every key; over an fp8 cache its attention reads `copies` gathered copies of
+        block 0."""
+        d = self.device
+        num_tokens = sum(lengths)
+        cu = torch.tensor([0] + lengths, device=d).cumsum(0).to(torch.int32)
+        positions = torch.cat([torch.arange(n, device=d) for n in lengths])
+        tables = torch.zeros(len(lengths), -(-max(lengths) // self.block_size), dtype=torch.int32, device=d)
+        no_slots = torch.full((num_tokens,), -1, device=d)
+        context = Context(True, no_slots, torch.tensor(lengths, dtype=torch.int32, device=d), tables, cu,
+                          max(lengths), max(lengths))
+        if copies:
+            context.gather_blocks = torch.zeros(copies, dtype=torch.int32, device=d)
+            context.gather_tables, context.copy_slots, context.num_copies = tables, no_slots, copies
+        self._forward(torch.zeros(num_tokens, dtype=torch.long, device=d), positions, context)
 
     # ---- inputs (rank 0) -> broadcast -> forward (every rank)
 
