@@ -36,7 +36,8 @@ def _apply_penalties_kernel(logits_ptr, stride, counts_ptr, counts_stride, mask_
         tl.store(ptrs, x.to(logits_ptr.dtype.element_ty), mask=valid)
 
 
-@triton.jit(do_not_specialize=["N"])  # N varies with the batch: one compile
+# N varies with the batch, and a request's token ids start wherever its pairs split: one compile.
+@triton.jit(do_not_specialize=["N"], do_not_specialize_on_alignment=["rows_ptr", "token_ptr"])
 def _count_tokens_kernel(counts_ptr, stride, rows_ptr, token_ptr, N, ACCUMULATE: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     rows = tl.load(rows_ptr + offs, mask=offs < N, other=-1).to(tl.int64)
