@@ -8,6 +8,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 
 from tritonllm.config import EngineConfig
 from tritonllm.context import Context, set_context
@@ -37,7 +38,8 @@ def prefill_warmup_steps(max_model_len: int, max_num_batched_tokens: int, max_nu
     Each step is a longest query q (a bucket's first and last length) and others up to t tokens."""
     longest = min(max_model_len, max_num_batched_tokens)
     steps, seen = [], set()
-    for q in sorted({n for i in range(longest.bit_length()) for n in (1 << i, (1 << i) + 1) if n <= longest} | {longest}):
+    firsts_and_lasts = {n for i in range(longest.bit_length()) for n in (1 << i, (1 << i) + 1) if n <= longest}
+    for q in sorted(firsts_and_lasts | {longest}):
         most = min(max_num_batched_tokens, max_num_seqs * q)
         for tokens in sorted({q, most} | {1 << i for i in range(most.bit_length()) if q < 1 << i < most}):
             keys = {("query", pow2(q), tokens * q >= HOPPER_MIN_WORK), ("tokens", pow2(tokens))}
@@ -150,13 +152,17 @@ class ModelRunner:
                         t[0].zero_()
         copies = 1 if config.prefill_gather_blocks else 0
         steps = prefill_warmup_steps(config.max_model_len, config.max_num_batched_tokens, config.max_num_seqs)
-        for lengths in steps:
-            self._dummy_prefill(lengths, copies)
-        if copies:  # steps holding more blocks than the copies take read the fp8 cache in place
-            for lengths in steps:
-                if len(lengths) == 1:  # one a query bucket
-                    self._dummy_prefill(lengths, 0)
+        # Over an fp8 cache the one-sequence steps (one a query bucket) run again in place, as steps
+        # holding more blocks than the copies take do.
+        runs = [(lengths, copies) for lengths in steps]
+        runs += [(lengths, 0) for lengths in steps if copies and len(lengths) == 1]
+        for lengths, step_copies in self._progress(runs, "Compiling prefill kernels"):
+            self._dummy_prefill(lengths, step_copies)
         torch.cuda.synchronize(self.device)
+
+    def _progress(self, items: list, desc: str):
+        """items, with a progress bar on rank 0 when stderr is a terminal (a cold start compiles for a minute)."""
+        return tqdm(items, desc=desc, leave=False, dynamic_ncols=True, disable=True if self.rank else None)
 
     def _dummy_prefill(self, lengths: list[int], copies: int) -> None:
         """A prefill of sequences of these lengths that stores nothing (slots -1) and reads block 0 of
@@ -238,7 +244,7 @@ class ModelRunner:
         self.graph_output = torch.zeros(max_bs, self.hf_config.hidden_size, dtype=self.config.dtype, device=d)
         pool = None
         g = self.graph_inputs
-        for batch in reversed(graph_batch_sizes(max_bs)):
+        for batch in self._progress(list(reversed(graph_batch_sizes(max_bs))), "Capturing decode graphs"):
             context = Context(False, g["slot_mapping"][:batch], g["seq_lens"][:batch], g["block_tables"][:batch],
                               None, 1, self.config.max_model_len)
             self._forward(g["token_ids"][:batch], g["positions"][:batch], context)  # compiles and warms the kernels
