@@ -2,10 +2,10 @@
 
 The model runner's start-up runs a prefill step of each tuning bucket (and captures the decode
 graphs, and samples once per sampler bucket); after it, steps of any batch size, length and
-block-table width must reuse the compiled kernels. Triton specializes a launch on its integer arguments (1, multiples of
-16) and on pointer alignment, so an argument that changes every step (a batch size, a table width,
-a row of a packed parameter tensor) would compile again for each new case, taking seconds (the
-sampler about 5 s on an H200) while every request waits.
+block-table width must reuse the compiled kernels. Triton specializes a launch on its integer
+arguments (1, multiples of 16) and on pointer alignment, so an argument that changes every step (a
+batch size, a table width, a row of a packed parameter tensor) would compile again for each new
+case, taking seconds (the sampler about 5 s on an H200) while every request waits.
 """
 import random
 import sys
