@@ -15,7 +15,6 @@ import torch
 
 from tritonllm import LLM, SamplingParams
 from tritonllm.config import KV_CACHE_DTYPES
-from tritonllm.models.presets import is_preset
 
 SHAPES = [(1, 16), (1, 100), (1, 700), (4, 300), (16, 200), (1, 1500), (4, 1024), (1, 3000), (2, 6000)]  # (prompts, tokens)
 
@@ -27,8 +26,7 @@ def main():
     parser.add_argument("--max-tokens", type=int, default=1)
     args = parser.parse_args()
     start = time.perf_counter()
-    llm = LLM(args.model, kv_cache_dtype=args.kv_cache_dtype, max_model_len=16384,
-              **({"load_format": "dummy"} if is_preset(args.model) else {}))
+    llm = LLM(args.model, kv_cache_dtype=args.kv_cache_dtype, max_model_len=16384)
     startup = time.perf_counter() - start
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     rng = random.Random(0)

@@ -34,6 +34,12 @@ PATHS = ("auto", "portable", "hopper")
 HOPPER_MIN_WORK = 1 << 22
 
 
+def enough_work_for_hopper(num_tokens: int, max_q_len: int) -> bool:
+    """Whether a call of num_tokens new tokens, the longest query max_q_len, is long enough for "auto"
+    to take the Hopper kernel (where it applies)."""
+    return num_tokens * max_q_len >= HOPPER_MIN_WORK
+
+
 @triton.jit(do_not_specialize=["stride_block_table"])  # the step's widest table: one compile for all
 def _prefill_attention_kernel(
     q_ptr, k_cache, v_cache, k_scale_ptr, v_scale_ptr, o_ptr, cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
@@ -214,7 +220,7 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
         max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())
     if max_q_len <= 0:
         return out
-    hopper = applies and (path == "hopper" or q.shape[0] * max_q_len >= HOPPER_MIN_WORK)
+    hopper = applies and (path == "hopper" or enough_work_for_hopper(q.shape[0], max_q_len))
     head_dim = q.shape[2]
     num_kv_heads = k_cache.shape[2]
     qk_scale = (head_dim**-0.5 if scale is None else scale) * LOG2E

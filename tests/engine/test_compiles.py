@@ -17,6 +17,7 @@ import triton
 from tritonllm import LLM, SamplingParams
 from tritonllm.engine.model_runner import prefill_warmup_steps
 from tritonllm.kernels.prefill_attention import HOPPER_MIN_WORK
+from tritonllm.kernels.tuning import pow2
 
 gpu_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton's interpreter compiles nothing")
 
@@ -40,15 +41,11 @@ def prompts(lengths: list[int], rng: random.Random) -> list[list[int]]:
     return [[rng.randrange(3, 380) for _ in range(n)] for n in lengths]
 
 
-def next_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
 def step_buckets(longest_query: int, tokens: int) -> set:
     """What picks a prefill step's configs: its longest query's power of two (attention also by
     whether tokens x longest query reach HOPPER_MIN_WORK) and its token count's."""
-    return {("query", next_pow2(longest_query), tokens * longest_query >= HOPPER_MIN_WORK),
-            ("tokens", next_pow2(tokens))}
+    return {("query", pow2(longest_query), tokens * longest_query >= HOPPER_MIN_WORK),
+            ("tokens", pow2(tokens))}
 
 
 @pytest.mark.parametrize("max_model_len, max_num_batched_tokens, max_num_seqs",
@@ -100,11 +97,9 @@ def new_compiles(before: dict[str, int]) -> dict[str, int]:
 def test_nothing_compiles_after_start_up(request, model, kv_cache_dtype, max_model_len):
     """Prompts of every size right after LLM(...): prefill steps of one token to a chunked prompt,
     batches that take the Hopper attention kernel (Qwen3-0.6B's D 128, on sm_90), prefix hits."""
-    preset = model.startswith("qwen3-")
-    llm = LLM(model if preset else str(request.getfixturevalue(model)), dtype="bfloat16",
-              kv_cache_dtype=kv_cache_dtype, max_num_seqs=4, max_model_len=max_model_len,
-              max_num_batched_tokens=max_model_len // 2,
-              **({"load_format": "dummy"} if preset else {}))
+    path = model if model.startswith("qwen3-") else str(request.getfixturevalue(model))  # a preset: dummy weights
+    llm = LLM(path, dtype="bfloat16", kv_cache_dtype=kv_cache_dtype, max_num_seqs=4, max_model_len=max_model_len,
+              max_num_batched_tokens=max_model_len // 2)
     warm = compiled_kernels()
     assert sum(warm.values()) > 0, "found no compiled kernel to count"
     rng = random.Random(0)

@@ -17,7 +17,7 @@ from tritonllm.distributed import (all_reduce, broadcast, broadcast_object, clos
 from tritonllm.engine.penalties import PenaltyRows
 from tritonllm.engine.sequence import Sequence
 from tritonllm.engine.step_inputs import StepInputs
-from tritonllm.kernels.prefill_attention import HOPPER_MIN_WORK
+from tritonllm.kernels.prefill_attention import enough_work_for_hopper
 from tritonllm.kernels.tuning import pow2
 from tritonllm.layers.attention import Attention, allocate_kv_caches, kv_bytes_per_token
 from tritonllm.layers.ops import backend
@@ -33,8 +33,8 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 def prefill_warmup_steps(max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int) -> list[list[int]]:
     """Sequence lengths of prefill steps that together reach every tuning bucket a prefill step can:
-    the attention kernels' configs go by the longest query (its power of two, and whether new
-    tokens x longest query reach HOPPER_MIN_WORK), the other kernels' by the step's token count.
+    the attention kernels' configs go by the longest query (its power of two, and whether the step
+    has enough work for the Hopper kernel), the other kernels' by the step's token count.
     Each step is a longest query q (a bucket's first and last length) and others up to t tokens."""
     longest = min(max_model_len, max_num_batched_tokens)
     steps, seen = [], set()
@@ -42,7 +42,7 @@ def prefill_warmup_steps(max_model_len: int, max_num_batched_tokens: int, max_nu
     for q in sorted(firsts_and_lasts | {longest}):
         most = min(max_num_batched_tokens, max_num_seqs * q)
         for tokens in sorted({q, most} | {1 << i for i in range(most.bit_length()) if q < 1 << i < most}):
-            keys = {("query", pow2(q), tokens * q >= HOPPER_MIN_WORK), ("tokens", pow2(tokens))}
+            keys = {("query", pow2(q), enough_work_for_hopper(tokens, q)), ("tokens", pow2(tokens))}
             if not keys <= seen:
                 seen |= keys
                 steps.append([q] * (tokens // q) + ([tokens % q] if tokens % q else []))
