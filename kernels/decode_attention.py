@@ -26,6 +26,7 @@ from tritonllm.kernels.paged import (LOG2E, _key_blocks, _key_major_keys, _load_
 PROGRAMS_PER_SM = 3  # resident programs per SM that hide memory latency without extra splits
 FP8_PROGRAMS_PER_SM = 6  # one-warp programs over an e4m3 cache: twice as many an SM keep bytes in flight
 MAX_BATCH = 65535  # sequences are the grid's third dimension, which CUDA caps there
+MERGE_BLOCK_D = 64  # head-dim columns a merge program takes
 
 
 @triton.jit
@@ -199,15 +200,16 @@ def _decode_attention_kernel(
 def _merge_splits_kernel(
     acc_ptr, m_ptr, l_ptr, seq_lens_ptr, o_ptr, num_q_heads, stride_o_batch, stride_o_head,
     HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-    SPLIT_MIN: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT_MIN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
+    # A program a (sequence, head, BLOCK_D columns): whole rows spilled registers at 198 splits.
     seq = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
     # The same split rule as the attention launch: splits at or past `used` were never written.
     used = tl.cdiv(seq_len, _split_len(seq_len, NUM_SPLITS, SPLIT_MIN, BLOCK_N))
     offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     valid = offs_s < used
     slot = (seq.to(tl.int64) * num_q_heads + head) * NUM_SPLITS + offs_s
     m = tl.load(m_ptr + slot, mask=valid, other=float("-inf"))
@@ -338,10 +340,11 @@ def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale=None, *,
             DOT_PRECISION=dot_precision(q.dtype), INTERPRET=tuning.INTERPRET, FP8=fp8,
             V_KEY_MAJOR=v_key_major, **cfg)
         if num_splits > 1:
-            _merge_splits_kernel[(batch, num_q_heads)](
+            block_d = min(MERGE_BLOCK_D, head_dim)
+            _merge_splits_kernel[(batch, num_q_heads, head_dim // block_d)](
                 scratch, m, l, seq_lens, out, num_q_heads, out.stride(0), out.stride(1),
                 HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
-                SPLIT_MIN=cfg["SPLIT_MIN"], BLOCK_N=cfg["BLOCK_N"])
+                SPLIT_MIN=cfg["SPLIT_MIN"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=block_d)
 
     if config is None:
         bucket = decode_attention_bucket(q.dtype, head_dim, group, num_kv_heads, block_size, batch, context,

@@ -77,6 +77,18 @@ def test_decode_splits(num_splits, split_min, block_n, dtype, fp8):
     assert_close(out, ref, dtype, ATTN)
 
 
+# The merge takes a head's columns in MERGE_BLOCK_D pieces: heads of one, two and four pieces.
+@FP8
+@pytest.mark.parametrize("head_dim", [32, 128, 256])
+def test_decode_splits_merge_head_columns(head_dim, fp8):
+    seq_lens = [100, 7, 300]
+    k_cache, v_cache, tables, scales = paged_caches(seq_lens, 2, head_dim, 16, torch.bfloat16, fp8)
+    q = randn(len(seq_lens), 4, head_dim, dtype=torch.bfloat16, scale=2.0)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    out, ref = run_decode(q, k_cache, v_cache, lens, tables, scales, config=decode_config(5, 16, 16))
+    assert_close(out, ref, torch.bfloat16, ATTN)
+
+
 # A key-major V (kernels/kv_cache.py, the engine's fp8 layout): GQA 1 over blocks of 16 with lengths
 # around them, GQA 8 over blocks of 128, an odd group over blocks of 256; e4m3 and model-dtype caches.
 @pytest.mark.parametrize("dtype, fp8, scale_layout", [
