@@ -16,7 +16,7 @@ import triton
 
 from tritonllm import LLM, SamplingParams
 from tritonllm.engine.model_runner import prefill_warmup_steps
-from tritonllm.kernels.prefill_attention import HOPPER_MIN_WORK
+from tritonllm.kernels.prefill_attention import enough_work_for_hopper
 from tritonllm.kernels.tuning import pow2
 
 gpu_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton's interpreter compiles nothing")
@@ -43,8 +43,8 @@ def prompts(lengths: list[int], rng: random.Random) -> list[list[int]]:
 
 def step_buckets(longest_query: int, tokens: int) -> set:
     """What picks a prefill step's configs: its longest query's power of two (attention also by
-    whether tokens x longest query reach HOPPER_MIN_WORK) and its token count's."""
-    return {("query", pow2(longest_query), tokens * longest_query >= HOPPER_MIN_WORK),
+    whether the step has enough work for the Hopper kernel) and its token count's."""
+    return {("query", pow2(longest_query), enough_work_for_hopper(tokens, longest_query)),
             ("tokens", pow2(tokens))}
 
 
