@@ -3,6 +3,7 @@
 The ceilings are those of the H200 the notes were measured on (bench/NOTES-elementwise.md,
 "Ceilings"): percentages of them are only meaningful on that GPU.
 """
+import math
 import time
 
 import torch
@@ -28,11 +29,14 @@ def input_sets(bytes_per_set: int) -> int:
     return 1 + min(MAX_INPUT_SETS - 1, 3 * L2_BYTES // max(bytes_per_set, 1))
 
 
-def graph_time_ms(fn, arg_sets: list[tuple], replays: int = 30) -> float:
+def graph_time_ms(fn, arg_sets: list[tuple], replays: int = 30, sample_ms: float = 2.0) -> float:
     """Median time of one fn call in ms, from a CUDA graph that calls fn once on each input set.
 
     For kernels of a few microseconds: the graph removes launch overhead (as the engine replays
-    decode steps), and cycling through input sets larger than L2 together keeps them cold.
+    decode steps), and cycling through input sets larger than L2 together keeps them cold. Each of
+    the `replays` samples times back-to-back replays worth about sample_ms: the host's launch of a
+    graph (about 10 us) then falls on a sample, not on every call, as an engine's decode step pays
+    it once for all its layers.
     """
     for args in arg_sets:  # tunes and compiles outside the capture
         fn(*args)
@@ -47,12 +51,16 @@ def graph_time_ms(fn, arg_sets: list[tuple], replays: int = 30) -> float:
     while time.perf_counter() < deadline:
         graph.replay()
         torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
+
+    def sample(count):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        graph.replay()
+        for _ in range(count):
+            graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) / len(arg_sets))
-    return sorted(times)[len(times) // 2]
+        return start.elapsed_time(end)
+
+    count = max(1, math.ceil(sample_ms / sample(1)))  # one replay, its launch included, sizes the samples
+    times = sorted(sample(count) / (count * len(arg_sets)) for _ in range(replays))
+    return times[len(times) // 2]
