@@ -246,12 +246,14 @@ def _decode_space(dtype_name, head_dim, group, num_kv_heads, block_size, batch, 
         # the stage count barely moves the time (bench/NOTES-decode-attention.md).
         return [default | {"BLOCK_N": block_n, "NUM_SPLITS": num_splits, "num_stages": 3}
                 for block_n in (32, 64, 128) for num_splits in splits]
-    # e4m3: one-warp programs of 16 or 32 keys a tile (some capped at 128 registers, where 16 of
-    # them fit an SM's registers instead of 12), and the four-warp tiles of 128 keys they replaced,
-    # which pay barriers for their cross-warp reductions.
+    # e4m3: one-warp programs of 16 or 32 keys a tile, and the four-warp tiles of 128 keys they
+    # replaced, which pay barriers for their cross-warp reductions. A one-warp program waits on its
+    # own instruction chain more than on memory, so programs an SM set its speed: capped at 128
+    # registers, 16 fit an SM's registers instead of 12, and 16-key tiles (10.7 KiB of shared
+    # memory, 32-key ones 19.3) let them all fit; their splits may then be as short as 64 keys.
     one_warp = [default | {"BLOCK_N": block_n, "NUM_SPLITS": num_splits, "num_stages": stages} | extra
                 for block_n, stages, extra in ((16, 4, {}), (32, 2, {}), (32, 3, {}), (32, 4, {}),
-                                               (32, 2, {"maxnreg": 128}))
+                                               (32, 2, {"maxnreg": 128}), (16, 4, {"maxnreg": 128, "SPLIT_MIN": 64}))
                 for num_splits in splits]
     four_warps = [default | {"BLOCK_N": 128, "NUM_SPLITS": num_splits, "num_warps": 4, "num_stages": stages,
                              "SPLIT_MIN": 256}
