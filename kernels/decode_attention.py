@@ -250,8 +250,8 @@ def _decode_space(dtype_name, head_dim, group, num_kv_heads, block_size, batch, 
     # replaced, which pay barriers for their cross-warp reductions. A one-warp program waits on its
     # own instruction chain more than on memory, so programs an SM set its speed: capped at 128
     # registers, 16 fit an SM's registers instead of 12, and 16-key tiles (10.7 KiB of shared
-    # memory, 32-key ones 19.3) let them all fit; their splits may then be as short as 64 keys, and
-    # long splits keep a fifth tile in flight.
+    # memory, 32-key ones 19.3) let them all fit; their splits may then be as short as 64 keys. Where
+    # fewer programs share an SM, a fifth stage keeps enough bytes in flight.
     short_tile = {"maxnreg": 128, "SPLIT_MIN": 64}
     one_warp = [default | {"BLOCK_N": block_n, "NUM_SPLITS": num_splits, "num_stages": stages} | extra
                 for block_n, stages, extra in ((16, 4, {}), (32, 2, {}), (32, 3, {}), (32, 4, {}),
