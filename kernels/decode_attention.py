@@ -25,27 +25,15 @@ from tritonllm.kernels.paged import (LOG2E, _key_blocks, _key_major_keys, _load_
 
 PROGRAMS_PER_SM = 3  # resident programs per SM that hide memory latency without extra splits
 FP8_PROGRAMS_PER_SM = 6  # one-warp programs over an e4m3 cache: twice as many an SM keep bytes in flight
-MAX_BATCH = 65535  # sequences are a grid dimension past the first, which CUDA caps there
+MAX_BATCH = 65535  # sequences are the grid's third dimension, which CUDA caps there
 MERGE_BLOCK_D = 64  # head-dim columns a merge program takes
-MEAN_CHUNK = tl.constexpr(256)  # sequence lengths a program sums at a time under MEAN_SPLITS
-MEAN_MAX_BATCH = 1024  # MEAN_SPLITS configs are tuned only up to this batch: each program sums all B lengths
 
 
 @triton.jit
-def _split_len(seq_len, splits, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Keys per split of one sequence cut in `splits` (clamped to 1 .. NUM_SPLITS): a multiple of BLOCK_N."""
-    splits = tl.maximum(tl.minimum(splits, NUM_SPLITS), 1)
+def _split_len(seq_len, NUM_SPLITS: tl.constexpr, SPLIT_MIN: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys per split of one sequence: a multiple of BLOCK_N, about SPLIT_MIN or more, at most NUM_SPLITS splits."""
+    splits = tl.maximum(tl.minimum(tl.cdiv(seq_len, SPLIT_MIN), NUM_SPLITS), 1)
     return tl.maximum(tl.cdiv(tl.cdiv(seq_len, splits), BLOCK_N) * BLOCK_N, BLOCK_N)
-
-
-@triton.jit
-def _mean_piece(seq_lens_ptr, batch, MEAN_SPLITS: tl.constexpr, SPLIT_MIN: tl.constexpr):
-    """MEAN_SPLITS's shortest split: the batch's mean length (its B lengths) over MEAN_SPLITS, SPLIT_MIN or more."""
-    total = tl.full([], 0, tl.int64)
-    for b0 in range(0, batch, MEAN_CHUNK):
-        offs = b0 + tl.arange(0, MEAN_CHUNK)
-        total += tl.sum(tl.load(seq_lens_ptr + offs, mask=offs < batch, other=0).to(tl.int64))
-    return tl.maximum(tl.cdiv(tl.cdiv(total, batch), MEAN_SPLITS), SPLIT_MIN).to(tl.int32)
 
 
 @triton.jit
@@ -139,37 +127,20 @@ def _decode_tile(acc, m_i, l_i, v_ref, qt, k_cache, v_cache, k_scale_ptr, v_scal
 @triton.jit(do_not_specialize=["stride_block_table"])  # eager steps: the widest table varies
 def _decode_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, o_ptr, acc_ptr, m_ptr, l_ptr, seq_lens_ptr,
-    block_tables_ptr, used_ptr, qk_scale, num_q_heads,
+    block_tables_ptr, qk_scale, num_q_heads,
     stride_q_batch, stride_q_head, stride_o_batch, stride_o_head,
     stride_cache_block, stride_cache_token, stride_cache_head, stride_block_table,
     stride_scale_block, stride_scale_token, stride_scale_head,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_MIN: tl.constexpr, MEAN_SPLITS: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_MIN: tl.constexpr,
     DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr, FP8: tl.constexpr, V_KEY_MAJOR: tl.constexpr,
 ):
-    if MEAN_SPLITS > 0:
-        # Split slowest: many rows leave their later splits unused, and interleaved with used ones
-        # these would land on every other SM (programs are dealt out to SMs in turn).
-        kv_head = tl.program_id(0)
-        seq = tl.program_id(1)
-        split = tl.program_id(2)
-    else:
-        # Split fastest, sequence slowest: programs start in row order, a row's all together.
-        split = tl.program_id(0)
-        kv_head = tl.program_id(1)
-        seq = tl.program_id(2)
+    # Split fastest, sequence slowest: programs start in row order, a row's all together.
+    split = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    if MEAN_SPLITS > 0:
-        # Splits of at least the batch's mean length over MEAN_SPLITS: rows longer than the others split
-        # most, and equal rows MEAN_SPLITS times; a row left whole is written as with one split.
-        piece = _mean_piece(seq_lens_ptr, tl.num_programs(1), MEAN_SPLITS, SPLIT_MIN)
-        split_len = _split_len(seq_len, tl.cdiv(seq_len, piece), NUM_SPLITS, BLOCK_N)
-        used = tl.cdiv(seq_len, split_len)
-        if (split == 0) & (kv_head == 0):
-            tl.store(used_ptr + seq, used)  # the merge reads it, not the sum again
-    else:
-        split_len = _split_len(seq_len, tl.cdiv(seq_len, SPLIT_MIN), NUM_SPLITS, BLOCK_N)
-        used = NUM_SPLITS
+    split_len = _split_len(seq_len, NUM_SPLITS, SPLIT_MIN, BLOCK_N)
     start = split * split_len
     if NUM_SPLITS > 1:
         if start >= seq_len:
@@ -213,7 +184,7 @@ def _decode_attention_kernel(
                                             INTERPRET, FP8, V_KEY_MAJOR)
     acc = tl.trans(acc * v_ref)
 
-    if used == 1:  # one split (under MEAN_SPLITS, one used: the merge skips the row)
+    if NUM_SPLITS == 1:
         # seq_len 0 (a padding row of a captured batch) leaves l = 0 and acc = 0: write zeros.
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_rows = seq.to(tl.int64) * stride_o_batch + head * stride_o_head
@@ -227,21 +198,16 @@ def _decode_attention_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-    acc_ptr, m_ptr, l_ptr, seq_lens_ptr, used_ptr, o_ptr, num_q_heads, stride_o_batch, stride_o_head,
+    acc_ptr, m_ptr, l_ptr, seq_lens_ptr, o_ptr, num_q_heads, stride_o_batch, stride_o_head,
     HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-    SPLIT_MIN: tl.constexpr, MEAN_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLIT_MIN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # A program a (sequence, head, BLOCK_D columns): whole rows spilled registers at 198 splits.
     seq = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
-    # The attention launch's split count: splits at or past `used` were never written.
-    if MEAN_SPLITS > 0:
-        used = tl.load(used_ptr + seq)
-        if used == 1:
-            return  # written by its one split
-    else:
-        used = tl.cdiv(seq_len, _split_len(seq_len, tl.cdiv(seq_len, SPLIT_MIN), NUM_SPLITS, BLOCK_N))
+    # The same split rule as the attention launch: splits at or past `used` were never written.
+    used = tl.cdiv(seq_len, _split_len(seq_len, NUM_SPLITS, SPLIT_MIN, BLOCK_N))
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     valid = offs_s < used
@@ -294,13 +260,7 @@ def _decode_space(dtype_name, head_dim, group, num_kv_heads, block_size, batch, 
     four_warps = [default | {"BLOCK_N": 128, "NUM_SPLITS": num_splits, "num_warps": 4, "num_stages": stages,
                              "SPLIT_MIN": 256}
                   for num_splits in sorted({max(1, n // 2) for n in splits[-2:]}) for stages in (2, 3)]
-    # Splits of at least the batch's mean length over `shares`: a batch's longest rows split most, and a
-    # batch of equal rows `shares` times (1, or the default split count).
-    by_mean = [default | {"BLOCK_N": block_n, "NUM_SPLITS": num_splits, "num_stages": stages, "MEAN_SPLITS": shares}
-               | extra
-               for block_n, stages, extra in ((32, 2, {}), (16, 5, short_tile)) for num_splits in splits[1:]
-               for shares in sorted({1, base}) if shares <= num_splits] if 16 <= batch <= MEAN_MAX_BATCH else []
-    return one_warp + four_warps + by_mean
+    return one_warp + four_warps
 
 
 def _decode_default(dtype_name, head_dim, group, num_kv_heads, block_size, batch, context, cache_dtype_name=None):
@@ -358,7 +318,7 @@ def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale=None, *,
     if seq_lens.shape[0] != batch:
         raise ValueError(f"seq_lens must be [B = {batch}], got shape {tuple(seq_lens.shape)}")
     if batch > MAX_BATCH:
-        raise ValueError(f"q's batch must be at most {MAX_BATCH} (a grid dimension past the first), got {batch}")
+        raise ValueError(f"q's batch must be at most {MAX_BATCH} (the grid's third dimension), got {batch}")
     out = torch.empty_like(q) if out is None else out
     if batch == 0:
         return out
@@ -367,7 +327,7 @@ def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale=None, *,
     qk_scale = (head_dim**-0.5 if scale is None else scale) * LOG2E
 
     def launch(cfg):
-        cfg = {"MEAN_SPLITS": 0} | cfg
+        cfg = dict(cfg)
         num_splits = cfg["NUM_SPLITS"]
         if num_splits > 1:
             scratch = q.new_empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32)
@@ -375,12 +335,9 @@ def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale=None, *,
             l = torch.empty_like(m)
         else:
             scratch = m = l = out  # not touched with one split
-        # Each row's split count under MEAN_SPLITS, for the merge.
-        used = torch.empty_like(seq_lens) if cfg["MEAN_SPLITS"] else seq_lens
-        grid = (num_kv_heads, batch, num_splits) if cfg["MEAN_SPLITS"] else (num_splits, num_kv_heads, batch)
-        _decode_attention_kernel[grid](
-            q, k_cache, v_cache, k_scale, v_scale, out, scratch, m, l, seq_lens, block_tables, used, qk_scale,
-            num_q_heads, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        _decode_attention_kernel[(num_splits, num_kv_heads, batch)](
+            q, k_cache, v_cache, k_scale, v_scale, out, scratch, m, l, seq_lens, block_tables, qk_scale, num_q_heads,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
             *scale_strides(k_scale),
             GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_H=max(8, triton.next_power_of_2(group)),
@@ -389,9 +346,9 @@ def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale=None, *,
         if num_splits > 1:
             block_d = min(MERGE_BLOCK_D, head_dim)
             _merge_splits_kernel[(batch, num_q_heads, head_dim // block_d)](
-                scratch, m, l, seq_lens, used, out, num_q_heads, out.stride(0), out.stride(1),
+                scratch, m, l, seq_lens, out, num_q_heads, out.stride(0), out.stride(1),
                 HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
-                SPLIT_MIN=cfg["SPLIT_MIN"], MEAN_SPLITS=cfg["MEAN_SPLITS"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=block_d)
+                SPLIT_MIN=cfg["SPLIT_MIN"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=block_d)
 
     if config is None:
         bucket = decode_attention_bucket(q.dtype, head_dim, group, num_kv_heads, block_size, batch, context,

@@ -131,23 +131,20 @@ def shipped_decode_configs():
     found = {}
     for path in sorted(tuning.CONFIG_DIR.glob("*.json")):
         for config in json.loads(path.read_text())["kernels"].get("decode_attention", {}).values():
-            found.setdefault((config["NUM_SPLITS"], config["SPLIT_MIN"], config["BLOCK_N"],
-                              config.get("MEAN_SPLITS", 0)), config)
+            found.setdefault((config["NUM_SPLITS"], config["SPLIT_MIN"], config["BLOCK_N"]), config)
     return [found[key] for key in sorted(found)]
 
 
 def fp8_space_tiles():
-    """One config of the e4m3 tuning space for each of its tiles, split counts, split minimums and
-    mean-length shares (a bucket of 16 rows, the smallest with MEAN_SPLITS configs)."""
+    """One config of the e4m3 tuning space for each of its tiles, split counts and split minimums (a
+    small bucket)."""
     found = {}
-    for config in decode_module.DECODE_TUNABLE.space("bfloat16", 64, 2, 2, 16, 16, 4096, "float8_e4m3fn"):
-        found.setdefault((config["BLOCK_N"], config["NUM_SPLITS"], config["SPLIT_MIN"], config.get("MEAN_SPLITS", 0)),
-                         config)
+    for config in decode_module.DECODE_TUNABLE.space("bfloat16", 64, 2, 2, 16, 4, 4096, "float8_e4m3fn"):
+        found.setdefault((config["BLOCK_N"], config["NUM_SPLITS"], config["SPLIT_MIN"]), config)
     return list(found.values())
 
 
-# The e4m3 tuning space (one-warp tiles of 16 and 32 keys, four-warp tiles of 128, splits by the
-# batch's mean length) over a key-major V.
+# The e4m3 tuning space (one-warp tiles of 16 and 32 keys, four-warp tiles of 128) over a key-major V.
 @pytest.mark.parametrize("config", fp8_space_tiles(), ids=str)
 def test_decode_fp8_space_configs(config):
     seq_lens = [1, 130, 300]
@@ -169,32 +166,6 @@ def test_decode_shipped_configs(config, fp8):
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     out, ref = run_decode(q, k_cache, v_cache, lens, tables, scales, config=config)
     assert_close(out, ref, torch.bfloat16, ATTN)
-
-
-# Splits of at least the batch's mean length / MEAN_SPLITS: rows above it split (up to NUM_SPLITS),
-# rows at or below it are written by their one split and skipped by the merge, which reads exactly
-# the splits the attention wrote (its scratch is uninitialized). Spread rows, mean 74, one share: 1
-# to 4 splits; 259 rows (more than one MEAN_CHUNK of lengths), mean 48, two shares: pieces of 24 keys,
-# 1 to 4 splits; padding rows of 0 (zeros, through the merge).
-LONG_BATCH = [(7 * i) % 97 for i in range(259)]
-
-
-@FP8
-@pytest.mark.parametrize("seq_lens, shares", [([1, 17, 100, 300, 64, 0, 33], 1), (LONG_BATCH, 2)],
-                         ids=["spread", "259-rows"])
-def test_decode_mean_splits(seq_lens, shares, fp8):
-    k_cache, v_cache, tables, scales = paged_caches(seq_lens, 1, 64, 16, torch.bfloat16, fp8)
-    q = randn(len(seq_lens), 2, 64, dtype=torch.bfloat16, scale=2.0)
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    config = decode_config(4, 16, 16) | {"MEAN_SPLITS": shares}
-    out = decode_attention(q, k_cache, v_cache, lens, tables, out=poisoned(*q.shape, dtype=q.dtype), config=config,
-                           **scales)
-    empty = lens == 0
-    assert torch.equal(out[empty], torch.zeros_like(out[empty]))
-    keep = (~empty).nonzero()[:, 0]
-    ref = reference.decode_attention(q[keep].double(), exact(k_cache), exact(v_cache), lens[keep], tables[keep],
-                                     **scales)
-    assert_close(out[keep], ref, torch.bfloat16, ATTN)
 
 
 @FP8
