@@ -15,9 +15,9 @@ if not torch.cuda.is_available():
 def _import_hub_kernels() -> None:
     """Import the PyPI package `kernels`, where installed, before transformers imports it.
 
-    transformers imports it with itself (and depends on it from 5.25). This repository's kernels/
-    folder (installed as tritonllm.kernels) and bench/kernels.py share the name, and would be
-    imported in its place wherever their folder leads sys.path: `python -m pytest` or `python -m
+    transformers imports it with its model code (and depends on it from 5.25). This repository's
+    kernels/ folder (installed as tritonllm.kernels) and bench/kernels.py share the name, and would
+    be imported in its place wherever their folder leads sys.path: `python -m pytest` or `python -m
     tritonllm` from the repository's root, any script in bench/.
     """
     if "kernels" in sys.modules:
