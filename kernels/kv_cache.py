@@ -194,16 +194,10 @@ def check_block_copies(name: str, copies: torch.Tensor, block_shape: torch.Size,
 
 
 @triton.jit
-def _gather_kv_blocks_kernel(cache_ptr, scale_ptr, blocks_ptr, out_ptr, stride_scale_block, stride_scale_token,
-                             stride_scale_head, NUM_HEADS: tl.constexpr,
-                             HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TOKENS: tl.constexpr,
-                             BLOCK_D: tl.constexpr, FP8: tl.constexpr, KEY_MAJOR: tl.constexpr,
-                             INTERPRET: tl.constexpr):
-    # Program (i, head, chunk): TOKENS slots of one head of block blocks[i] into out[i].
-    i = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    block = tl.load(blocks_ptr + i).to(tl.int64)
-    offs_t = tl.program_id(2) * TOKENS + tl.arange(0, TOKENS)  # TOKENS divides BLOCK_SIZE
+def _copy_block_rows(cache_ptr, scale_ptr, out_ptr, block, i, head, offs_t, stride_scale_block, stride_scale_token,
+                     stride_scale_head, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                     BLOCK_D: tl.constexpr, FP8: tl.constexpr, KEY_MAJOR: tl.constexpr, INTERPRET: tl.constexpr):
+    """Rows offs_t of one head of cache block `block` (int64) into copy i (int64) of out, in out's dtype."""
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_d < HEAD_DIM)[None, :]
     cols = (head * HEAD_DIM + offs_d)[None, :]
@@ -216,6 +210,28 @@ def _gather_kv_blocks_kernel(cache_ptr, scale_ptr, blocks_ptr, out_ptr, stride_s
         x = from_e4m3(x, tl.float32, INTERPRET) * scales[:, None]
     dst = (i * BLOCK_SIZE + offs_t)[:, None] * (NUM_HEADS * HEAD_DIM) + cols
     tl.store(out_ptr + dst, x.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gather_kv_blocks_kernel(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, blocks_ptr, k_out_ptr, v_out_ptr,
+                             stride_scale_block, stride_scale_token, stride_scale_head, NUM_HEADS: tl.constexpr,
+                             HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TOKENS: tl.constexpr,
+                             BLOCK_D: tl.constexpr, FP8: tl.constexpr, V_KEY_MAJOR: tl.constexpr,
+                             INTERPRET: tl.constexpr):
+    # Program (i, head, 2 chunk + kv): TOKENS slots of one head of block blocks[i] into copy i, of K
+    # (kv 0) or V (kv 1): one launch for both.
+    i = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    block = tl.load(blocks_ptr + i).to(tl.int64)
+    offs_t = (tl.program_id(2) // 2) * TOKENS + tl.arange(0, TOKENS)  # TOKENS divides BLOCK_SIZE
+    if tl.program_id(2) % 2 == 0:
+        _copy_block_rows(k_cache_ptr, k_scale_ptr, k_out_ptr, block, i, head, offs_t, stride_scale_block,
+                         stride_scale_token, stride_scale_head, NUM_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_D, FP8, False,
+                         INTERPRET)
+    else:
+        _copy_block_rows(v_cache_ptr, v_scale_ptr, v_out_ptr, block, i, head, offs_t, stride_scale_block,
+                         stride_scale_token, stride_scale_head, NUM_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_D, FP8,
+                         V_KEY_MAJOR, INTERPRET)
 
 
 def gather_kv_blocks(k_cache, v_cache, blocks, dtype, *, k_scale=None, v_scale=None, out=None):
@@ -253,9 +269,8 @@ def gather_kv_blocks(k_cache, v_cache, blocks, dtype, *, k_scale=None, v_scale=N
     block_d = triton.next_power_of_2(head_dim)
     # A copy: bound by bytes, so a fixed tile of up to 4096 values a program, no tuning.
     tokens = min(block_size, max(1, 4096 // block_d))
-    grid = (blocks.shape[0], num_heads, block_size // tokens)
-    for cache, scale, copy, major in ((k_cache, k_scale, k, False), (v_cache, v_scale, v, key_major)):
-        _gather_kv_blocks_kernel[grid](cache, scale, blocks, copy, *scale_strides(scale), NUM_HEADS=num_heads,
-                                       HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TOKENS=tokens, BLOCK_D=block_d,
-                                       FP8=fp8, KEY_MAJOR=major, INTERPRET=INTERPRET, num_warps=4)
+    grid = (blocks.shape[0], num_heads, 2 * (block_size // tokens))
+    _gather_kv_blocks_kernel[grid](k_cache, v_cache, k_scale, v_scale, blocks, k, v, *scale_strides(k_scale),
+                                   NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TOKENS=tokens,
+                                   BLOCK_D=block_d, FP8=fp8, V_KEY_MAJOR=key_major, INTERPRET=INTERPRET, num_warps=4)
     return k, v
