@@ -65,26 +65,34 @@ def outputs(module, args, keywords) -> list:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("files", nargs="+", help="qk_norm_rotary.py of each other tree")
-    parser.add_argument("--configs", nargs="+", default=[], help="TOKENS,num_warps (default: the shipped config)")
+    parser.add_argument("--configs", nargs="+", default=[],
+                        help="TOKENS,num_warps[,DIRECT_STORES 0/1] (default: the shipped config)")
     args = parser.parse_args()
     modules = {path: load(path) for path in args.files}
     shipped = installed._TUNING.config  # before the timings replace it
     print("| tokens | cache | config | installed (us) | " + " | ".join(args.files) + " | installed again (us) |\n"
           "|---|---|---|---|" + "---|" * len(args.files) + "---|")
-    configs = [dict(zip(("TOKENS", "num_warps"), map(int, c.split(","))), num_stages=1) for c in args.configs]
+    configs = [{"DIRECT_STORES": False} | dict(zip(("TOKENS", "num_warps", "DIRECT_STORES"), map(int, c.split(","))))
+               | {"num_stages": 1} for c in args.configs]
     for tokens, cache in CASES:
         sets = [inputs(tokens, cache) for _ in range(4)]
         bucket = installed.qk_norm_rotary_store_bucket(torch.bfloat16, HQ, HKV, D, tokens,
                                                        torch.float8_e4m3fn if cache != "bf16" else None)
         for config in configs or [shipped(bucket)]:
+            def use(module):
+                # Only the meta-parameters this tree's kernel takes (older trees lack DIRECT_STORES).
+                names = set(module._qk_norm_rotary_store_kernel.arg_names) | {"num_warps", "num_stages", "maxnreg"}
+                module._TUNING.config = lambda *_, **__: {k: v for k, v in config.items() if k in names}
+                return module
+
             def timed(module):
-                module._TUNING.config = lambda *_, **__: config
+                use(module)
                 return graph_time_ms(lambda a, k: module.qk_norm_rotary_store(*a, **k), sets) * 1e3  # per call
 
             cells = [f"{timed(installed):.2f}"]
             expected = outputs(installed, *sets[0])
             for module in modules.values():
-                same = all(torch.equal(a, b) for a, b in zip(outputs(module, *sets[0]), expected))
+                same = all(torch.equal(a, b) for a, b in zip(outputs(use(module), *sets[0]), expected))
                 cells.append(f"{timed(module):.2f}" if same else "differs")
             cells.append(f"{timed(installed):.2f}")
             label = f"{config['TOKENS']} x {config['num_warps']}"

@@ -39,16 +39,47 @@ def _norm_rotate(raw1, raw2, w1, w2, cos, sin, eps, HEAD_DIM: tl.constexpr, ROUN
 
 
 @triton.jit
-def _store_e4m3_heads(x1, x2, ptrs1, ptrs2, mask, scale_ptrs, scale_mask, INTERPRET: tl.constexpr):
+def _store_held(ptrs, values, mask, INTERPRET: tl.constexpr):
+    """tl.store(ptrs, values, mask=mask) of float32 words or e4m3 bytes, each written by the threads
+    that hold it, with no move into another layout first.
+
+    tl.store routes values through shared memory (and a barrier) into the layout whose addresses
+    coalesce best. A scale (one word a head, replicated over the head's lanes) or a key-major V's
+    bytes (a block apart) gain nothing from that move. Replicas write the same value to the same
+    address. The interpreter takes tl.store."""
+    if INTERPRET:
+        tl.store(ptrs, values, mask=mask)
+    elif values.dtype == tl.float32:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b32 [$1], $2; mov.b32 $0, 0; }", "=r,l,r,r",
+            [ptrs, values.to(tl.int32, bitcast=True), mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b8 [$1], $2; mov.b32 $0, 0; }", "=r,l,r,r",
+            [ptrs, values.to(tl.uint8, bitcast=True).to(tl.int32), mask.to(tl.int32)], dtype=tl.int32,
+            is_pure=False, pack=1)
+
+
+@triton.jit
+def _store_e4m3_heads(x1, x2, ptrs1, ptrs2, mask, scale_ptrs, scale_mask, DIRECT: tl.constexpr,
+                      DIRECT_CODES: tl.constexpr, INTERPRET: tl.constexpr):
     """Heads given as float32 halves [TOKENS, H, BLOCK_HALF] (0 where masked) quantized per (token,
     head) into the cache at ptrs1 / ptrs2 (first / second halves), their scales [TOKENS, H] at scale_ptrs.
+    DIRECT: the scales, and the codes too where DIRECT_CODES (a key-major V), go through _store_held.
     Returns the stored halves' values (code times scale, float32), as a reader of the cache gets them."""
     scale = e4m3_scale(tl.maximum(tl.max(tl.abs(x1), axis=2), tl.max(tl.abs(x2), axis=2)))
-    tl.store(scale_ptrs, scale, mask=scale_mask)
+    if DIRECT:
+        _store_held(scale_ptrs, scale, scale_mask, INTERPRET)
+    else:
+        tl.store(scale_ptrs, scale, mask=scale_mask)
     scale = scale[:, :, None]
     q1, q2 = to_e4m3(x1, scale, INTERPRET), to_e4m3(x2, scale, INTERPRET)
-    tl.store(ptrs1, q1, mask=mask)
-    tl.store(ptrs2, q2, mask=mask)
+    if DIRECT and DIRECT_CODES:
+        _store_held(ptrs1, q1, mask, INTERPRET)
+        _store_held(ptrs2, q2, mask, INTERPRET)
+    else:
+        tl.store(ptrs1, q1, mask=mask)
+        tl.store(ptrs2, q2, mask=mask)
     return from_e4m3(q1, tl.float32, INTERPRET) * scale, from_e4m3(q2, tl.float32, INTERPRET) * scale
 
 
@@ -61,7 +92,7 @@ def _qk_norm_rotary_store_kernel(
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr, TOKENS: tl.constexpr,
     FP8: tl.constexpr, INTERPRET: tl.constexpr, V_BLOCK_SIZE: tl.constexpr, V_KEY_MAJOR: tl.constexpr,
-    SCALE_BLOCK: tl.constexpr, COPY: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr, COPY: tl.constexpr, DIRECT_STORES: tl.constexpr,
 ):
     # Each program handles TOKENS tokens: all their q, k and v heads. Tensors are
     # [TOKENS, heads, BLOCK_HALF]; a head is processed as its two rotary halves.
@@ -115,7 +146,7 @@ def _qk_norm_rotary_store_kernel(
                                    SCALE_BLOCK)
         scale_mask = (token_mask & (slots >= 0))[:, None] & (heads < NUM_KV_HEADS)
         k1, k2 = _store_e4m3_heads(k1, k2, k_cache_ptr + k_offsets, k_cache_ptr + k_offsets + HALF, kv_mask,
-                                   k_scale_ptr + scale_offs, scale_mask, INTERPRET)
+                                   k_scale_ptr + scale_offs, scale_mask, DIRECT_STORES, False, INTERPRET)
     else:
         k1, k2 = k1.to(k_cache_ptr.dtype.element_ty), k2.to(k_cache_ptr.dtype.element_ty)
         tl.store(k_cache_ptr + k_offsets, k1, mask=kv_mask)
@@ -125,7 +156,8 @@ def _qk_norm_rotary_store_kernel(
                                          V_KEY_MAJOR)
     if FP8:
         v1, v2 = _store_e4m3_heads(v1.to(tl.float32), v2.to(tl.float32), v_ptrs1, v_ptrs2, kv_mask,
-                                   v_scale_ptr + scale_offs, scale_mask, INTERPRET)
+                                   v_scale_ptr + scale_offs, scale_mask, DIRECT_STORES, V_KEY_MAJOR,
+                                   INTERPRET)
     else:
         v1, v2 = v1.to(v_cache_ptr.dtype.element_ty), v2.to(v_cache_ptr.dtype.element_ty)
         tl.store(v_ptrs1, v1, mask=kv_mask)
@@ -143,10 +175,13 @@ def _qk_norm_rotary_store_kernel(
 
 def _space(dtype, row_bucket, tokens_bucket, cache_dtype=None):
     # row_bucket: the padded elements of one token's q, k and v heads. At least 8 elements a thread.
+    # Into an e4m3 cache, each config also with DIRECT_STORES (_store_held).
+    direct = (False, True) if cache_dtype == "float8_e4m3fn" else (False,)
     return [
-        {"TOKENS": tokens, "num_warps": warps, "num_stages": 1}
+        {"TOKENS": tokens, "num_warps": warps, "num_stages": 1, "DIRECT_STORES": d}
         for tokens in (1, 2, 4)
         for warps in (1, 2, 4, 8)
+        for d in direct
         if tokens <= tokens_bucket and tokens * row_bucket <= 16384 and (warps == 1 or warps * 32 * 8 <= tokens * row_bucket)
     ]
 
@@ -154,12 +189,17 @@ def _space(dtype, row_bucket, tokens_bucket, cache_dtype=None):
 def _default(dtype, row_bucket, tokens_bucket, cache_dtype=None):
     # One token a program (16/8 heads x 128: 4096 elements, 4 warps); small rows (TP shards) share
     # a program when there are many tokens. Into an e4m3 cache (the engine's V key-major, where a
-    # token's V bytes lie a block apart) many tokens go 4 to a program, for runs of 4 adjacent bytes.
+    # token's V bytes lie a block apart) many tokens go 4 to a program, for runs of 4 adjacent bytes,
+    # and, 4 at a time, store their scales and V bytes where they are held (_store_held): each move
+    # through shared memory makes a program's warps wait on each other at a barrier. With fewer
+    # tokens a program, and at decode sizes, the move measured faster (bench/NOTES-elementwise.md).
     if cache_dtype == "float8_e4m3fn" and tokens_bucket >= 1024:
         tokens = max(1, min(4, 16384 // row_bucket))
-        return {"TOKENS": tokens, "num_warps": min(8, max(1, tokens * row_bucket // 2048)), "num_stages": 1}
+        return {"TOKENS": tokens, "num_warps": min(8, max(1, tokens * row_bucket // 2048)), "num_stages": 1,
+                "DIRECT_STORES": tokens == 4}
     tokens = max(1, min(4, 2048 // row_bucket)) if tokens_bucket >= 1024 else 1
-    return {"TOKENS": tokens, "num_warps": min(8, max(1, tokens * row_bucket // 1024)), "num_stages": 1}
+    return {"TOKENS": tokens, "num_warps": min(8, max(1, tokens * row_bucket // 1024)), "num_stages": 1,
+            "DIRECT_STORES": False}
 
 
 _TUNING = Tunable("qk_norm_rotary_store", _space, _default)

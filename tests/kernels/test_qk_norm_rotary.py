@@ -232,13 +232,15 @@ def test_yarn_table(dtype):
     check(9, 4, 2, 128, 16, dtype, yarn={"factor": 4.0, "original_max_position_embeddings": 1024})
 
 
-@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("fp8, direct", [(False, False), (True, False), (True, True)],
+                         ids=["model-cache", "fp8-cache", "fp8-cache-direct-stores"])
 @pytest.mark.parametrize("tokens_per_program", [1, 2, 4])
-def test_every_tokens_per_program(monkeypatch, tokens_per_program, fp8):
-    # 7 tokens: the last program of 2 or 4 tokens is partly masked.
-    monkeypatch.setattr(module._TUNING, "default",
-                        lambda *bucket: {"TOKENS": tokens_per_program, "num_warps": 1, "num_stages": 1})
+def test_every_tokens_per_program(monkeypatch, tokens_per_program, fp8, direct):
+    # 7 tokens: the last program of 2 or 4 tokens is partly masked (masked lanes store nothing).
+    monkeypatch.setattr(module._TUNING, "default", lambda *bucket: {
+        "TOKENS": tokens_per_program, "num_warps": 1, "num_stages": 1, "DIRECT_STORES": direct})
     check(7, 4, 2, 64, 16, torch.float16, pad=16, fp8=fp8)
+    check(7, 4, 2, 64, 16, torch.float16, pad=16, fp8=fp8, v_layout="key_major", scale_layout="head_major")
 
 
 def test_config_space_and_default():
@@ -249,9 +251,12 @@ def test_config_space_and_default():
         default = module._default(*bucket)
         assert space and all(set(config) == set(default) for config in space)
         assert default in space
-    # Many tokens into an e4m3 cache: 4 a program (adjacent bytes of a key-major V), else as before.
+    # Many tokens into an e4m3 cache: 4 a program (adjacent bytes of a key-major V) with direct
+    # stores; few tokens, and every bf16 cache, as before.
     assert module._default("bfloat16", 4096, 16384, "float8_e4m3fn")["TOKENS"] == 4
+    assert module._default("bfloat16", 4096, 16384, "float8_e4m3fn")["DIRECT_STORES"]
     assert module._default("bfloat16", 4096, 256, "float8_e4m3fn") == module._default("bfloat16", 4096, 256)
+    assert not any(config["DIRECT_STORES"] for config in module._space("bfloat16", 4096, 16384))
 
 
 def test_an_e4m3_cache_has_its_own_bucket():
