@@ -18,6 +18,7 @@ import torch
 
 import prefill_cases
 from prefill_ab import load
+from prologue_ab import keep_kernel_keys
 from timing import graph_time_ms
 from tritonllm import kernels
 
@@ -27,9 +28,7 @@ SHAPES = [(1024, 0, 16), (1024, 0, 256), (4096, 0, 16), (16384, 0, 256), (512, 5
 def tree_step(tree: str):
     """(prologue, gather) of TREE; a tuned config's keys that its kernel does not take are left out."""
     prologue, cache = (load(str(Path(tree) / "kernels" / name)) for name in ("qk_norm_rotary.py", "kv_cache.py"))
-    names = set(prologue._qk_norm_rotary_store_kernel.arg_names) | {"num_warps", "num_stages", "maxnreg"}
-    config = prologue._TUNING.config
-    prologue._TUNING.config = lambda *args, **kw: {k: v for k, v in config(*args, **kw).items() if k in names}
+    keep_kernel_keys(prologue, prologue._TUNING.config)
     return prologue.qk_norm_rotary_store, cache.gather_kv_blocks
 
 

@@ -62,6 +62,14 @@ def outputs(module, args, keywords) -> list:
     return [t.contiguous().view(torch.uint8).clone() for t in [q] + tensors]
 
 
+def keep_kernel_keys(module, config_of):
+    """Make module's tuning answer config_of(bucket, ...) without the keys its kernel does not take
+    (another tree's kernel may lack a meta-parameter of the installed one, e.g. DIRECT_STORES)."""
+    names = set(module._qk_norm_rotary_store_kernel.arg_names) | {"num_warps", "num_stages", "maxnreg"}
+    module._TUNING.config = lambda *args, **kw: {k: v for k, v in config_of(*args, **kw).items() if k in names}
+    return module
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("files", nargs="+", help="qk_norm_rotary.py of each other tree")
@@ -80,10 +88,7 @@ def main():
                                                        torch.float8_e4m3fn if cache != "bf16" else None)
         for config in configs or [shipped(bucket)]:
             def use(module):
-                # Only the meta-parameters this tree's kernel takes (older trees lack DIRECT_STORES).
-                names = set(module._qk_norm_rotary_store_kernel.arg_names) | {"num_warps", "num_stages", "maxnreg"}
-                module._TUNING.config = lambda *_, **__: {k: v for k, v in config.items() if k in names}
-                return module
+                return keep_kernel_keys(module, lambda *_, **__: config)
 
             def timed(module):
                 use(module)
