@@ -135,10 +135,9 @@ def _store_v_group(group, qkv_ptr, v_cache_ptr, v_scale_ptr, slot_ptr, copy_slot
     first = tl.load(slot_ptr + group * V_GROUP).to(tl.int64)  # the group's first token exists
     run = (first >= 0) & (first % V_GROUP == 0) & (tl.sum((slots == first + keys).to(tl.int32), 0) == V_GROUP)
     if run:
-        # The run's first key, at the start of V_GROUP aligned bytes of every (head, d) row.
-        start = tl.multiple_of(v_cache_ptr + (first // V_BLOCK_SIZE) * (NUM_KV_HEADS * HEAD_DIM * V_BLOCK_SIZE)
-                               + first % V_BLOCK_SIZE, V_GROUP)
-        ptrs = start + cols * V_BLOCK_SIZE + keys[:, None, None]
+        row_offsets = tl.multiple_of(slot_offsets(first, cols, NUM_KV_HEADS * HEAD_DIM, V_BLOCK_SIZE, True),
+                                     [V_GROUP, V_GROUP, V_GROUP])
+        ptrs = v_cache_ptr + row_offsets + keys[:, None, None]
         tl.store(ptrs, q1, mask=row_mask)
         tl.store(ptrs + HALF * V_BLOCK_SIZE, q2, mask=row_mask)
     else:
