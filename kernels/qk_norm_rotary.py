@@ -14,10 +14,6 @@ from tritonllm.kernels.kv_cache import check_block_copies, check_store_caches, s
 from tritonllm.kernels.tuning import INTERPRET, Tunable, dtype_name, pow2
 
 
-# Tokens a V program takes (_store_v_group): 16 adjacent keys of a key-major block row are half a 32-byte sector.
-V_GROUP_TOKENS = 16
-
-
 @triton.jit
 def _load_halves(ptrs, mask, HALF: tl.constexpr):
     """The values at ptrs and at ptrs + HALF: heads' two rotary halves ([TOKENS, H, BLOCK_HALF]), or a norm weight's."""
@@ -65,26 +61,19 @@ def _store_held(ptrs, values, mask, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _quantize_heads(x1, x2, scale_ptrs, scale_mask, DIRECT: tl.constexpr, INTERPRET: tl.constexpr):
-    """Heads given as float32 halves [TOKENS, H, BLOCK_HALF] (0 where masked) as e4m3 codes of a scale
-    per (token, head), stored at scale_ptrs [TOKENS, H] (DIRECT: through _store_held). Returns the
-    codes of both halves and the scales [TOKENS, H, 1]."""
+def _store_e4m3_heads(x1, x2, ptrs1, ptrs2, mask, scale_ptrs, scale_mask, DIRECT: tl.constexpr,
+                      DIRECT_CODES: tl.constexpr, INTERPRET: tl.constexpr):
+    """Heads given as float32 halves [TOKENS, H, BLOCK_HALF] (0 where masked) quantized per (token,
+    head) into the cache at ptrs1 / ptrs2 (first / second halves), their scales [TOKENS, H] at scale_ptrs.
+    DIRECT: the scales, and the codes too where DIRECT_CODES (a key-major V), go through _store_held.
+    Returns the stored halves' values (code times scale, float32), as a reader of the cache gets them."""
     scale = e4m3_scale(tl.maximum(tl.max(tl.abs(x1), axis=2), tl.max(tl.abs(x2), axis=2)))
     if DIRECT:
         _store_held(scale_ptrs, scale, scale_mask, INTERPRET)
     else:
         tl.store(scale_ptrs, scale, mask=scale_mask)
     scale = scale[:, :, None]
-    return to_e4m3(x1, scale, INTERPRET), to_e4m3(x2, scale, INTERPRET), scale
-
-
-@triton.jit
-def _store_e4m3_heads(x1, x2, ptrs1, ptrs2, mask, scale_ptrs, scale_mask, DIRECT: tl.constexpr,
-                      DIRECT_CODES: tl.constexpr, INTERPRET: tl.constexpr):
-    """_quantize_heads, the codes then stored at ptrs1 / ptrs2 (first / second halves); DIRECT: the
-    codes too go through _store_held where DIRECT_CODES (a key-major V). Returns the stored halves'
-    values (code times scale, float32), as a reader of the cache gets them."""
-    q1, q2, scale = _quantize_heads(x1, x2, scale_ptrs, scale_mask, DIRECT, INTERPRET)
+    q1, q2 = to_e4m3(x1, scale, INTERPRET), to_e4m3(x2, scale, INTERPRET)
     if DIRECT and DIRECT_CODES:
         _store_held(ptrs1, q1, mask, INTERPRET)
         _store_held(ptrs2, q2, mask, INTERPRET)
@@ -92,63 +81,6 @@ def _store_e4m3_heads(x1, x2, ptrs1, ptrs2, mask, scale_ptrs, scale_mask, DIRECT
         tl.store(ptrs1, q1, mask=mask)
         tl.store(ptrs2, q2, mask=mask)
     return from_e4m3(q1, tl.float32, INTERPRET) * scale, from_e4m3(q2, tl.float32, INTERPRET) * scale
-
-
-@triton.jit
-def _store_copies(copy_ptr, copy_slots, cols, x1, x2, mask, ROW: tl.constexpr, HALF: tl.constexpr):
-    """Rows given as halves [TOKENS, H, BLOCK_HALF] at copy slots copy_slots [TOKENS] of a contiguous copy."""
-    offsets = copy_slots[:, None, None] * ROW + cols
-    tl.store(copy_ptr + offsets, x1.to(copy_ptr.dtype.element_ty), mask=mask)
-    tl.store(copy_ptr + offsets + HALF, x2.to(copy_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _store_v_group(group, qkv_ptr, v_cache_ptr, v_scale_ptr, slot_ptr, copy_slot_ptr, v_copy_ptr, n_tokens,
-                   qkv_token_stride, stride_scale_block, stride_scale_token, stride_scale_head,
-                   NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
-                   BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr, V_GROUP: tl.constexpr,
-                   V_BLOCK_SIZE: tl.constexpr, SCALE_BLOCK: tl.constexpr, COPY: tl.constexpr,
-                   DIRECT_STORES: tl.constexpr, INTERPRET: tl.constexpr):
-    """The V rows of tokens group * V_GROUP .. + V_GROUP - 1 into an e4m3 key-major cache (and copies).
-
-    A key-major block holds a (head, d) row of its keys, so a token's V lies in HEAD_DIM x Hkv places
-    a block apart. Where the group's slots are one run that starts on a multiple of V_GROUP (a
-    prompt's rows), each such row gets the group's V_GROUP codes in one vector store, whole sectors
-    at a time; other groups store code by code."""
-    tokens = (group * V_GROUP + tl.arange(0, V_GROUP)).to(tl.int64)
-    token_mask = tokens < n_tokens
-    slots = tl.load(slot_ptr + tokens, mask=token_mask, other=-1).to(tl.int64)
-    dims3 = tl.arange(0, BLOCK_HALF)[None, None, :]
-    kv_heads = tl.arange(0, BLOCK_KH)[None, :, None]
-    row_mask = (kv_heads < NUM_KV_HEADS) & (dims3 < HALF)
-    kv_mask = (token_mask & (slots >= 0))[:, None, None] & row_mask
-    rows = qkv_ptr + tokens[:, None, None] * qkv_token_stride
-    v1, v2 = _load_halves(rows + (NUM_Q_HEADS + NUM_KV_HEADS + kv_heads) * HEAD_DIM + dims3, kv_mask, HALF)
-    heads = tl.arange(0, BLOCK_KH)[None, :]
-    scale_offs = scale_offsets(slots[:, None], heads, stride_scale_block, stride_scale_token, stride_scale_head,
-                               SCALE_BLOCK)
-    scale_mask = (token_mask & (slots >= 0))[:, None] & (heads < NUM_KV_HEADS)
-    q1, q2, scale = _quantize_heads(v1.to(tl.float32), v2.to(tl.float32), v_scale_ptr + scale_offs, scale_mask,
-                                    DIRECT_STORES, INTERPRET)
-    cols = kv_heads * HEAD_DIM + dims3
-    keys = tl.arange(0, V_GROUP)
-    first = tl.load(slot_ptr + group * V_GROUP).to(tl.int64)  # the group's first token exists
-    run = (first >= 0) & (first % V_GROUP == 0) & (tl.sum((slots == first + keys).to(tl.int32), 0) == V_GROUP)
-    if run:
-        row_offsets = tl.multiple_of(slot_offsets(first, cols, NUM_KV_HEADS * HEAD_DIM, V_BLOCK_SIZE, True),
-                                     [V_GROUP, V_GROUP, V_GROUP])
-        ptrs = v_cache_ptr + row_offsets + keys[:, None, None]
-        tl.store(ptrs, q1, mask=row_mask)
-        tl.store(ptrs + HALF * V_BLOCK_SIZE, q2, mask=row_mask)
-    else:
-        ptrs = v_cache_ptr + slot_offsets(slots[:, None, None], cols, NUM_KV_HEADS * HEAD_DIM, V_BLOCK_SIZE, True)
-        tl.store(ptrs, q1, mask=kv_mask)
-        tl.store(ptrs + HALF * V_BLOCK_SIZE, q2, mask=kv_mask)
-    if COPY:
-        copy_slots = tl.load(copy_slot_ptr + tokens, mask=token_mask, other=-1).to(tl.int64)
-        _store_copies(v_copy_ptr, copy_slots, cols, from_e4m3(q1, tl.float32, INTERPRET) * scale,
-                      from_e4m3(q2, tl.float32, INTERPRET) * scale, kv_mask & (copy_slots >= 0)[:, None, None],
-                      NUM_KV_HEADS * HEAD_DIM, HALF)
 
 
 @triton.jit(do_not_specialize=["n_tokens", "eps"])
@@ -160,18 +92,10 @@ def _qk_norm_rotary_store_kernel(
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr, TOKENS: tl.constexpr,
     FP8: tl.constexpr, INTERPRET: tl.constexpr, V_BLOCK_SIZE: tl.constexpr, V_KEY_MAJOR: tl.constexpr,
-    SCALE_BLOCK: tl.constexpr, COPY: tl.constexpr, DIRECT_STORES: tl.constexpr, V_GROUP: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr, COPY: tl.constexpr, DIRECT_STORES: tl.constexpr,
 ):
     # Each program handles TOKENS tokens: all their q, k and v heads. Tensors are
-    # [TOKENS, heads, BLOCK_HALF]; a head is processed as its two rotary halves. With V_GROUP, the
-    # V rows go to programs of their own past those, V_GROUP tokens each (_store_v_group).
-    if V_GROUP > 0:
-        if tl.program_id(0) >= tl.cdiv(n_tokens, TOKENS):
-            _store_v_group(tl.program_id(0) - tl.cdiv(n_tokens, TOKENS), qkv_ptr, v_cache_ptr, v_scale_ptr, slot_ptr,
-                           copy_slot_ptr, v_copy_ptr, n_tokens, qkv_token_stride, stride_scale_block,
-                           stride_scale_token, stride_scale_head, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, HALF, BLOCK_KH,
-                           BLOCK_HALF, V_GROUP, V_BLOCK_SIZE, SCALE_BLOCK, COPY, DIRECT_STORES, INTERPRET)
-            return
+    # [TOKENS, heads, BLOCK_HALF]; a head is processed as its two rotary halves.
     tokens = (tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)).to(tl.int64)
     token_mask = tokens < n_tokens
     positions = tl.load(positions_ptr + tokens, mask=token_mask, other=0).to(tl.int64)
@@ -199,8 +123,7 @@ def _qk_norm_rotary_store_kernel(
     # alias it, and q, k and v loaded one after another's store would cost three memory round trips.
     q1, q2 = _load_halves(rows + q_heads * HEAD_DIM + dims3, q_mask, HALF)
     k1, k2 = _load_halves(rows + (NUM_Q_HEADS + kv_heads) * HEAD_DIM + dims3, kv_mask, HALF)
-    if V_GROUP == 0:
-        v1, v2 = _load_halves(rows + (NUM_Q_HEADS + NUM_KV_HEADS + kv_heads) * HEAD_DIM + dims3, kv_mask, HALF)
+    v1, v2 = _load_halves(rows + (NUM_Q_HEADS + NUM_KV_HEADS + kv_heads) * HEAD_DIM + dims3, kv_mask, HALF)
     qw1, qw2 = _load_halves(q_weight_ptr + dims, dim_mask, HALF)
     kw1, kw2 = _load_halves(k_weight_ptr + dims, dim_mask, HALF)
     if COPY:
@@ -228,25 +151,26 @@ def _qk_norm_rotary_store_kernel(
         k1, k2 = k1.to(k_cache_ptr.dtype.element_ty), k2.to(k_cache_ptr.dtype.element_ty)
         tl.store(k_cache_ptr + k_offsets, k1, mask=kv_mask)
         tl.store(k_cache_ptr + k_offsets + HALF, k2, mask=kv_mask)
-    if V_GROUP == 0:
-        v_ptrs1 = v_cache_ptr + slot_offsets(slots[:, None, None], cols, NUM_KV_HEADS * HEAD_DIM, V_BLOCK_SIZE,
-                                             V_KEY_MAJOR)
-        v_ptrs2 = v_cache_ptr + slot_offsets(slots[:, None, None], cols + HALF, NUM_KV_HEADS * HEAD_DIM, V_BLOCK_SIZE,
-                                             V_KEY_MAJOR)
-        if FP8:
-            v1, v2 = _store_e4m3_heads(v1.to(tl.float32), v2.to(tl.float32), v_ptrs1, v_ptrs2, kv_mask,
-                                       v_scale_ptr + scale_offs, scale_mask, DIRECT_STORES, V_KEY_MAJOR,
-                                       INTERPRET)
-        else:
-            v1, v2 = v1.to(v_cache_ptr.dtype.element_ty), v2.to(v_cache_ptr.dtype.element_ty)
-            tl.store(v_ptrs1, v1, mask=kv_mask)
-            tl.store(v_ptrs2, v2, mask=kv_mask)
+    v_ptrs1 = v_cache_ptr + slot_offsets(slots[:, None, None], cols, NUM_KV_HEADS * HEAD_DIM, V_BLOCK_SIZE, V_KEY_MAJOR)
+    v_ptrs2 = v_cache_ptr + slot_offsets(slots[:, None, None], cols + HALF, NUM_KV_HEADS * HEAD_DIM, V_BLOCK_SIZE,
+                                         V_KEY_MAJOR)
+    if FP8:
+        v1, v2 = _store_e4m3_heads(v1.to(tl.float32), v2.to(tl.float32), v_ptrs1, v_ptrs2, kv_mask,
+                                   v_scale_ptr + scale_offs, scale_mask, DIRECT_STORES, V_KEY_MAJOR,
+                                   INTERPRET)
+    else:
+        v1, v2 = v1.to(v_cache_ptr.dtype.element_ty), v2.to(v_cache_ptr.dtype.element_ty)
+        tl.store(v_ptrs1, v1, mask=kv_mask)
+        tl.store(v_ptrs2, v2, mask=kv_mask)
     if COPY:
         # The stored rows again, as values in the copies' dtype at their copy slots (plain layout).
         copy_mask = kv_mask & (copy_slots >= 0)[:, None, None]
-        _store_copies(k_copy_ptr, copy_slots, cols, k1, k2, copy_mask, NUM_KV_HEADS * HEAD_DIM, HALF)
-        if V_GROUP == 0:
-            _store_copies(v_copy_ptr, copy_slots, cols, v1, v2, copy_mask, NUM_KV_HEADS * HEAD_DIM, HALF)
+        copy_offsets = copy_slots[:, None, None] * (NUM_KV_HEADS * HEAD_DIM) + cols
+        dtype = k_copy_ptr.dtype.element_ty
+        tl.store(k_copy_ptr + copy_offsets, k1.to(dtype), mask=copy_mask)
+        tl.store(k_copy_ptr + copy_offsets + HALF, k2.to(dtype), mask=copy_mask)
+        tl.store(v_copy_ptr + copy_offsets, v1.to(dtype), mask=copy_mask)
+        tl.store(v_copy_ptr + copy_offsets + HALF, v2.to(dtype), mask=copy_mask)
 
 
 def _space(dtype, row_bucket, tokens_bucket, cache_dtype=None):
@@ -368,11 +292,7 @@ def qk_norm_rotary_store(positions, qkv, q_weight, k_weight, eps, cos_sin_cache,
     block_half = triton.next_power_of_2(half)
 
     def launch(config):
-        # Into an e4m3 key-major V, prefill-sized programs leave V to groups of V_GROUP_TOKENS tokens.
-        block_size = k_cache.shape[1]
-        v_group = V_GROUP_TOKENS if fp8 and v_key_major and config["TOKENS"] == 4 and block_size % V_GROUP_TOKENS == 0 else 0
-        grid = triton.cdiv(n_tokens, config["TOKENS"]) + (triton.cdiv(n_tokens, v_group) if v_group else 0)
-        _qk_norm_rotary_store_kernel[(grid,)](
+        _qk_norm_rotary_store_kernel[(triton.cdiv(n_tokens, config["TOKENS"]),)](
             positions, qkv, q_weight, k_weight, cos_sin_cache, k_cache, v_cache, slot_mapping, out, k_scale, v_scale,
             copy_slots, k_copy, v_copy,
             n_tokens, qkv.stride(0), cos_sin_cache.stride(0), out.stride(0), out.stride(1), eps,
@@ -380,7 +300,7 @@ def qk_norm_rotary_store(positions, qkv, q_weight, k_weight, eps, cos_sin_cache,
             NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
             BLOCK_QH=block_qh, BLOCK_KH=block_kh, BLOCK_HALF=block_half, FP8=fp8, INTERPRET=INTERPRET,
             V_BLOCK_SIZE=k_cache.shape[1] if v_key_major else 1, V_KEY_MAJOR=v_key_major,
-            SCALE_BLOCK=k_cache.shape[1] if fp8 else 1, COPY=copy, V_GROUP=v_group, **config,
+            SCALE_BLOCK=k_cache.shape[1] if fp8 else 1, COPY=copy, **config,
         )
 
     # The launch only writes q_out and cache slots it fully determines: repeating it is harmless.

@@ -28,9 +28,8 @@ def cos_sin_cache(max_pos, head_dim, yarn=None):
     return rotary.cos_sin_cache(head_dim, max_pos, 1e6, yarn).to(DEVICE)
 
 
-def make_inputs(tokens, q_heads, kv_heads, head_dim, block_size, dtype, pad=0, index_dtype=torch.int64, slots=None):
-    """Fresh random inputs; qkv is a [T, W] view of a [T, W + pad] buffer whose padding is NaN; slots
-    random (some negative) unless given."""
+def make_inputs(tokens, q_heads, kv_heads, head_dim, block_size, dtype, pad=0, index_dtype=torch.int64):
+    """Fresh random inputs; qkv is a [T, W] view of a [T, W + pad] buffer whose padding is NaN."""
     width = (q_heads + 2 * kv_heads) * head_dim
     buffer = randn(tokens, width + pad, dtype=dtype)
     buffer[:, width:] = float("nan")  # read by mistake, it would poison q or the caches
@@ -38,21 +37,17 @@ def make_inputs(tokens, q_heads, kv_heads, head_dim, block_size, dtype, pad=0, i
     q_weight, k_weight = randn(head_dim, dtype=dtype), randn(head_dim, dtype=dtype)
     positions = torch.randperm(MAX_POS, device=DEVICE)[:tokens].to(index_dtype)  # random order
     num_blocks = (tokens + block_size - 1) // block_size + 2
-    if slots is None:
-        slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:tokens].to(index_dtype)
-        slots[3::4] = -1  # padding rows: no KV write, q still produced
-        slots[7::8] = -5
-    else:
-        slots = slots.to(device=DEVICE, dtype=index_dtype)
-        num_blocks = max(num_blocks, int(slots.max()) // block_size + 1)
+    slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:tokens].to(index_dtype)
+    slots[3::4] = -1  # padding rows: no KV write, q still produced
+    slots[7::8] = -5
     k_cache = poisoned(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
     return buffer, qkv, q_weight, k_weight, positions, slots, k_cache, k_cache.clone()
 
 
 def check(tokens, q_heads, kv_heads, head_dim, block_size, dtype, pad=0, index_dtype=torch.int64, with_out=False,
-          yarn=None, fp8=False, v_layout="contiguous", scale_layout="contiguous", slots=None):
+          yarn=None, fp8=False, v_layout="contiguous", scale_layout="contiguous"):
     buffer, qkv, q_weight, k_weight, positions, slots, k_cache, v_cache = make_inputs(
-        tokens, q_heads, kv_heads, head_dim, block_size, dtype, pad, index_dtype, slots)
+        tokens, q_heads, kv_heads, head_dim, block_size, dtype, pad, index_dtype)
     scales = {}
     if fp8:  # e4m3 caches of NaN patterns, NaN scales
         k_cache, v_cache = e4m3_poisoned(*k_cache.shape), e4m3_poisoned(*k_cache.shape)
@@ -155,46 +150,19 @@ def test_key_major_v_equals_contiguous_v():
 # again at its copy slot, bit for bit what gather_kv_blocks copies out of the kernel's own cache
 # (layers/attention.py mixes the two) and close to the reference store's copies; rows whose slot or
 # copy slot is negative, and every other copy slot, stay NaN.
-def prompt_slots(tokens, block_size):
-    """Slots as a prefill step's prompts take them: runs of whole 16-key groups (in block 2, then
-    block 0), a run 3 keys off a group, then single rows and padding rows (< 0)."""
-    runs = [torch.arange(2 * block_size, 2 * block_size + 16), torch.arange(16), torch.arange(67, 83)]
-    rest = torch.tensor([6 * block_size + 1, -1, 6 * block_size + 7, 6 * block_size + 8, -5])
-    assert tokens <= 53
-    return torch.cat(runs + [rest])[:tokens]
-
-
-@pytest.mark.parametrize("direct", [False, True])
-@pytest.mark.parametrize("block_size", [16, 64])
-def test_v_groups_of_a_prompts_slots(monkeypatch, direct, block_size):
-    # Prefill-sized programs (4 tokens) into an e4m3 key-major V leave V to programs of 16 tokens:
-    # a group whose slots are one run from a multiple of 16 stores each (head, d) row's 16 codes at
-    # once, other groups code by code; 53 tokens, so the last group is partial.
-    monkeypatch.setattr(module._TUNING, "default", lambda *bucket: {
-        "TOKENS": 4, "num_warps": 2, "num_stages": 1, "DIRECT_STORES": direct})
-    check(53, 4, 2, 64, block_size, torch.float16, fp8=True, v_layout="key_major", scale_layout="head_major",
-          slots=prompt_slots(53, block_size))
-
-
 @pytest.mark.parametrize("fp8, v_layout, scale_layout", [(False, "contiguous", "contiguous"),
                                                          (True, "contiguous", "contiguous"),
                                                          (True, "key_major", "head_major")],
                          ids=["model-cache", "fp8-cache", "fp8-key-major-v-head-major-scales"])
-@pytest.mark.parametrize("v_groups", [False, True], ids=["", "v-groups"])
 @pytest.mark.parametrize("tokens, q_heads, kv_heads, head_dim, block_size, dtype", [
     (37, 8, 2, 64, 16, torch.bfloat16),
     (7, 4, 1, 128, 256, torch.float32),
     (5, 6, 2, 80, 16, torch.float16),
 ])
 def test_copies_of_the_stored_rows(tokens, q_heads, kv_heads, head_dim, block_size, dtype, fp8, v_layout,
-                                   scale_layout, v_groups, monkeypatch):
-    slots = None
-    if v_groups:  # 4 tokens a program: into an e4m3 key-major V, 16-token V programs write the V copies
-        monkeypatch.setattr(module._TUNING, "default", lambda *bucket: {
-            "TOKENS": 4, "num_warps": 1, "num_stages": 1, "DIRECT_STORES": fp8})
-        slots = prompt_slots(tokens, block_size)
+                                   scale_layout):
     _, qkv, q_weight, k_weight, positions, slots, k_cache, v_cache = make_inputs(
-        tokens, q_heads, kv_heads, head_dim, block_size, dtype, pad=8, slots=slots)
+        tokens, q_heads, kv_heads, head_dim, block_size, dtype, pad=8)
     scales = {}
     if fp8:
         k_cache, v_cache = e4m3_poisoned(*k_cache.shape), e4m3_poisoned(*k_cache.shape)
