@@ -206,13 +206,6 @@ def layer_fp8(prologue, slots, caches, fp8, tables, cu_q, seq_lens, max_q, gathe
     return kernels.prefill_attention(q, k, v, cu_q, seq_lens, copy_tables, max_q_len=max_q)
 
 
-def layer_fp8_in_place(prologue, slots, caches, fp8, tables, cu_q, seq_lens, max_q, *copies):
-    k8, v8, k_scale, v_scale = fp8
-    q = kernels.qk_norm_rotary_store(*prologue, k8, v8, slots, 16, 8, k_scale=k_scale, v_scale=v_scale)
-    return kernels.prefill_attention(q, k8, v8, cu_q, seq_lens, tables, max_q_len=max_q, k_scale=k_scale,
-                                     v_scale=v_scale)
-
-
 def layer_cases(quick):
     """A whole prefill step of one attention layer (layers/attention.py): the fused prologue storing
     the new K/V, then attention. Over an e4m3 cache the store also writes the new rows' copies, the

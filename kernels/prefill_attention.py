@@ -12,10 +12,9 @@ V tiles arrive as TMA bulk copies through tensor descriptors: one block-table lo
 per-element address math, and the copies pipeline ahead of the dots. The tile step itself
 (`_attend_tile`) is kernels/paged.py's.
 
-An e4m3 cache (k_scale / v_scale given) takes the same paths: here its TMA descriptors copy 1-byte
+An e4m3 cache (k_scale / v_scale given) takes the same paths: its TMA descriptors copy 1-byte
 tiles, which are converted to q's dtype in registers for the bf16/fp16 wgmma, and the per-key
-scales arrive as [BLOCK_N] pointer loads beside them; the Hopper kernel converts them in a
-partition of their own (kernels/prefill_hopper_e4m3.py).
+scales arrive as [BLOCK_N] pointer loads beside them.
 """
 
 import torch
@@ -27,7 +26,6 @@ from tritonllm.kernels import tuning
 from tritonllm.kernels.fp8 import fp8_dot_operand, scale_strides
 from tritonllm.kernels.paged import LOG2E, _attend_tile, cache_bucket, check_paged_inputs, dot_precision
 from tritonllm.kernels.prefill_attention_hopper import HOPPER_TUNABLE, prefill_attention_hopper, supports
-from tritonllm.kernels.prefill_hopper_e4m3 import prefill_attention_hopper_e4m3
 
 PATHS = ("auto", "portable", "hopper")
 # "auto" takes the Hopper kernel from this much causal work a call (new tokens x longest query).
@@ -199,8 +197,7 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
     graph-captured). out: optional [T, Hq, D] output buffer written in
     place. config: launch config overriding the tuned/default one (tests, benchmarks).
     path: "hopper" runs the warp-specialized Gluon kernel (kernels/prefill_attention_hopper.py; an
-    sm_90 GPU, bf16/fp16 q, a cache of q's dtype in the plain layout or an e4m3 one with a key-major
-    V and head-major scales, kernels/prefill_hopper_e4m3.py), "portable" the Triton kernel of this file,
+    sm_90 GPU, bf16/fp16 q and cache, plain layout), "portable" the Triton kernel of this file,
     "auto" (the default) the Hopper kernel wherever it applies and the call has at least
     HOPPER_MIN_WORK new tokens x max_q_len, else the portable one.
     Returns o [T, Hq, D] in q's dtype (`out` if given); nothing else is modified.
@@ -209,11 +206,10 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
                                                              k_scale, v_scale)
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
-    applies = path != "portable" and supports(q, k_cache, v_cache, group, v_key_major, fp8, k_scale, v_scale)
+    applies = path != "portable" and supports(q, k_cache, v_cache, group, v_key_major, fp8)
     if path == "hopper" and not applies:
-        raise ValueError("path='hopper' needs an sm_90 GPU, bf16/fp16 q, a cache of q's dtype in the plain layout or "
-                         "e4m3 with a key-major V and head-major scales, D 64 or 128, block_size >= 16 and "
-                         "Hq / Hkv <= 64")
+        raise ValueError("path='hopper' needs an sm_90 GPU, bf16/fp16 q and cache in the plain layout, D 64 or 128, "
+                         "block_size >= 16 and Hq / Hkv <= 64")
     batch = seq_lens.shape[0]
     if cu_seqlens_q.shape != (batch + 1,):
         raise ValueError(f"cu_seqlens_q must be [B + 1 = {batch + 1}], got shape {tuple(cu_seqlens_q.shape)}")
@@ -244,12 +240,8 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
             FP8=fp8, V_KEY_MAJOR=v_key_major, **cfg)
 
     def launch_hopper(cfg):
-        if fp8:
-            prefill_attention_hopper_e4m3(q, k_cache, v_cache, k_scale, v_scale, cu_seqlens_q, seq_lens, block_tables,
-                                          out, qk_scale, group, max_q_len, cfg)
-        else:
-            prefill_attention_hopper(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out, qk_scale, group,
-                                     max_q_len, cfg)
+        prefill_attention_hopper(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out, qk_scale, group,
+                                 max_q_len, cfg)
 
     launch, tunable = (launch_hopper, HOPPER_TUNABLE) if hopper else (launch_portable, PREFILL_TUNABLE)
     bucket = prefill_attention_bucket(q.dtype, head_dim, group, block_size, max_q_len, k_cache.dtype, hopper)

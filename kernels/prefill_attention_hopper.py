@@ -19,9 +19,8 @@ tiles every row sees, then the diagonal), scheduled by hand for Hopper's asynchr
   in flight while tile i's softmax runs. K and V slots are freed apart (their `free` mbarriers):
   K once every warpgroup's scores are done, V once every warpgroup's PV dot is.
 
-The portable Triton kernel stays the path for other GPUs, the interpreter and float32
-(prefill_attention chooses). An e4m3 cache takes this kernel's partitions with a dequantizing one
-between them (kernels/prefill_hopper_e4m3.py).
+The portable Triton kernel stays the path for other GPUs, the interpreter, float32 and e4m3
+caches (prefill_attention chooses).
 """
 import functools
 
@@ -35,8 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from tritonllm.kernels import tuning
-from tritonllm.kernels.fp8 import _is_head_major
-from tritonllm.kernels.prefill_hopper_schedule import E4M3_STAGES, _load_kv_partition, _next_item, _work_item
+from tritonllm.kernels.prefill_hopper_schedule import _load_kv_partition, _next_item, _work_item
 
 # Triton 3.9 named the cp.async copy async_load too.
 _cp_async = async_copy.async_load if hasattr(async_copy, "async_load") else async_copy.async_copy_global_to_shared
@@ -225,11 +223,10 @@ def _prefill_attention_hopper_kernel(
                                  item_ready, item_free, qk_scale, cu_seqlens_q_ptr, seq_lens_ptr, num_kv_heads, batch,
                                  num_q_tiles, stride_q_token, stride_q_head, stride_o_token, stride_o_head, 0, GROUP,
                                  BLOCK_Q, BLOCK_N, HEAD_DIM, NUM_STAGES)),
-            (_load_kv_partition, (k_desc, v_desc, k_desc, v_desc, k_bufs, v_bufs, k_bufs, v_bufs, ready_k, ready_v,
-                                  ready_k, ready_v, free_k, free_v, free_k, free_v, items, item_ready, item_free,
-                                  counter_ptr, cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr, stride_block_table,
-                                  num_kv_heads, batch, num_q_tiles, HEAD_DIM, BLOCK_SIZE, BLOCK_Q, BLOCK_N, NUM_STAGES,
-                                  False)),
+            (_load_kv_partition, (k_desc, v_desc, k_bufs, v_bufs, ready_k, ready_v, free_k, free_v, items,
+                                  item_ready, item_free, counter_ptr, cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
+                                  stride_block_table, num_kv_heads, batch, num_q_tiles, HEAD_DIM, BLOCK_SIZE, BLOCK_Q,
+                                  BLOCK_N, NUM_STAGES)),
         ], [1], [24])
     else:
         gl.warp_specialize([
@@ -241,17 +238,11 @@ def _prefill_attention_hopper_kernel(
                                  item_ready, item_free, qk_scale, cu_seqlens_q_ptr, seq_lens_ptr, num_kv_heads, batch,
                                  num_q_tiles, stride_q_token, stride_q_head, stride_o_token, stride_o_head, 1, GROUP,
                                  BLOCK_Q, BLOCK_N, HEAD_DIM, NUM_STAGES)),
-            (_load_kv_partition, (k_desc, v_desc, k_desc, v_desc, k_bufs, v_bufs, k_bufs, v_bufs, ready_k, ready_v,
-                                  ready_k, ready_v, free_k, free_v, free_k, free_v, items, item_ready, item_free,
-                                  counter_ptr, cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr, stride_block_table,
-                                  num_kv_heads, batch, num_q_tiles, HEAD_DIM, BLOCK_SIZE, BLOCK_Q, BLOCK_N, NUM_STAGES,
-                                  False)),
+            (_load_kv_partition, (k_desc, v_desc, k_bufs, v_bufs, ready_k, ready_v, free_k, free_v, items,
+                                  item_ready, item_free, counter_ptr, cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
+                                  stride_block_table, num_kv_heads, batch, num_q_tiles, HEAD_DIM, BLOCK_SIZE, BLOCK_Q,
+                                  BLOCK_N, NUM_STAGES)),
         ], [4, 1], [240, 24])
-
-
-def _staged_bytes(head_dim, block_n, cache_dtype_name):
-    """Shared memory of an e4m3 cache's staging rings (kernels/prefill_hopper_e4m3.py), else 0."""
-    return 0 if cache_dtype_name is None else E4M3_STAGES * block_n * (2 * head_dim + 8)
 
 
 def _hopper_space(dtype_name, head_dim, group, block_size, q_len, cache_dtype_name=None):
@@ -260,8 +251,7 @@ def _hopper_space(dtype_name, head_dim, group, block_size, q_len, cache_dtype_na
         for block_n in (64, 128):
             for num_stages in (2, 3, 4):
                 # Two Q buffers plus the K/V ring in shared memory, with room for the reductions' scratch.
-                ring = 2 * head_dim * (2 * block_m + 2 * num_stages * block_n)
-                if block_m >= group and ring + _staged_bytes(head_dim, block_n, cache_dtype_name) <= 200 * 1024:
+                if block_m >= group and 2 * head_dim * (2 * block_m + 2 * num_stages * block_n) <= 200 * 1024:
                     configs.append({"BLOCK_M": block_m, "BLOCK_N": block_n, "NUM_STAGES": num_stages})
     return configs
 
@@ -269,13 +259,9 @@ def _hopper_space(dtype_name, head_dim, group, block_size, q_len, cache_dtype_na
 def _hopper_default(dtype_name, head_dim, group, block_size, q_len, cache_dtype_name=None):
     # Two consumer warpgroups share each K/V tile unless the query is too short to fill 128 rows.
     # On the H200 at D 128, 128-key tiles (2 slots fit) win from 4k query rows, 64-key tiles below.
-    # An e4m3 cache's staging rings take the room of a slot: its ring holds three.
-    block_m = 64 if q_len * group <= 64 else 128
-    if cache_dtype_name is not None:
-        return {"BLOCK_M": block_m, "BLOCK_N": 64, "NUM_STAGES": 3}
     if q_len >= 4096 and head_dim <= 128:
         return {"BLOCK_M": 128, "BLOCK_N": 128, "NUM_STAGES": 2}
-    return {"BLOCK_M": block_m, "BLOCK_N": 64, "NUM_STAGES": 4}
+    return {"BLOCK_M": 64 if q_len * group <= 64 else 128, "BLOCK_N": 64, "NUM_STAGES": 4}
 
 
 HOPPER_TUNABLE = tuning.Tunable("prefill_attention_hopper", _hopper_space, _hopper_default)
@@ -286,25 +272,16 @@ def _is_sm90(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
-def reads_in_place(device_index: int, dtype: torch.dtype, head_dim: int, group: int, block_size: int) -> bool:
-    """Whether the Hopper path takes caches of these shapes on this CUDA device (an sm_90 GPU, bf16/fp16
-    q, D 64 or 128, blocks of 16 keys or more (whole 128-byte swizzle atoms), a GQA group (Hq / Hkv)
-    of at most 64), so an e4m3 cache in the engine's layout is read in place (the engine then makes
-    no bf16 copies of its blocks for prefill)."""
-    return (_is_sm90(device_index) and dtype in (torch.bfloat16, torch.float16) and head_dim in (64, 128)
-            and block_size >= 16 and group <= 64)
-
-
-def supports(q, k_cache, v_cache, group, v_key_major, fp8, k_scale=None, v_scale=None) -> bool:
-    """Whether the Hopper path takes these inputs: shapes as `reads_in_place` takes them, with
-    contiguous 16-byte-aligned caches of q's dtype in the plain layout, or e4m3 with a key-major V
-    and head-major scales (the engine's, kernels/prefill_hopper_e4m3.py)."""
-    if not q.is_cuda or v_key_major != fp8:
+def supports(q, k_cache, v_cache, group, v_key_major, fp8) -> bool:
+    """Whether the Hopper path takes these inputs: an sm_90 GPU, bf16/fp16 q and cache, contiguous
+    16-byte-aligned caches in the plain (not key-major) layout, D 64 or 128, blocks of 16 keys or more
+    (whole 128-byte swizzle atoms), a GQA group (Hq / Hkv) of at most 64."""
+    if not q.is_cuda or fp8 or v_key_major or q.dtype not in (torch.bfloat16, torch.float16):
         return False
-    if fp8 and not (_is_head_major(k_scale) and _is_head_major(v_scale)):
+    if not _is_sm90(q.device.index):
         return False
-    return (reads_in_place(q.device.index, q.dtype, q.shape[2], group, k_cache.shape[1])
-            and k_cache.is_contiguous() and (v_key_major or v_cache.is_contiguous())
+    return (q.shape[2] in (64, 128) and k_cache.shape[1] >= 16 and group <= 64
+            and k_cache.is_contiguous() and v_cache.is_contiguous()
             and k_cache.data_ptr() % 16 == 0 and v_cache.data_ptr() % 16 == 0)
 
 
@@ -315,21 +292,6 @@ def _sm_count(device: torch.device) -> int:
     return tuning.sm_count(torch.cuda.current_device() if device.index is None else device.index)
 
 
-def launch_geometry(q, seq_lens, max_q_len, group, num_kv_heads, config):
-    """What both Hopper kernels launch with: (grid, work counter, BLOCK_Q, query tiles, Q and K/V
-    shared layouts). Persistent: one program per SM (a program fills one: its warps take the whole
-    register file), taking work items from a counter that starts at 0."""
-    element = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    head_dim = q.shape[2]
-    block_q = config["BLOCK_M"] // group
-    num_q_tiles = triton.cdiv(max_q_len, block_q)
-    grid = (min(num_kv_heads * seq_lens.shape[0] * num_q_tiles, _sm_count(q.device)),)
-    counter = torch.zeros(1, dtype=torch.int32, device=q.device)
-    q_layout = gl.NVMMASharedLayout.get_default_for([64, head_dim], element)
-    kv_layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    return grid, counter, block_q, num_q_tiles, q_layout, kv_layout
-
-
 def prefill_attention_hopper(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out, qk_scale, group,
                              max_q_len, config):
     """Launch the Hopper kernel: inputs as kernels/prefill_attention.prefill_attention's (checked
@@ -337,15 +299,24 @@ def prefill_attention_hopper(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_
     (64 rows a consumer warpgroup: 64 or 128), BLOCK_N, NUM_STAGES (slots of the K/V ring).
     Writes `out` in place and returns it."""
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    chunk = min(config["BLOCK_N"], block_size)
-    grid, counter, block_q, num_q_tiles, q_layout, kv_layout = launch_geometry(q, seq_lens, max_q_len, group,
-                                                                               num_kv_heads, config)
+    block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
+    chunk = min(block_n, block_size)
+    element = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    smem_layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     shape = [num_blocks * block_size, num_kv_heads * head_dim]
-    k_desc = TensorDescriptor(k_cache.view(shape), shape, [shape[1], 1], [chunk, head_dim], kv_layout)
-    v_desc = TensorDescriptor(v_cache.view(shape), shape, [shape[1], 1], [chunk, head_dim], kv_layout)
+    k_desc = TensorDescriptor(k_cache.view(shape), shape, [shape[1], 1], [chunk, head_dim], smem_layout)
+    v_desc = TensorDescriptor(v_cache.view(shape), shape, [shape[1], 1], [chunk, head_dim], smem_layout)
+    q_layout = gl.NVMMASharedLayout.get_default_for([64, head_dim], element)
+    block_q = block_m // group
+    batch, num_q_tiles = seq_lens.shape[0], triton.cdiv(max_q_len, block_q)
+    # Persistent: one program per SM (a program fills one: its warps take the whole register file),
+    # taking work items from a counter that starts at 0.
+    grid = (min(num_kv_heads * batch * num_q_tiles, _sm_count(q.device)),)
+    counter = torch.zeros(1, dtype=torch.int32, device=q.device)
     _prefill_attention_hopper_kernel[grid](
         q, k_desc, v_desc, out, cu_seqlens_q, seq_lens, block_tables, counter, qk_scale,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), num_kv_heads,
-        seq_lens.shape[0], num_q_tiles, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_Q=block_q,
-        Q_SMEM_LAYOUT=q_layout, **config, num_warps=4)
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), num_kv_heads, batch,
+        num_q_tiles, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_Q=block_q, Q_SMEM_LAYOUT=q_layout,
+        **config,
+        num_warps=4)
     return out

@@ -10,8 +10,6 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-E4M3_STAGES = 2  # slots of each staging ring of an e4m3 cache's tiles (kernels/prefill_hopper_e4m3.py)
-
 # Triton 3.8 named the TMA global-to-shared copy async_load; 3.9 removed the older name.
 _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
 
@@ -39,19 +37,12 @@ def _work_item(w, cu_seqlens_q_ptr, seq_lens_ptr, num_kv_heads, batch, num_q_til
 
 
 @gluon.jit
-def _copy_tile(desc, bufs, ready, free, count, n0, block_table_row, seq_len, offset, rows_per_block,
-               BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, KEY_MAJOR: gl.constexpr):
-    """The tile of keys n0 .. n0 + BLOCK_N - 1, the count-th tile loaded, into its ring slot once the
-    slot is free: one TMA copy per cache block the tile covers (or one, where it lies inside a
-    block), all signalling the slot's `ready`. Token-major (K, V): a [keys, D] box at column
-    `offset` of the [cache rows, Hkv * D] view, landing in rows of the slot. KEY_MAJOR (an e4m3
-    cache's V and scales): a [rows, keys] box at row `offset` of the block's rows_per_block rows of
-    the [num_blocks * rows_per_block, block_size] view, landing in entry (slot * chunks + chunk) *
-    SPREAD of bufs ([NUM_STAGES * chunks a tile * SPREAD, rows, keys])."""
+def _copy_tile(desc, bufs, ready, free, count, n0, block_table_row, seq_len, column, BLOCK_SIZE: gl.constexpr,
+               BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """The K or V tile of keys n0 .. n0 + BLOCK_N - 1, the count-th tile loaded, into its ring slot
+    once the slot is free: one TMA copy per cache block the tile covers (or one, where it lies
+    inside a block), all signalling the slot's `ready`."""
     CHUNK: gl.constexpr = min(BLOCK_N, BLOCK_SIZE)
-    # TMA writes shared memory at 128-byte-aligned addresses: a smaller box (a [1, 16] row of
-    # scales) takes every SPREAD-th entry of a key-major staging buffer.
-    SPREAD: gl.constexpr = max(1, 128 // desc.block_type.nbytes)
     slot = count % NUM_STAGES
     # Slots start free: the first pass waits on the phase before the barrier's first one.
     mbarrier.wait(free.index(slot), ((count // NUM_STAGES) & 1) ^ 1)
@@ -61,13 +52,8 @@ def _copy_tile(desc, bufs, ready, free, count, n0, block_table_row, seq_len, off
         # Table entries past the sequence are never read: such chunks copy block 0, whose keys the
         # consumers mask (scores) and zero (V) like any key past seq_len.
         block = gl.load(block_table_row + key // BLOCK_SIZE, mask=key < seq_len, other=0)
-        # TMA coordinates are int32
-        if KEY_MAJOR:
-            _tma_load(desc, [block * rows_per_block + offset, key % BLOCK_SIZE], ready.index(slot),
-                      bufs.index((slot * (BLOCK_N // CHUNK) + c) * SPREAD))
-        else:
-            _tma_load(desc, [block * BLOCK_SIZE + key % BLOCK_SIZE, offset], ready.index(slot),
-                      bufs.index(slot).slice(c * CHUNK, CHUNK))
+        row = block * BLOCK_SIZE + key % BLOCK_SIZE  # TMA coordinates are int32
+        _tma_load(desc, [row, column], ready.index(slot), bufs.index(slot).slice(c * CHUNK, CHUNK))
 
 
 @gluon.jit
@@ -87,15 +73,12 @@ def _next_item(items, item_ready, j):
 
 
 @gluon.jit
-def _load_kv_partition(k_desc, v_desc, ks_desc, vs_desc, k_bufs, v_bufs, ks_bufs, vs_bufs, ready_k, ready_v,
-                       ready_ks, ready_vs, free_k, free_v, free_ks, free_vs, items, item_ready, item_free, counter_ptr,
-                       cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr, stride_block_table, num_kv_heads, batch,
-                       num_q_tiles, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr, BLOCK_Q: gl.constexpr,
-                       BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, FP8: gl.constexpr):
+def _load_kv_partition(k_desc, v_desc, k_bufs, v_bufs, ready_k, ready_v, free_k, free_v, items, item_ready,
+                       item_free, counter_ptr, cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr, stride_block_table,
+                       num_kv_heads, batch, num_q_tiles, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+                       BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
     # K and V slots are freed apart (K once the scores are done, V once the PV dot is), so a K tile
-    # can come in while the previous tile's V is still being read. FP8: the rings are the e4m3
-    # staging of kernels/prefill_hopper_e4m3.py (K, key-major V, and their scales in rings of their
-    # own); otherwise the ks / vs arguments are unused.
+    # can come in while the previous tile's V is still being read.
     num_items = num_q_tiles * num_kv_heads * batch
     count = 0  # tiles loaded so far: slot count % NUM_STAGES, pass count // NUM_STAGES
     j = 0  # items handed out so far
@@ -109,19 +92,10 @@ def _load_kv_partition(k_desc, v_desc, ks_desc, vs_desc, k_bufs, v_bufs, ks_bufs
             j += 1
             block_table_row = block_tables_ptr + seq.to(gl.int64) * stride_block_table
             for i in range(num_tiles):
-                n0 = i * BLOCK_N
-                _copy_tile(k_desc, k_bufs, ready_k, free_k, count, n0, block_table_row, seq_len, kv_head * HEAD_DIM,
-                           0, BLOCK_SIZE, BLOCK_N, NUM_STAGES, False)
-                if FP8:
-                    _copy_tile(ks_desc, ks_bufs, ready_ks, free_ks, count, n0, block_table_row, seq_len, kv_head,
-                               num_kv_heads, BLOCK_SIZE, BLOCK_N, NUM_STAGES, True)
-                    _copy_tile(v_desc, v_bufs, ready_v, free_v, count, n0, block_table_row, seq_len,
-                               kv_head * HEAD_DIM, num_kv_heads * HEAD_DIM, BLOCK_SIZE, BLOCK_N, NUM_STAGES, True)
-                    _copy_tile(vs_desc, vs_bufs, ready_vs, free_vs, count, n0, block_table_row, seq_len, kv_head,
-                               num_kv_heads, BLOCK_SIZE, BLOCK_N, NUM_STAGES, True)
-                else:
-                    _copy_tile(v_desc, v_bufs, ready_v, free_v, count, n0, block_table_row, seq_len,
-                               kv_head * HEAD_DIM, 0, BLOCK_SIZE, BLOCK_N, NUM_STAGES, False)
+                _copy_tile(k_desc, k_bufs, ready_k, free_k, count, i * BLOCK_N, block_table_row, seq_len,
+                           kv_head * HEAD_DIM, BLOCK_SIZE, BLOCK_N, NUM_STAGES)
+                _copy_tile(v_desc, v_bufs, ready_v, free_v, count, i * BLOCK_N, block_table_row, seq_len,
+                           kv_head * HEAD_DIM, BLOCK_SIZE, BLOCK_N, NUM_STAGES)
                 count += 1
         w = w_next
     _publish_item(items, item_ready, item_free, j, num_items)

@@ -40,9 +40,9 @@ def _save(path: Path, model_class, config_class, dtype, seed: int, **shapes) -> 
     tokenizer = build_tokenizer()
     eos_ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
     config = config_class(
-        vocab_size=len(tokenizer), hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=len(tokenizer), hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
         max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-6, bos_token_id=None,
-        eos_token_id=eos_ids[0], pad_token_id=eos_ids[1], torch_dtype=dtype, **({"head_dim": 32} | shapes),
+        eos_token_id=eos_ids[0], pad_token_id=eos_ids[1], torch_dtype=dtype, **shapes,
     )
     torch.manual_seed(seed)
     model = model_class(config).to(dtype)
@@ -57,11 +57,10 @@ def _save(path: Path, model_class, config_class, dtype, seed: int, **shapes) -> 
     return path
 
 
-def build_tiny_qwen3(path: Path, *, tie_word_embeddings: bool = True, dtype=torch.float32, seed: int = 0,
-                     head_dim: int = 32) -> Path:
-    """Write a 2-layer random Qwen3 (GQA 4/2 heads, head_dim 32 unless given) with its tokenizer to `path`."""
+def build_tiny_qwen3(path: Path, *, tie_word_embeddings: bool = True, dtype=torch.float32, seed: int = 0) -> Path:
+    """Write a 2-layer random Qwen3 (GQA 4/2 heads, head_dim 32) with its tokenizer to `path`."""
     return _save(path, Qwen3ForCausalLM, Qwen3Config, dtype, seed, intermediate_size=96, num_hidden_layers=2,
-                 tie_word_embeddings=tie_word_embeddings, head_dim=head_dim)
+                 tie_word_embeddings=tie_word_embeddings)
 
 
 def build_tiny_qwen3_moe(path: Path, *, top_k: int = 2, norm_topk_prob: bool = True, dtype=torch.float32,

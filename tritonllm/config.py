@@ -8,7 +8,6 @@ from pathlib import Path
 import torch
 
 from tritonllm.kernels.decode_attention import MAX_BATCH
-from tritonllm.kernels.prefill_attention_hopper import reads_in_place
 from tritonllm.layers.ops import BACKENDS
 from tritonllm.layers.rotary import max_positions
 from tritonllm.loader import safetensors_files
@@ -41,8 +40,6 @@ class EngineConfig:
     seed: int = 0
     kernels: str = "triton"  # one of KERNEL_BACKENDS
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
-    # Set by resolve(): prefill reads an fp8 cache in place (kernels/prefill_hopper_e4m3.py), no copies.
-    fp8_prefill_in_place = False
 
     @classmethod
     def from_options(cls, model: str | os.PathLike, **options) -> "EngineConfig":
@@ -115,8 +112,8 @@ class EngineConfig:
         """Most cache blocks a prefill step copies out of an fp8 cache for its attention (layers/attention.py;
         0 for a cache of the model's dtype, which is read in place): the blocks of a step's worth of new
         tokens plus a partial one a sequence. A step whose sequences hold more (long cached prefixes)
-        reads the fp8 cache directly, as every step does where the Hopper kernel reads it in place."""
-        if self.cache_dtype != torch.float8_e4m3fn or self.fp8_prefill_in_place:
+        reads the fp8 cache directly."""
+        if self.cache_dtype != torch.float8_e4m3fn:
             return 0
         return -(-self.max_num_batched_tokens // self.kv_block_size) + self.max_num_seqs
 
@@ -137,11 +134,6 @@ class EngineConfig:
             heads = getattr(hf_config, name)
             if heads % self.tensor_parallel_size:
                 raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} is invalid: it must divide {name}={heads}")
-        if self.device == "cuda" and self.kernels == "triton" and self.cache_dtype == torch.float8_e4m3fn:
-            head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-            group = hf_config.num_attention_heads // hf_config.num_key_value_heads
-            self.fp8_prefill_in_place = reads_in_place(torch.cuda.current_device(), self.dtype, head_dim, group,
-                                                       self.kv_block_size)
         if self.load_format == "dummy":
             print(f"tritonllm: {self.model} runs with random weights (load_format='dummy'): its outputs mean nothing",
                   file=sys.stderr)

@@ -206,19 +206,6 @@ def cases():
                 torch.zeros(16384 // bs, bs, 8, 128, dtype=d), torch.arange(0, 8 * n + 1, n, dtype=torch.int32),
                 torch.full((8,), 2048, dtype=torch.int32), i32(8, 2048 // bs), torch.zeros(8 * n, 16, 128, dtype=d),
                 0.1, 2, n, cfg))
-    from tritonllm.kernels.fp8 import empty_kv_scales
-    from tritonllm.kernels.prefill_hopper_e4m3 import prefill_attention_hopper_e4m3
-
-    # Its e4m3 form over the engine's cache: V key-major, scales head-major.
-    for dtype in (torch.float16, torch.bfloat16):
-        for bs, q_len in ((16, 1024), (256, 4096), (16, 16)):
-            config = HOPPER_TUNABLE.default(tuning.dtype_name(dtype), 128, 2, bs, q_len, "float8_e4m3fn")
-            calls.append(lambda d=dtype, bs=bs, n=q_len, cfg=config: prefill_attention_hopper_e4m3(
-                torch.zeros(8 * n, 16, 128, dtype=d), torch.zeros(16384 // bs, bs, 8, 128, dtype=torch.float8_e4m3fn),
-                key_major_e4m3(16384 // bs, bs, 8, 128), empty_kv_scales(16384 // bs, bs, 8, head_major=True),
-                empty_kv_scales(16384 // bs, bs, 8, head_major=True), torch.arange(0, 8 * n + 1, n, dtype=torch.int32),
-                torch.full((8,), 2048, dtype=torch.int32), i32(8, 2048 // bs), torch.zeros(8 * n, 16, 128, dtype=d),
-                0.1, 2, n, cfg))
     from tritonllm.kernels import fused_moe, moe_route
 
     for dtype in (torch.float32, torch.float16, torch.bfloat16):

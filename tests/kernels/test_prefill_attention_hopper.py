@@ -12,14 +12,13 @@ import torch
 from kernel_utils import ATTN, HOPPER, assert_close, prefill_inputs
 from test_prefill_attention import PREFILL_CASES, check_chunked, run_prefill
 
-from tritonllm.kernels import prefill_attention, reference
+from tritonllm.kernels import prefill_attention
 from tritonllm.kernels.prefill_attention import prefill_attention_bucket
 from tritonllm.kernels.prefill_attention_hopper import HOPPER_TUNABLE
 
 prefill_module = importlib.import_module("tritonllm.kernels.prefill_attention")
 needs_hopper = pytest.mark.skipif(not HOPPER, reason="the Gluon kernel runs on sm_90 GPUs only")
 HALF = pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-E4M3 = {"fp8": True, "v_layout": "key_major", "scale_layout": "head_major"}  # the engine's e4m3 cache
 
 
 def spy_paths(monkeypatch):
@@ -61,43 +60,6 @@ def test_hopper_prefix_hits(head_dim, num_q_heads, num_kv_heads, block_size, dty
 
 @needs_hopper
 @HALF
-@pytest.mark.parametrize("head_dim, num_q_heads, num_kv_heads, block_size, q_lens", PREFILL_CASES)
-def test_hopper_e4m3_matches_reference_in_every_config(head_dim, num_q_heads, num_kv_heads, block_size, q_lens,
-                                                       dtype):
-    inputs = prefill_inputs([0] * len(q_lens), q_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype,
-                            **E4M3)
-    before = [t.clone() for t in (inputs[1], inputs[2], *inputs[6].values())]
-    configs = HOPPER_TUNABLE.space("", head_dim, num_q_heads // num_kv_heads, block_size, max(q_lens), "float8_e4m3fn")
-    assert configs
-    for config in configs:
-        out, ref = run_prefill(*inputs, path="hopper", config=config)
-        assert_close(out, ref, dtype, ATTN)
-    after = (inputs[1], inputs[2], *inputs[6].values())
-    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(after, before))  # only read
-
-
-@needs_hopper
-@HALF
-@pytest.mark.parametrize("head_dim, num_q_heads, num_kv_heads, block_size", [(128, 4, 2, 16), (64, 8, 2, 64),
-                                                                              (128, 16, 8, 256)])
-def test_hopper_e4m3_equals_the_kernel_on_dequantized_copies(head_dim, num_q_heads, num_kv_heads, block_size, dtype):
-    # Each value in q's dtype is its code times its scale rounded once, as gather_kv_blocks writes
-    # block copies; the consumers are the same, so the output is the same, bit for bit. Prefix
-    # hits around block and tile boundaries, down to one new token.
-    pairs = [(1, 1), (block_size - 1, 2), (block_size, 30), (37, 64), (2 * block_size + 1, 3), (200, 1), (385, 130)]
-    q, k8, v8, cu, seq_lens, tables, scales = prefill_inputs(
-        [c for c, _ in pairs], [n for _, n in pairs], num_q_heads, num_kv_heads, head_dim, block_size, dtype, **E4M3)
-    k, v = ((c.float() * s[..., None]).to(dtype).contiguous() for c, s in ((k8, scales["k_scale"]),
-                                                                           (v8, scales["v_scale"])))
-    for config in ({"BLOCK_M": 64, "BLOCK_N": 64, "NUM_STAGES": 2}, {"BLOCK_M": 128, "BLOCK_N": 64, "NUM_STAGES": 3}):
-        out = prefill_attention(q, k8, v8, cu, seq_lens, tables, path="hopper", config=config, **scales)
-        assert torch.equal(out, prefill_attention(q, k, v, cu, seq_lens, tables, path="hopper", config=config))
-        ref = reference.prefill_attention(q.double(), k8, v8, cu, seq_lens, tables, **scales)
-        assert_close(out, ref, dtype, ATTN)
-
-
-@needs_hopper
-@HALF
 def test_hopper_chunked_prefill_equals_one_shot(dtype, monkeypatch):
     taken = spy_paths(monkeypatch)
     monkeypatch.setattr(prefill_module, "HOPPER_MIN_WORK", 0)  # "auto" takes the Gluon kernel for any size
@@ -124,18 +86,14 @@ def test_auto_takes_hopper_from_its_minimum_work(monkeypatch):
 def test_auto_takes_hopper_only_where_it_applies(monkeypatch):
     taken = spy_paths(monkeypatch)
     monkeypatch.setattr(prefill_module, "HOPPER_MIN_WORK", 0)
-    # e4m3 only in the engine's layout: V key-major and head-major scales.
-    for dtype, fp8, v_layout, scale_layout, expected in [
-            (torch.bfloat16, False, "contiguous", "contiguous", ["hopper"]),
-            (torch.float32, False, "contiguous", "contiguous", []),
-            (torch.bfloat16, True, "contiguous", "head_major", []),
-            (torch.bfloat16, True, "key_major", "contiguous", []),
-            (torch.bfloat16, True, "key_major", "head_major", ["hopper"]),
-            (torch.bfloat16, False, "key_major", "contiguous", [])]:
+    for dtype, fp8, v_layout, expected in [(torch.bfloat16, False, "contiguous", ["hopper"]),
+                                           (torch.float32, False, "contiguous", []),
+                                           (torch.bfloat16, True, "contiguous", []),
+                                           (torch.bfloat16, False, "key_major", [])]:
         taken.clear()
-        inputs = prefill_inputs([3, 0], [40, 9], 4, 2, 64, 16, dtype, fp8, v_layout, scale_layout)
+        inputs = prefill_inputs([3, 0], [40, 9], 4, 2, 64, 16, dtype, fp8, v_layout)
         out, ref = run_prefill(*inputs)
-        assert taken == expected, (dtype, fp8, v_layout, scale_layout)
+        assert taken == expected, (dtype, fp8, v_layout)
         assert_close(out, ref, dtype, ATTN)
 
 
@@ -157,15 +115,13 @@ def test_path_errors():
 
 @needs_hopper
 @pytest.mark.parametrize("programs", [1, 2, 3])
-@pytest.mark.parametrize("cache", [{}, E4M3])
-def test_hopper_few_programs_walk_every_item(programs, cache, monkeypatch):
+def test_hopper_few_programs_walk_every_item(programs, monkeypatch):
     # Fewer programs than work items: each program runs many items in turn (the K/V ring's slots
-    # and phases carried across items of different sequences, tiles past a query skipped; with an
-    # e4m3 cache also the staging rings' and the converter's).
+    # and phases carried across items of different sequences, tiles past a query skipped).
     hopper_module = importlib.import_module("tritonllm.kernels.prefill_attention_hopper")
     monkeypatch.setattr(hopper_module, "_sm_count", lambda device: programs)
     pairs = [(0, 70), (33, 100), (3, 1), (200, 17), (0, 129), (15, 2)]
-    inputs = prefill_inputs([c for c, _ in pairs], [n for _, n in pairs], 8, 2, 128, 16, torch.bfloat16, **cache)
+    inputs = prefill_inputs([c for c, _ in pairs], [n for _, n in pairs], 8, 2, 128, 16, torch.bfloat16)
     for config in ({"BLOCK_M": 64, "BLOCK_N": 64, "NUM_STAGES": 2}, {"BLOCK_M": 128, "BLOCK_N": 64, "NUM_STAGES": 3}):
         out, ref = run_prefill(*inputs, path="hopper", config=config)
         assert_close(out, ref, torch.bfloat16, ATTN)
