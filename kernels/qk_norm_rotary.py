@@ -62,10 +62,14 @@ def _store_held(ptrs, values, mask, INTERPRET: tl.constexpr):
 
 @triton.jit
 def _store_e4m3_heads(x1, x2, ptrs1, ptrs2, mask, scale_ptrs, scale_mask, DIRECT: tl.constexpr,
-                      DIRECT_CODES: tl.constexpr, INTERPRET: tl.constexpr):
+                      DIRECT_CODES: tl.constexpr, INTERPRET: tl.constexpr, run=False, run_ptrs1=None, run_ptrs2=None,
+                      run_mask=None):
     """Heads given as float32 halves [TOKENS, H, BLOCK_HALF] (0 where masked) quantized per (token,
     head) into the cache at ptrs1 / ptrs2 (first / second halves), their scales [TOKENS, H] at scale_ptrs.
     DIRECT: the scales, and the codes too where DIRECT_CODES (a key-major V), go through _store_held.
+    Where run (a flag: the tokens' slots are one run), the codes go to run_ptrs1 / run_ptrs2 under
+    run_mask instead: the same addresses, as pointers and a mask whose contiguity over the tokens the
+    compiler can see, so that a thread stores a row's codes of all the tokens at once.
     Returns the stored halves' values (code times scale, float32), as a reader of the cache gets them."""
     scale = e4m3_scale(tl.maximum(tl.max(tl.abs(x1), axis=2), tl.max(tl.abs(x2), axis=2)))
     if DIRECT:
@@ -74,7 +78,10 @@ def _store_e4m3_heads(x1, x2, ptrs1, ptrs2, mask, scale_ptrs, scale_mask, DIRECT
         tl.store(scale_ptrs, scale, mask=scale_mask)
     scale = scale[:, :, None]
     q1, q2 = to_e4m3(x1, scale, INTERPRET), to_e4m3(x2, scale, INTERPRET)
-    if DIRECT and DIRECT_CODES:
+    if run:
+        tl.store(run_ptrs1, q1, mask=run_mask)
+        tl.store(run_ptrs2, q2, mask=run_mask)
+    elif DIRECT and DIRECT_CODES:
         _store_held(ptrs1, q1, mask, INTERPRET)
         _store_held(ptrs2, q2, mask, INTERPRET)
     else:
@@ -155,9 +162,20 @@ def _qk_norm_rotary_store_kernel(
     v_ptrs2 = v_cache_ptr + slot_offsets(slots[:, None, None], cols + HALF, NUM_KV_HEADS * HEAD_DIM, V_BLOCK_SIZE,
                                          V_KEY_MAJOR)
     if FP8:
+        # In a key-major V a token's codes lie a block apart. Where the program's tokens fill one
+        # aligned run of a block's slots (a prompt's rows), a thread stores each (head, d) row's TOKENS
+        # codes at once: 1/TOKENS of the L2 write requests of one byte a store.
+        run, run_ptrs1, run_mask = False, v_ptrs1, kv_mask
+        if V_KEY_MAJOR and TOKENS > 1 and V_BLOCK_SIZE % TOKENS == 0:  # an aligned run stays in its block
+            keys = tl.arange(0, TOKENS)
+            first = tl.load(slot_ptr + tl.program_id(0).to(tl.int64) * TOKENS).to(tl.int64)
+            run = (first >= 0) & (first % TOKENS == 0) & (tl.sum((slots == first + keys).to(tl.int32), 0) == TOKENS)
+            start = v_cache_ptr + slot_offsets(first, 0, NUM_KV_HEADS * HEAD_DIM, V_BLOCK_SIZE, True)
+            run_ptrs1 = tl.multiple_of(start, TOKENS) + cols * V_BLOCK_SIZE + keys[:, None, None]
+            run_mask = (keys >= 0)[:, None, None] & (kv_heads < NUM_KV_HEADS) & dim_mask3
         v1, v2 = _store_e4m3_heads(v1.to(tl.float32), v2.to(tl.float32), v_ptrs1, v_ptrs2, kv_mask,
                                    v_scale_ptr + scale_offs, scale_mask, DIRECT_STORES, V_KEY_MAJOR,
-                                   INTERPRET)
+                                   INTERPRET, run, run_ptrs1, run_ptrs1 + HALF * V_BLOCK_SIZE, run_mask)
     else:
         v1, v2 = v1.to(v_cache_ptr.dtype.element_ty), v2.to(v_cache_ptr.dtype.element_ty)
         tl.store(v_ptrs1, v1, mask=kv_mask)

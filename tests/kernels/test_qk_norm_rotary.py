@@ -28,8 +28,9 @@ def cos_sin_cache(max_pos, head_dim, yarn=None):
     return rotary.cos_sin_cache(head_dim, max_pos, 1e6, yarn).to(DEVICE)
 
 
-def make_inputs(tokens, q_heads, kv_heads, head_dim, block_size, dtype, pad=0, index_dtype=torch.int64):
-    """Fresh random inputs; qkv is a [T, W] view of a [T, W + pad] buffer whose padding is NaN."""
+def make_inputs(tokens, q_heads, kv_heads, head_dim, block_size, dtype, pad=0, index_dtype=torch.int64, slots=None):
+    """Fresh random inputs; qkv is a [T, W] view of a [T, W + pad] buffer whose padding is NaN; slots
+    random (some negative) unless given."""
     width = (q_heads + 2 * kv_heads) * head_dim
     buffer = randn(tokens, width + pad, dtype=dtype)
     buffer[:, width:] = float("nan")  # read by mistake, it would poison q or the caches
@@ -37,17 +38,21 @@ def make_inputs(tokens, q_heads, kv_heads, head_dim, block_size, dtype, pad=0, i
     q_weight, k_weight = randn(head_dim, dtype=dtype), randn(head_dim, dtype=dtype)
     positions = torch.randperm(MAX_POS, device=DEVICE)[:tokens].to(index_dtype)  # random order
     num_blocks = (tokens + block_size - 1) // block_size + 2
-    slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:tokens].to(index_dtype)
-    slots[3::4] = -1  # padding rows: no KV write, q still produced
-    slots[7::8] = -5
+    if slots is None:
+        slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:tokens].to(index_dtype)
+        slots[3::4] = -1  # padding rows: no KV write, q still produced
+        slots[7::8] = -5
+    else:
+        slots = slots.to(device=DEVICE, dtype=index_dtype)
+        num_blocks = max(num_blocks, int(slots.max()) // block_size + 1)
     k_cache = poisoned(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
     return buffer, qkv, q_weight, k_weight, positions, slots, k_cache, k_cache.clone()
 
 
 def check(tokens, q_heads, kv_heads, head_dim, block_size, dtype, pad=0, index_dtype=torch.int64, with_out=False,
-          yarn=None, fp8=False, v_layout="contiguous", scale_layout="contiguous"):
+          yarn=None, fp8=False, v_layout="contiguous", scale_layout="contiguous", slots=None):
     buffer, qkv, q_weight, k_weight, positions, slots, k_cache, v_cache = make_inputs(
-        tokens, q_heads, kv_heads, head_dim, block_size, dtype, pad, index_dtype)
+        tokens, q_heads, kv_heads, head_dim, block_size, dtype, pad, index_dtype, slots)
     scales = {}
     if fp8:  # e4m3 caches of NaN patterns, NaN scales
         k_cache, v_cache = e4m3_poisoned(*k_cache.shape), e4m3_poisoned(*k_cache.shape)
@@ -146,6 +151,29 @@ def test_key_major_v_equals_contiguous_v():
     assert not caches[1][1][written // 16, written % 16].float().isnan().any()
 
 
+def prompt_slots(tokens, block_size):
+    """Slots as a prefill step's prompts take them: 16 from the first block start past key 100, 8 from
+    key 8, 16 from key 67 (off every alignment), then single rows and padding (< 0)."""
+    first = block_size * -(-100 // block_size)
+    runs = [torch.arange(first, first + 16), torch.arange(8, 16), torch.arange(67, 83)]
+    after = first + 16 + block_size
+    rest = torch.tensor([after + 1, -1, after + 7, after + 8, -5])
+    return torch.cat(runs + [rest])[:tokens]
+
+
+@pytest.mark.parametrize("direct", [False, True])
+@pytest.mark.parametrize("tokens_per_program", [2, 4, 8])
+@pytest.mark.parametrize("tokens, kv_heads, head_dim, block_size", [(45, 2, 64, 16), (43, 3, 80, 64), (24, 2, 64, 6)])
+def test_runs_of_a_prompts_slots(monkeypatch, tokens_per_program, direct, tokens, kv_heads, head_dim, block_size):
+    # Into an e4m3 key-major V, a program whose tokens' slots are one aligned run stores each
+    # (head, d) row's codes at once; other programs code by code. The last program is partial; 3 KV
+    # heads and a head dim of 80 leave masked lanes in every row; blocks of 6 hold no aligned run.
+    monkeypatch.setattr(module._TUNING, "default", lambda *bucket: {
+        "TOKENS": tokens_per_program, "num_warps": 2, "num_stages": 1, "DIRECT_STORES": direct})
+    check(tokens, 6, kv_heads, head_dim, block_size, torch.float16, fp8=True, v_layout="key_major",
+          scale_layout="head_major", slots=prompt_slots(tokens, block_size))
+
+
 # Copies (k_copy, v_copy, copy_slots), as prefill over an fp8 cache takes them: each stored row
 # again at its copy slot, bit for bit what gather_kv_blocks copies out of the kernel's own cache
 # (layers/attention.py mixes the two) and close to the reference store's copies; rows whose slot or
@@ -154,15 +182,21 @@ def test_key_major_v_equals_contiguous_v():
                                                          (True, "contiguous", "contiguous"),
                                                          (True, "key_major", "head_major")],
                          ids=["model-cache", "fp8-cache", "fp8-key-major-v-head-major-scales"])
+@pytest.mark.parametrize("runs", [False, True], ids=["", "prompt-runs"])
 @pytest.mark.parametrize("tokens, q_heads, kv_heads, head_dim, block_size, dtype", [
     (37, 8, 2, 64, 16, torch.bfloat16),
     (7, 4, 1, 128, 256, torch.float32),
     (5, 6, 2, 80, 16, torch.float16),
 ])
 def test_copies_of_the_stored_rows(tokens, q_heads, kv_heads, head_dim, block_size, dtype, fp8, v_layout,
-                                   scale_layout):
+                                   scale_layout, runs, monkeypatch):
+    slots = None
+    if runs:  # 4 tokens a program over a prompt's runs of slots (the copies of V's run stores)
+        monkeypatch.setattr(module._TUNING, "default", lambda *bucket: {
+            "TOKENS": 4, "num_warps": 1, "num_stages": 1, "DIRECT_STORES": fp8})
+        slots = prompt_slots(tokens, block_size)
     _, qkv, q_weight, k_weight, positions, slots, k_cache, v_cache = make_inputs(
-        tokens, q_heads, kv_heads, head_dim, block_size, dtype, pad=8)
+        tokens, q_heads, kv_heads, head_dim, block_size, dtype, pad=8, slots=slots)
     scales = {}
     if fp8:
         k_cache, v_cache = e4m3_poisoned(*k_cache.shape), e4m3_poisoned(*k_cache.shape)
