@@ -90,51 +90,6 @@ def _store_e4m3_heads(x1, x2, ptrs1, ptrs2, mask, scale_ptrs, scale_mask, DIRECT
     return from_e4m3(q1, tl.float32, INTERPRET) * scale, from_e4m3(q2, tl.float32, INTERPRET) * scale
 
 
-@triton.jit
-def _store_v_group(index, qkv_ptr, v_cache_ptr, v_scale_ptr, slot_ptr, copy_slot_ptr, v_copy_ptr, n_tokens,
-                   qkv_token_stride, stride_scale_block, stride_scale_token, stride_scale_head,
-                   NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   BLOCK_D: tl.constexpr, V_GROUP: tl.constexpr, V_BLOCK_SIZE: tl.constexpr,
-                   SCALE_BLOCK: tl.constexpr, COPY: tl.constexpr, INTERPRET: tl.constexpr):
-    """One KV head's V rows of V_GROUP tokens into an e4m3 key-major cache, their scales (and copies).
-
-    Program `index` takes tokens (index // Hkv) * V_GROUP .. + V_GROUP - 1 of head index % Hkv. Where
-    their slots are one run from a multiple of V_GROUP (a prompt's rows), a thread stores a d row's
-    V_GROUP codes at once (half a 32-byte sector at 16); other groups store code by code."""
-    group = index // NUM_KV_HEADS
-    head = index % NUM_KV_HEADS
-    tokens = (group * V_GROUP + tl.arange(0, V_GROUP)).to(tl.int64)
-    token_mask = tokens < n_tokens
-    slots = tl.load(slot_ptr + tokens, mask=token_mask, other=-1).to(tl.int64)
-    row_mask = token_mask & (slots >= 0)
-    dims = tl.arange(0, BLOCK_D)
-    dim_mask = dims < HEAD_DIM
-    mask = row_mask[:, None] & dim_mask[None, :]
-    col = head * HEAD_DIM + dims
-    v = tl.load(qkv_ptr + tokens[:, None] * qkv_token_stride + (NUM_Q_HEADS + NUM_KV_HEADS) * HEAD_DIM + col[None, :],
-                mask=mask, other=0.0).to(tl.float32)
-    if COPY:
-        copy_slots = tl.load(copy_slot_ptr + tokens, mask=token_mask, other=-1).to(tl.int64)
-    scale = e4m3_scale(tl.max(tl.abs(v), axis=1))
-    tl.store(v_scale_ptr + scale_offsets(slots, head, stride_scale_block, stride_scale_token, stride_scale_head,
-                                         SCALE_BLOCK), scale, mask=row_mask)
-    codes = to_e4m3(v, scale[:, None], INTERPRET)
-    keys = tl.arange(0, V_GROUP)
-    first = tl.load(slot_ptr + group.to(tl.int64) * V_GROUP).to(tl.int64)  # the group's first token exists
-    run = (first >= 0) & (first % V_GROUP == 0) & (tl.sum((slots == first + keys).to(tl.int32), 0) == V_GROUP)
-    if run:
-        start = v_cache_ptr + slot_offsets(first, 0, NUM_KV_HEADS * HEAD_DIM, V_BLOCK_SIZE, True)
-        ptrs = tl.multiple_of(start, V_GROUP) + (col * V_BLOCK_SIZE)[None, :] + keys[:, None]
-        tl.store(ptrs, codes, mask=(keys >= 0)[:, None] & dim_mask[None, :])
-    else:
-        ptrs = v_cache_ptr + slot_offsets(slots[:, None], col[None, :], NUM_KV_HEADS * HEAD_DIM, V_BLOCK_SIZE, True)
-        tl.store(ptrs, codes, mask=mask)
-    if COPY:
-        values = from_e4m3(codes, tl.float32, INTERPRET) * scale[:, None]
-        tl.store(v_copy_ptr + copy_slots[:, None] * (NUM_KV_HEADS * HEAD_DIM) + col[None, :],
-                 values.to(v_copy_ptr.dtype.element_ty), mask=mask & (copy_slots >= 0)[:, None])
-
-
 @triton.jit(do_not_specialize=["n_tokens", "eps"])
 def _qk_norm_rotary_store_kernel(
     positions_ptr, qkv_ptr, q_weight_ptr, k_weight_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, q_out_ptr,
@@ -144,19 +99,10 @@ def _qk_norm_rotary_store_kernel(
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr, TOKENS: tl.constexpr,
     FP8: tl.constexpr, INTERPRET: tl.constexpr, V_BLOCK_SIZE: tl.constexpr, V_KEY_MAJOR: tl.constexpr,
-    SCALE_BLOCK: tl.constexpr, COPY: tl.constexpr, DIRECT_STORES: tl.constexpr, V_GROUP: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr, COPY: tl.constexpr, DIRECT_STORES: tl.constexpr,
 ):
     # Each program handles TOKENS tokens: all their q, k and v heads. Tensors are
-    # [TOKENS, heads, BLOCK_HALF]; a head is processed as its two rotary halves. With V_GROUP, V goes
-    # to programs of its own past those, one a KV head and V_GROUP tokens (_store_v_group).
-    if V_GROUP > 0:
-        if tl.program_id(0) >= tl.cdiv(n_tokens, TOKENS):
-            _store_v_group(tl.program_id(0) - tl.cdiv(n_tokens, TOKENS), qkv_ptr, v_cache_ptr, v_scale_ptr, slot_ptr,
-                           copy_slot_ptr, v_copy_ptr, n_tokens, qkv_token_stride, stride_scale_block,
-                           stride_scale_token, stride_scale_head, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_D,
-                           V_GROUP, V_BLOCK_SIZE, SCALE_BLOCK, COPY, INTERPRET)
-            return
+    # [TOKENS, heads, BLOCK_HALF]; a head is processed as its two rotary halves.
     tokens = (tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)).to(tl.int64)
     token_mask = tokens < n_tokens
     positions = tl.load(positions_ptr + tokens, mask=token_mask, other=0).to(tl.int64)
@@ -184,8 +130,7 @@ def _qk_norm_rotary_store_kernel(
     # alias it, and q, k and v loaded one after another's store would cost three memory round trips.
     q1, q2 = _load_halves(rows + q_heads * HEAD_DIM + dims3, q_mask, HALF)
     k1, k2 = _load_halves(rows + (NUM_Q_HEADS + kv_heads) * HEAD_DIM + dims3, kv_mask, HALF)
-    if V_GROUP == 0:
-        v1, v2 = _load_halves(rows + (NUM_Q_HEADS + NUM_KV_HEADS + kv_heads) * HEAD_DIM + dims3, kv_mask, HALF)
+    v1, v2 = _load_halves(rows + (NUM_Q_HEADS + NUM_KV_HEADS + kv_heads) * HEAD_DIM + dims3, kv_mask, HALF)
     qw1, qw2 = _load_halves(q_weight_ptr + dims, dim_mask, HALF)
     kw1, kw2 = _load_halves(k_weight_ptr + dims, dim_mask, HALF)
     if COPY:
@@ -213,29 +158,28 @@ def _qk_norm_rotary_store_kernel(
         k1, k2 = k1.to(k_cache_ptr.dtype.element_ty), k2.to(k_cache_ptr.dtype.element_ty)
         tl.store(k_cache_ptr + k_offsets, k1, mask=kv_mask)
         tl.store(k_cache_ptr + k_offsets + HALF, k2, mask=kv_mask)
-    if V_GROUP == 0:
-        v_ptrs1 = v_cache_ptr + slot_offsets(slots[:, None, None], cols, NUM_KV_HEADS * HEAD_DIM, V_BLOCK_SIZE, V_KEY_MAJOR)
-        v_ptrs2 = v_cache_ptr + slot_offsets(slots[:, None, None], cols + HALF, NUM_KV_HEADS * HEAD_DIM, V_BLOCK_SIZE,
-                                             V_KEY_MAJOR)
-        if FP8:
-            # In a key-major V a token's codes lie a block apart. Where the program's tokens fill one
-            # aligned run of a block's slots (a prompt's rows), a thread stores each (head, d) row's TOKENS
-            # codes at once: 1/TOKENS of the L2 write requests of one byte a store.
-            run, run_ptrs1, run_mask = False, v_ptrs1, kv_mask
-            if V_KEY_MAJOR and TOKENS > 1 and V_BLOCK_SIZE % TOKENS == 0:  # an aligned run stays in its block
-                keys = tl.arange(0, TOKENS)
-                first = tl.load(slot_ptr + tl.program_id(0).to(tl.int64) * TOKENS).to(tl.int64)
-                run = (first >= 0) & (first % TOKENS == 0) & (tl.sum((slots == first + keys).to(tl.int32), 0) == TOKENS)
-                start = v_cache_ptr + slot_offsets(first, 0, NUM_KV_HEADS * HEAD_DIM, V_BLOCK_SIZE, True)
-                run_ptrs1 = tl.multiple_of(start, TOKENS) + cols * V_BLOCK_SIZE + keys[:, None, None]
-                run_mask = (keys >= 0)[:, None, None] & (kv_heads < NUM_KV_HEADS) & dim_mask3
-            v1, v2 = _store_e4m3_heads(v1.to(tl.float32), v2.to(tl.float32), v_ptrs1, v_ptrs2, kv_mask,
-                                       v_scale_ptr + scale_offs, scale_mask, DIRECT_STORES, V_KEY_MAJOR,
-                                       INTERPRET, run, run_ptrs1, run_ptrs1 + HALF * V_BLOCK_SIZE, run_mask)
-        else:
-            v1, v2 = v1.to(v_cache_ptr.dtype.element_ty), v2.to(v_cache_ptr.dtype.element_ty)
-            tl.store(v_ptrs1, v1, mask=kv_mask)
-            tl.store(v_ptrs2, v2, mask=kv_mask)
+    v_ptrs1 = v_cache_ptr + slot_offsets(slots[:, None, None], cols, NUM_KV_HEADS * HEAD_DIM, V_BLOCK_SIZE, V_KEY_MAJOR)
+    v_ptrs2 = v_cache_ptr + slot_offsets(slots[:, None, None], cols + HALF, NUM_KV_HEADS * HEAD_DIM, V_BLOCK_SIZE,
+                                         V_KEY_MAJOR)
+    if FP8:
+        # In a key-major V a token's codes lie a block apart. Where the program's tokens fill one
+        # aligned run of a block's slots (a prompt's rows), a thread stores each (head, d) row's TOKENS
+        # codes at once: 1/TOKENS of the L2 write requests of one byte a store.
+        run, run_ptrs1, run_mask = False, v_ptrs1, kv_mask
+        if V_KEY_MAJOR and TOKENS > 1 and V_BLOCK_SIZE % TOKENS == 0:  # an aligned run stays in its block
+            keys = tl.arange(0, TOKENS)
+            first = tl.load(slot_ptr + tl.program_id(0).to(tl.int64) * TOKENS).to(tl.int64)
+            run = (first >= 0) & (first % TOKENS == 0) & (tl.sum((slots == first + keys).to(tl.int32), 0) == TOKENS)
+            start = v_cache_ptr + slot_offsets(first, 0, NUM_KV_HEADS * HEAD_DIM, V_BLOCK_SIZE, True)
+            run_ptrs1 = tl.multiple_of(start, TOKENS) + cols * V_BLOCK_SIZE + keys[:, None, None]
+            run_mask = (keys >= 0)[:, None, None] & (kv_heads < NUM_KV_HEADS) & dim_mask3
+        v1, v2 = _store_e4m3_heads(v1.to(tl.float32), v2.to(tl.float32), v_ptrs1, v_ptrs2, kv_mask,
+                                   v_scale_ptr + scale_offs, scale_mask, DIRECT_STORES, V_KEY_MAJOR,
+                                   INTERPRET, run, run_ptrs1, run_ptrs1 + HALF * V_BLOCK_SIZE, run_mask)
+    else:
+        v1, v2 = v1.to(v_cache_ptr.dtype.element_ty), v2.to(v_cache_ptr.dtype.element_ty)
+        tl.store(v_ptrs1, v1, mask=kv_mask)
+        tl.store(v_ptrs2, v2, mask=kv_mask)
     if COPY:
         # The stored rows again, as values in the copies' dtype at their copy slots (plain layout).
         copy_mask = kv_mask & (copy_slots >= 0)[:, None, None]
@@ -243,9 +187,8 @@ def _qk_norm_rotary_store_kernel(
         dtype = k_copy_ptr.dtype.element_ty
         tl.store(k_copy_ptr + copy_offsets, k1.to(dtype), mask=copy_mask)
         tl.store(k_copy_ptr + copy_offsets + HALF, k2.to(dtype), mask=copy_mask)
-        if V_GROUP == 0:
-            tl.store(v_copy_ptr + copy_offsets, v1.to(dtype), mask=copy_mask)
-            tl.store(v_copy_ptr + copy_offsets + HALF, v2.to(dtype), mask=copy_mask)
+        tl.store(v_copy_ptr + copy_offsets, v1.to(dtype), mask=copy_mask)
+        tl.store(v_copy_ptr + copy_offsets + HALF, v2.to(dtype), mask=copy_mask)
 
 
 def _space(dtype, row_bucket, tokens_bucket, cache_dtype=None):
@@ -367,10 +310,7 @@ def qk_norm_rotary_store(positions, qkv, q_weight, k_weight, eps, cos_sin_cache,
     block_half = triton.next_power_of_2(half)
 
     def launch(config):
-        # Into an e4m3 key-major V, prefill-sized programs leave V to programs of 16 tokens and a head.
-        v_group = 16 if fp8 and v_key_major and config["TOKENS"] > 1 and k_cache.shape[1] % 16 == 0 else 0
-        grid = triton.cdiv(n_tokens, config["TOKENS"]) + (triton.cdiv(n_tokens, 16) * num_kv_heads if v_group else 0)
-        _qk_norm_rotary_store_kernel[(grid,)](
+        _qk_norm_rotary_store_kernel[(triton.cdiv(n_tokens, config["TOKENS"]),)](
             positions, qkv, q_weight, k_weight, cos_sin_cache, k_cache, v_cache, slot_mapping, out, k_scale, v_scale,
             copy_slots, k_copy, v_copy,
             n_tokens, qkv.stride(0), cos_sin_cache.stride(0), out.stride(0), out.stride(1), eps,
@@ -378,8 +318,7 @@ def qk_norm_rotary_store(positions, qkv, q_weight, k_weight, eps, cos_sin_cache,
             NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
             BLOCK_QH=block_qh, BLOCK_KH=block_kh, BLOCK_HALF=block_half, FP8=fp8, INTERPRET=INTERPRET,
             V_BLOCK_SIZE=k_cache.shape[1] if v_key_major else 1, V_KEY_MAJOR=v_key_major,
-            SCALE_BLOCK=k_cache.shape[1] if fp8 else 1, COPY=copy, V_GROUP=v_group,
-            BLOCK_D=triton.next_power_of_2(head_dim), **config,
+            SCALE_BLOCK=k_cache.shape[1] if fp8 else 1, COPY=copy, **config,
         )
 
     # The launch only writes q_out and cache slots it fully determines: repeating it is harmless.
