@@ -65,6 +65,28 @@ def from_e4m3(q, dtype: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def store_held(ptrs, values, mask, INTERPRET: tl.constexpr):
+    """tl.store(ptrs, values, mask=mask) of float32 words or e4m3 bytes, each written by the threads
+    that hold it, with no move into another layout first.
+
+    tl.store routes values through shared memory (and a barrier) into the layout whose addresses
+    coalesce best. A scale (one word a head, replicated over the head's lanes) or a key-major V's
+    bytes (a block apart) gain nothing from that move. Replicas write the same value to the same
+    address. The interpreter takes tl.store."""
+    if INTERPRET:
+        tl.store(ptrs, values, mask=mask)
+    elif values.dtype == tl.float32:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b32 [$1], $2; mov.b32 $0, 0; }", "=r,l,r,r",
+            [ptrs, values.to(tl.int32, bitcast=True), mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b8 [$1], $2; mov.b32 $0, 0; }", "=r,l,r,r",
+            [ptrs, values.to(tl.uint8, bitcast=True).to(tl.int32), mask.to(tl.int32)], dtype=tl.int32,
+            is_pure=False, pack=1)
+
+
+@triton.jit
 def fp8_dot_operand(q):
     """q as the dots against converted e4m3 tiles take it: a bfloat16 q as float16 (exact in fp16's
     normal range, which bounds |q| by 65504), since e4m3 converts to float16 with one instruction a

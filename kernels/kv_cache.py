@@ -193,6 +193,23 @@ def check_block_copies(name: str, copies: torch.Tensor, block_shape: torch.Size,
                          f"got {tuple(copies.shape)} {copies.dtype}")
 
 
+def check_store_copies(k_copy, v_copy, copy_slots, block_shape, dtype, n_tokens) -> bool:
+    """Check a store's optional copies of the rows it stores (qk_norm_rotary_store); True when given."""
+    given = [x is not None for x in (k_copy, v_copy, copy_slots)]
+    if not any(given):
+        return False
+    if not all(given):
+        raise ValueError("k_copy, v_copy and copy_slots go together: pass all three or none")
+    check_block_copies("k_copy", k_copy, block_shape, dtype)
+    check_block_copies("v_copy", v_copy, block_shape, dtype)
+    if v_copy.shape != k_copy.shape:
+        raise ValueError(f"v_copy must have k_copy's shape {tuple(k_copy.shape)}, got {tuple(v_copy.shape)}")
+    if copy_slots.shape != (n_tokens,) or copy_slots.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"copy_slots must be int32/int64 of shape ({n_tokens},), got {copy_slots.dtype} "
+                         f"{tuple(copy_slots.shape)}")
+    return True
+
+
 @triton.jit
 def _copy_block_rows(cache_ptr, scale_ptr, out_ptr, block, i, head, offs_t, stride_scale_block, stride_scale_token,
                      stride_scale_head, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,

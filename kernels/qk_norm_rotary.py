@@ -9,8 +9,9 @@ import triton
 import triton.language as tl
 
 from tritonllm.kernels import tuning
-from tritonllm.kernels.fp8 import check_kv_scales, e4m3_scale, from_e4m3, scale_offsets, scale_strides, to_e4m3
-from tritonllm.kernels.kv_cache import check_block_copies, check_store_caches, slot_offsets
+from tritonllm.kernels.fp8 import (check_kv_scales, e4m3_scale, from_e4m3, scale_offsets, scale_strides, store_held,
+                                   to_e4m3)
+from tritonllm.kernels.kv_cache import check_store_caches, check_store_copies, slot_offsets
 from tritonllm.kernels.tuning import INTERPRET, Tunable, dtype_name, pow2
 
 
@@ -39,41 +40,19 @@ def _norm_rotate(raw1, raw2, w1, w2, cos, sin, eps, HEAD_DIM: tl.constexpr, ROUN
 
 
 @triton.jit
-def _store_held(ptrs, values, mask, INTERPRET: tl.constexpr):
-    """tl.store(ptrs, values, mask=mask) of float32 words or e4m3 bytes, each written by the threads
-    that hold it, with no move into another layout first.
-
-    tl.store routes values through shared memory (and a barrier) into the layout whose addresses
-    coalesce best. A scale (one word a head, replicated over the head's lanes) or a key-major V's
-    bytes (a block apart) gain nothing from that move. Replicas write the same value to the same
-    address. The interpreter takes tl.store."""
-    if INTERPRET:
-        tl.store(ptrs, values, mask=mask)
-    elif values.dtype == tl.float32:
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b32 [$1], $2; mov.b32 $0, 0; }", "=r,l,r,r",
-            [ptrs, values.to(tl.int32, bitcast=True), mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b8 [$1], $2; mov.b32 $0, 0; }", "=r,l,r,r",
-            [ptrs, values.to(tl.uint8, bitcast=True).to(tl.int32), mask.to(tl.int32)], dtype=tl.int32,
-            is_pure=False, pack=1)
-
-
-@triton.jit
 def _store_e4m3_heads(x1, x2, ptrs1, ptrs2, mask, scale_ptrs, scale_mask, DIRECT: tl.constexpr,
                       DIRECT_CODES: tl.constexpr, INTERPRET: tl.constexpr, run=False, run_ptrs1=None, run_ptrs2=None,
                       run_mask=None):
     """Heads given as float32 halves [TOKENS, H, BLOCK_HALF] (0 where masked) quantized per (token,
     head) into the cache at ptrs1 / ptrs2 (first / second halves), their scales [TOKENS, H] at scale_ptrs.
-    DIRECT: the scales, and the codes too where DIRECT_CODES (a key-major V), go through _store_held.
+    DIRECT: the scales, and the codes too where DIRECT_CODES (a key-major V), go through store_held.
     Where run (a flag: the tokens' slots are one run), the codes go to run_ptrs1 / run_ptrs2 under
     run_mask instead: the same addresses, as pointers and a mask whose contiguity over the tokens the
     compiler can see, so that a thread stores a row's codes of all the tokens at once.
     Returns the stored halves' values (code times scale, float32), as a reader of the cache gets them."""
     scale = e4m3_scale(tl.maximum(tl.max(tl.abs(x1), axis=2), tl.max(tl.abs(x2), axis=2)))
     if DIRECT:
-        _store_held(scale_ptrs, scale, scale_mask, INTERPRET)
+        store_held(scale_ptrs, scale, scale_mask, INTERPRET)
     else:
         tl.store(scale_ptrs, scale, mask=scale_mask)
     scale = scale[:, :, None]
@@ -82,12 +61,54 @@ def _store_e4m3_heads(x1, x2, ptrs1, ptrs2, mask, scale_ptrs, scale_mask, DIRECT
         tl.store(run_ptrs1, q1, mask=run_mask)
         tl.store(run_ptrs2, q2, mask=run_mask)
     elif DIRECT and DIRECT_CODES:
-        _store_held(ptrs1, q1, mask, INTERPRET)
-        _store_held(ptrs2, q2, mask, INTERPRET)
+        store_held(ptrs1, q1, mask, INTERPRET)
+        store_held(ptrs2, q2, mask, INTERPRET)
     else:
         tl.store(ptrs1, q1, mask=mask)
         tl.store(ptrs2, q2, mask=mask)
     return from_e4m3(q1, tl.float32, INTERPRET) * scale, from_e4m3(q2, tl.float32, INTERPRET) * scale
+
+
+@triton.jit
+def _store_v_group(index, qkv_ptr, v_cache_ptr, v_scale_ptr, slot_ptr, copy_slot_ptr, v_copy_ptr, n_tokens,
+                   qkv_token_stride, stride_scale_block, stride_scale_token, stride_scale_head,
+                   NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_D: tl.constexpr, V_GROUP: tl.constexpr, V_BLOCK_SIZE: tl.constexpr, COPY: tl.constexpr,
+                   INTERPRET: tl.constexpr):
+    """V of KV head index % Hkv for tokens (index // Hkv) * V_GROUP onward into an e4m3 key-major V
+    cache (blocks of V_BLOCK_SIZE, a multiple of V_GROUP), with its scales and, where COPY, its copies.
+
+    Where the group's slots are one run from a multiple of V_GROUP (a prompt's rows), each (head, d)
+    row's V_GROUP codes lie side by side in one block and a thread stores several at once; other
+    groups store code by code."""
+    group, head = index // NUM_KV_HEADS, index % NUM_KV_HEADS
+    tokens = (group * V_GROUP + tl.arange(0, V_GROUP)).to(tl.int64)
+    token_mask = tokens < n_tokens
+    slots = tl.load(slot_ptr + tokens, mask=token_mask, other=-1).to(tl.int64)
+    row_mask = token_mask & (slots >= 0)
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < HEAD_DIM
+    mask = row_mask[:, None] & dim_mask[None, :]
+    cols = head * HEAD_DIM + dims
+    v = tl.load(qkv_ptr + tokens[:, None] * qkv_token_stride + (NUM_Q_HEADS + NUM_KV_HEADS) * HEAD_DIM + cols[None, :],
+                mask=mask, other=0.0).to(tl.float32)
+    scale = e4m3_scale(tl.max(tl.abs(v), axis=1))
+    tl.store(v_scale_ptr + scale_offsets(slots, head, stride_scale_block, stride_scale_token, stride_scale_head,
+                                         V_BLOCK_SIZE), scale, mask=row_mask)
+    codes = to_e4m3(v, scale[:, None], INTERPRET)
+    keys = tl.arange(0, V_GROUP)
+    first = tl.load(slot_ptr + group.to(tl.int64) * V_GROUP).to(tl.int64)  # a group's first token exists
+    if (first >= 0) & (first % V_GROUP == 0) & (tl.sum((slots == first + keys).to(tl.int32), 0) == V_GROUP):
+        start = tl.multiple_of(v_cache_ptr + slot_offsets(first, 0, NUM_KV_HEADS * HEAD_DIM, V_BLOCK_SIZE, True), V_GROUP)
+        tl.store(start + (cols * V_BLOCK_SIZE)[None, :] + keys[:, None], codes, mask=(keys >= 0)[:, None] & dim_mask)
+    else:
+        offsets = slot_offsets(slots[:, None], cols[None, :], NUM_KV_HEADS * HEAD_DIM, V_BLOCK_SIZE, True)
+        tl.store(v_cache_ptr + offsets, codes, mask=mask)
+    if COPY:
+        copy_slots = tl.load(copy_slot_ptr + tokens, mask=token_mask, other=-1).to(tl.int64)
+        values = from_e4m3(codes, tl.float32, INTERPRET) * scale[:, None]
+        tl.store(v_copy_ptr + copy_slots[:, None] * (NUM_KV_HEADS * HEAD_DIM) + cols[None, :],
+                 values.to(v_copy_ptr.dtype.element_ty), mask=mask & (copy_slots >= 0)[:, None])
 
 
 @triton.jit(do_not_specialize=["n_tokens", "eps"])
@@ -99,10 +120,19 @@ def _qk_norm_rotary_store_kernel(
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr, TOKENS: tl.constexpr,
     FP8: tl.constexpr, INTERPRET: tl.constexpr, V_BLOCK_SIZE: tl.constexpr, V_KEY_MAJOR: tl.constexpr,
-    SCALE_BLOCK: tl.constexpr, COPY: tl.constexpr, DIRECT_STORES: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr, COPY: tl.constexpr, DIRECT_STORES: tl.constexpr, V_GROUP: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     # Each program handles TOKENS tokens: all their q, k and v heads. Tensors are
-    # [TOKENS, heads, BLOCK_HALF]; a head is processed as its two rotary halves.
+    # [TOKENS, heads, BLOCK_HALF]; a head is processed as its two rotary halves. With V_GROUP, V goes
+    # to programs of its own past those, one a KV head and V_GROUP tokens (_store_v_group).
+    if V_GROUP > 0:
+        if tl.program_id(0) >= tl.cdiv(n_tokens, TOKENS):
+            _store_v_group(tl.program_id(0) - tl.cdiv(n_tokens, TOKENS), qkv_ptr, v_cache_ptr, v_scale_ptr, slot_ptr,
+                           copy_slot_ptr, v_copy_ptr, n_tokens, qkv_token_stride, stride_scale_block,
+                           stride_scale_token, stride_scale_head, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_D,
+                           V_GROUP, V_BLOCK_SIZE, COPY, INTERPRET)
+            return
     tokens = (tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)).to(tl.int64)
     token_mask = tokens < n_tokens
     positions = tl.load(positions_ptr + tokens, mask=token_mask, other=0).to(tl.int64)
@@ -130,7 +160,8 @@ def _qk_norm_rotary_store_kernel(
     # alias it, and q, k and v loaded one after another's store would cost three memory round trips.
     q1, q2 = _load_halves(rows + q_heads * HEAD_DIM + dims3, q_mask, HALF)
     k1, k2 = _load_halves(rows + (NUM_Q_HEADS + kv_heads) * HEAD_DIM + dims3, kv_mask, HALF)
-    v1, v2 = _load_halves(rows + (NUM_Q_HEADS + NUM_KV_HEADS + kv_heads) * HEAD_DIM + dims3, kv_mask, HALF)
+    if V_GROUP == 0:
+        v1, v2 = _load_halves(rows + (NUM_Q_HEADS + NUM_KV_HEADS + kv_heads) * HEAD_DIM + dims3, kv_mask, HALF)
     qw1, qw2 = _load_halves(q_weight_ptr + dims, dim_mask, HALF)
     kw1, kw2 = _load_halves(k_weight_ptr + dims, dim_mask, HALF)
     if COPY:
@@ -158,28 +189,29 @@ def _qk_norm_rotary_store_kernel(
         k1, k2 = k1.to(k_cache_ptr.dtype.element_ty), k2.to(k_cache_ptr.dtype.element_ty)
         tl.store(k_cache_ptr + k_offsets, k1, mask=kv_mask)
         tl.store(k_cache_ptr + k_offsets + HALF, k2, mask=kv_mask)
-    v_ptrs1 = v_cache_ptr + slot_offsets(slots[:, None, None], cols, NUM_KV_HEADS * HEAD_DIM, V_BLOCK_SIZE, V_KEY_MAJOR)
-    v_ptrs2 = v_cache_ptr + slot_offsets(slots[:, None, None], cols + HALF, NUM_KV_HEADS * HEAD_DIM, V_BLOCK_SIZE,
-                                         V_KEY_MAJOR)
-    if FP8:
-        # In a key-major V a token's codes lie a block apart. Where the program's tokens fill one
-        # aligned run of a block's slots (a prompt's rows), a thread stores each (head, d) row's TOKENS
-        # codes at once: 1/TOKENS of the L2 write requests of one byte a store.
-        run, run_ptrs1, run_mask = False, v_ptrs1, kv_mask
-        if V_KEY_MAJOR and TOKENS > 1 and V_BLOCK_SIZE % TOKENS == 0:  # an aligned run stays in its block
-            keys = tl.arange(0, TOKENS)
-            first = tl.load(slot_ptr + tl.program_id(0).to(tl.int64) * TOKENS).to(tl.int64)
-            run = (first >= 0) & (first % TOKENS == 0) & (tl.sum((slots == first + keys).to(tl.int32), 0) == TOKENS)
-            start = v_cache_ptr + slot_offsets(first, 0, NUM_KV_HEADS * HEAD_DIM, V_BLOCK_SIZE, True)
-            run_ptrs1 = tl.multiple_of(start, TOKENS) + cols * V_BLOCK_SIZE + keys[:, None, None]
-            run_mask = (keys >= 0)[:, None, None] & (kv_heads < NUM_KV_HEADS) & dim_mask3
-        v1, v2 = _store_e4m3_heads(v1.to(tl.float32), v2.to(tl.float32), v_ptrs1, v_ptrs2, kv_mask,
-                                   v_scale_ptr + scale_offs, scale_mask, DIRECT_STORES, V_KEY_MAJOR,
-                                   INTERPRET, run, run_ptrs1, run_ptrs1 + HALF * V_BLOCK_SIZE, run_mask)
-    else:
-        v1, v2 = v1.to(v_cache_ptr.dtype.element_ty), v2.to(v_cache_ptr.dtype.element_ty)
-        tl.store(v_ptrs1, v1, mask=kv_mask)
-        tl.store(v_ptrs2, v2, mask=kv_mask)
+    if V_GROUP == 0:
+        v_ptrs1 = v_cache_ptr + slot_offsets(slots[:, None, None], cols, NUM_KV_HEADS * HEAD_DIM, V_BLOCK_SIZE, V_KEY_MAJOR)
+        v_ptrs2 = v_cache_ptr + slot_offsets(slots[:, None, None], cols + HALF, NUM_KV_HEADS * HEAD_DIM, V_BLOCK_SIZE,
+                                             V_KEY_MAJOR)
+        if FP8:
+            # In a key-major V a token's codes lie a block apart. Where the program's tokens fill one
+            # aligned run of a block's slots (a prompt's rows), a thread stores each (head, d) row's TOKENS
+            # codes at once: 1/TOKENS of the L2 write requests of one byte a store.
+            run, run_ptrs1, run_mask = False, v_ptrs1, kv_mask
+            if V_KEY_MAJOR and TOKENS > 1 and V_BLOCK_SIZE % TOKENS == 0:  # an aligned run stays in its block
+                keys = tl.arange(0, TOKENS)
+                first = tl.load(slot_ptr + tl.program_id(0).to(tl.int64) * TOKENS).to(tl.int64)
+                run = (first >= 0) & (first % TOKENS == 0) & (tl.sum((slots == first + keys).to(tl.int32), 0) == TOKENS)
+                start = v_cache_ptr + slot_offsets(first, 0, NUM_KV_HEADS * HEAD_DIM, V_BLOCK_SIZE, True)
+                run_ptrs1 = tl.multiple_of(start, TOKENS) + cols * V_BLOCK_SIZE + keys[:, None, None]
+                run_mask = (keys >= 0)[:, None, None] & (kv_heads < NUM_KV_HEADS) & dim_mask3
+            v1, v2 = _store_e4m3_heads(v1.to(tl.float32), v2.to(tl.float32), v_ptrs1, v_ptrs2, kv_mask,
+                                       v_scale_ptr + scale_offs, scale_mask, DIRECT_STORES, V_KEY_MAJOR,
+                                       INTERPRET, run, run_ptrs1, run_ptrs1 + HALF * V_BLOCK_SIZE, run_mask)
+        else:
+            v1, v2 = v1.to(v_cache_ptr.dtype.element_ty), v2.to(v_cache_ptr.dtype.element_ty)
+            tl.store(v_ptrs1, v1, mask=kv_mask)
+            tl.store(v_ptrs2, v2, mask=kv_mask)
     if COPY:
         # The stored rows again, as values in the copies' dtype at their copy slots (plain layout).
         copy_mask = kv_mask & (copy_slots >= 0)[:, None, None]
@@ -187,13 +219,14 @@ def _qk_norm_rotary_store_kernel(
         dtype = k_copy_ptr.dtype.element_ty
         tl.store(k_copy_ptr + copy_offsets, k1.to(dtype), mask=copy_mask)
         tl.store(k_copy_ptr + copy_offsets + HALF, k2.to(dtype), mask=copy_mask)
-        tl.store(v_copy_ptr + copy_offsets, v1.to(dtype), mask=copy_mask)
-        tl.store(v_copy_ptr + copy_offsets + HALF, v2.to(dtype), mask=copy_mask)
+        if V_GROUP == 0:
+            tl.store(v_copy_ptr + copy_offsets, v1.to(dtype), mask=copy_mask)
+            tl.store(v_copy_ptr + copy_offsets + HALF, v2.to(dtype), mask=copy_mask)
 
 
 def _space(dtype, row_bucket, tokens_bucket, cache_dtype=None):
     # row_bucket: the padded elements of one token's q, k and v heads. At least 8 elements a thread.
-    # Into an e4m3 cache, each config also with DIRECT_STORES (_store_held).
+    # Into an e4m3 cache, each config also with DIRECT_STORES (store_held).
     direct = (False, True) if cache_dtype == "float8_e4m3fn" else (False,)
     return [
         {"TOKENS": tokens, "num_warps": warps, "num_stages": 1, "DIRECT_STORES": d}
@@ -208,7 +241,7 @@ def _default(dtype, row_bucket, tokens_bucket, cache_dtype=None):
     # One token a program (16/8 heads x 128: 4096 elements, 4 warps); small rows (TP shards) share
     # a program when there are many tokens. Into an e4m3 cache (the engine's V key-major, where a
     # token's V bytes lie a block apart) many tokens go 4 to a program, for runs of 4 adjacent bytes,
-    # and, 4 at a time, store their scales and V bytes where they are held (_store_held): each move
+    # and, 4 at a time, store their scales and V bytes where they are held (store_held): each move
     # through shared memory makes a program's warps wait on each other at a barrier. With fewer
     # tokens a program, and at decode sizes, the move measured faster (bench/NOTES-elementwise.md).
     if cache_dtype == "float8_e4m3fn" and tokens_bucket >= 1024:
@@ -230,23 +263,6 @@ def qk_norm_rotary_store_bucket(dtype: torch.dtype, num_heads: int, num_kv_heads
     padded = (pow2(num_heads) + 2 * pow2(num_kv_heads)) * 2 * pow2(head_dim // 2)
     bucket = dtype_name(dtype), pow2(padded), pow2(n_tokens)
     return bucket + (dtype_name(cache_dtype),) if cache_dtype == torch.float8_e4m3fn else bucket
-
-
-def _check_copies(k_copy, v_copy, copy_slots, block_shape, dtype, n_tokens) -> bool:
-    """Check qk_norm_rotary_store's optional copies; True when given."""
-    given = [x is not None for x in (k_copy, v_copy, copy_slots)]
-    if not any(given):
-        return False
-    if not all(given):
-        raise ValueError("k_copy, v_copy and copy_slots go together: pass all three or none")
-    check_block_copies("k_copy", k_copy, block_shape, dtype)
-    check_block_copies("v_copy", v_copy, block_shape, dtype)
-    if v_copy.shape != k_copy.shape:
-        raise ValueError(f"v_copy must have k_copy's shape {tuple(k_copy.shape)}, got {tuple(v_copy.shape)}")
-    if copy_slots.shape != (n_tokens,) or copy_slots.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"copy_slots must be int32/int64 of shape ({n_tokens},), got {copy_slots.dtype} "
-                         f"{tuple(copy_slots.shape)}")
-    return True
 
 
 def qk_norm_rotary_store(positions, qkv, q_weight, k_weight, eps, cos_sin_cache, k_cache, v_cache, slot_mapping,
@@ -297,7 +313,7 @@ def qk_norm_rotary_store(positions, qkv, q_weight, k_weight, eps, cos_sin_cache,
     if positions.shape != (n_tokens,) or slot_mapping.shape != (n_tokens,):
         raise ValueError(f"positions and slot_mapping must have shape ({n_tokens},), got {tuple(positions.shape)}, {tuple(slot_mapping.shape)}")
     fp8 = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
-    copy = _check_copies(k_copy, v_copy, copy_slots, k_cache.shape[1:], qkv.dtype, n_tokens)
+    copy = check_store_copies(k_copy, v_copy, copy_slots, k_cache.shape[1:], qkv.dtype, n_tokens)
     if out is None:
         out = torch.empty(n_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     elif out.shape != (n_tokens, num_heads, head_dim) or out.dtype != qkv.dtype or out.stride(2) != 1:
@@ -310,7 +326,11 @@ def qk_norm_rotary_store(positions, qkv, q_weight, k_weight, eps, cos_sin_cache,
     block_half = triton.next_power_of_2(half)
 
     def launch(config):
-        _qk_norm_rotary_store_kernel[(triton.cdiv(n_tokens, config["TOKENS"]),)](
+        # Prefill into an e4m3 key-major V in blocks of 32 or more keys: V goes to programs of 32 tokens
+        # and a KV head, where a prompt's (head, d) row of codes fills a 32-byte sector in one store.
+        v_group = 32 if fp8 and v_key_major and config["TOKENS"] > 1 and k_cache.shape[1] % 32 == 0 else 0
+        grid = triton.cdiv(n_tokens, config["TOKENS"]) + (triton.cdiv(n_tokens, 32) * num_kv_heads if v_group else 0)
+        _qk_norm_rotary_store_kernel[(grid,)](
             positions, qkv, q_weight, k_weight, cos_sin_cache, k_cache, v_cache, slot_mapping, out, k_scale, v_scale,
             copy_slots, k_copy, v_copy,
             n_tokens, qkv.stride(0), cos_sin_cache.stride(0), out.stride(0), out.stride(1), eps,
@@ -318,7 +338,8 @@ def qk_norm_rotary_store(positions, qkv, q_weight, k_weight, eps, cos_sin_cache,
             NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
             BLOCK_QH=block_qh, BLOCK_KH=block_kh, BLOCK_HALF=block_half, FP8=fp8, INTERPRET=INTERPRET,
             V_BLOCK_SIZE=k_cache.shape[1] if v_key_major else 1, V_KEY_MAJOR=v_key_major,
-            SCALE_BLOCK=k_cache.shape[1] if fp8 else 1, COPY=copy, **config,
+            SCALE_BLOCK=k_cache.shape[1] if fp8 else 1, COPY=copy, V_GROUP=v_group,
+            BLOCK_D=triton.next_power_of_2(head_dim), **config,
         )
 
     # The launch only writes q_out and cache slots it fully determines: repeating it is harmless.

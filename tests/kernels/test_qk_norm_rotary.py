@@ -152,22 +152,27 @@ def test_key_major_v_equals_contiguous_v():
 
 
 def prompt_slots(tokens, block_size):
-    """Slots as a prefill step's prompts take them: 16 from the first block start past key 100, 8 from
-    key 8, 16 from key 67 (off every alignment), then single rows and padding (< 0)."""
+    """Slots as a prefill step's prompts take them: 40 from the first block start past key 100, 8 from
+    key 8, 16 from key 67 (off every alignment), 34 from 16 keys into a later block (one run, 16 off a
+    multiple of 32; across a block of 32's end), then single rows and padding (< 0)."""
     first = block_size * -(-100 // block_size)
-    runs = [torch.arange(first, first + 16), torch.arange(8, 16), torch.arange(67, 83)]
-    after = first + 16 + block_size
+    second = block_size * -(-(first + 40) // block_size) + 16
+    runs = [torch.arange(first, first + 40), torch.arange(8, 16), torch.arange(67, 83), torch.arange(second, second + 34)]
+    after = second + 34 + block_size
     rest = torch.tensor([after + 1, -1, after + 7, after + 8, -5])
     return torch.cat(runs + [rest])[:tokens]
 
 
 @pytest.mark.parametrize("direct", [False, True])
 @pytest.mark.parametrize("tokens_per_program", [2, 4, 8])
-@pytest.mark.parametrize("tokens, kv_heads, head_dim, block_size", [(45, 2, 64, 16), (43, 3, 80, 64), (24, 2, 64, 6)])
+@pytest.mark.parametrize("tokens, kv_heads, head_dim, block_size",
+                         [(103, 2, 64, 16), (75, 3, 80, 64), (103, 1, 64, 32), (24, 2, 64, 6)])
 def test_runs_of_a_prompts_slots(monkeypatch, tokens_per_program, direct, tokens, kv_heads, head_dim, block_size):
     # Into an e4m3 key-major V, a program whose tokens' slots are one aligned run stores each
-    # (head, d) row's codes at once; other programs code by code. The last program is partial; 3 KV
-    # heads and a head dim of 80 leave masked lanes in every row; blocks of 6 hold no aligned run.
+    # (head, d) row's codes at once; other programs code by code. In blocks of 32 or more keys V goes
+    # to programs of 32 tokens and a head instead, with the same rule: of the 32-token groups here
+    # the first is a run, the second mixed, the third contiguous but unaligned, the last partial.
+    # 3 KV heads and a head dim of 80 leave masked lanes in every row; blocks of 6 hold no aligned run.
     monkeypatch.setattr(module._TUNING, "default", lambda *bucket: {
         "TOKENS": tokens_per_program, "num_warps": 2, "num_stages": 1, "DIRECT_STORES": direct})
     check(tokens, 6, kv_heads, head_dim, block_size, torch.float16, fp8=True, v_layout="key_major",
@@ -187,11 +192,12 @@ def test_runs_of_a_prompts_slots(monkeypatch, tokens_per_program, direct, tokens
     (37, 8, 2, 64, 16, torch.bfloat16),
     (7, 4, 1, 128, 256, torch.float32),
     (5, 6, 2, 80, 16, torch.float16),
+    (70, 4, 2, 64, 32, torch.bfloat16),
 ])
 def test_copies_of_the_stored_rows(tokens, q_heads, kv_heads, head_dim, block_size, dtype, fp8, v_layout,
                                    scale_layout, runs, monkeypatch):
     slots = None
-    if runs:  # 4 tokens a program over a prompt's runs of slots (the copies of V's run stores)
+    if runs:  # 4 tokens a program over a prompt's runs of slots (copies of V's run stores, or of its own programs)
         monkeypatch.setattr(module._TUNING, "default", lambda *bucket: {
             "TOKENS": 4, "num_warps": 1, "num_stages": 1, "DIRECT_STORES": fp8})
         slots = prompt_slots(tokens, block_size)
