@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from tritonllm.kernels import tuning
-from tritonllm.kernels.fp8 import (block_scale_offsets, check_kv_scales, e4m3_scale, from_e4m3, scale_offsets, scale_strides, store_held,
+from tritonllm.kernels.fp8 import (check_kv_scales, e4m3_scale, from_e4m3, scale_offsets, scale_strides, store_held,
                                    to_e4m3)
 from tritonllm.kernels.kv_cache import check_store_caches, check_store_copies, slot_offsets
 from tritonllm.kernels.tuning import INTERPRET, Tunable, dtype_name, pow2
@@ -111,73 +111,29 @@ def _store_v_group(index, qkv_ptr, v_cache_ptr, v_scale_ptr, slot_ptr, copy_slot
                  values.to(v_copy_ptr.dtype.element_ty), mask=mask & (copy_slots >= 0)[:, None])
 
 
-@triton.jit
-def _copy_rows(cache_ptr, scale_ptr, out_ptr, block, i, head0, offs_t, stride_scale_block, stride_scale_token,
-               stride_scale_head, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-               BLOCK_D: tl.constexpr, HEADS: tl.constexpr, FP8: tl.constexpr, KEY_MAJOR: tl.constexpr,
-               INTERPRET: tl.constexpr):
-    heads = head0 + tl.arange(0, HEADS)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_d < HEAD_DIM)[None, None, :] & (offs_t >= 0)[:, None, None]
-    cols = (heads[:, None] * HEAD_DIM + offs_d[None, :])[None, :, :]
-    slots = block * BLOCK_SIZE + offs_t
-    src = slot_offsets(slots[:, None, None], cols, NUM_HEADS * HEAD_DIM, BLOCK_SIZE, KEY_MAJOR)
-    x = tl.load(cache_ptr + src, mask=mask, other=0.0)
-    if FP8:
-        scales = tl.load(scale_ptr + block_scale_offsets(block, offs_t, stride_scale_block, stride_scale_token)[:, None]
-                         + heads[None, :] * stride_scale_head)
-        x = from_e4m3(x, tl.float32, INTERPRET) * scales[:, :, None]
-    dst = (i * BLOCK_SIZE + offs_t)[:, None, None] * (NUM_HEADS * HEAD_DIM) + cols
-    tl.store(out_ptr + dst, x.to(out_ptr.dtype.element_ty), mask=mask)
-
-
 @triton.jit(do_not_specialize=["n_tokens", "eps"])
 def _qk_norm_rotary_store_kernel(
     positions_ptr, qkv_ptr, q_weight_ptr, k_weight_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, q_out_ptr,
-    k_scale_ptr, v_scale_ptr, copy_slot_ptr, k_copy_ptr, v_copy_ptr, copy_block_ptr, n_copy_blocks, spread,
+    k_scale_ptr, v_scale_ptr, copy_slot_ptr, k_copy_ptr, v_copy_ptr,
     n_tokens, qkv_token_stride, cos_sin_stride, q_out_token_stride, q_out_head_stride, eps,
     stride_scale_block, stride_scale_token, stride_scale_head,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr, TOKENS: tl.constexpr,
     FP8: tl.constexpr, INTERPRET: tl.constexpr, V_BLOCK_SIZE: tl.constexpr, V_KEY_MAJOR: tl.constexpr,
     SCALE_BLOCK: tl.constexpr, COPY: tl.constexpr, DIRECT_STORES: tl.constexpr, V_GROUP: tl.constexpr,
-    BLOCK_D: tl.constexpr, GATHER_TOKENS: tl.constexpr, GATHER_HEADS: tl.constexpr, CACHE_BLOCK: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    if GATHER_TOKENS > 0:
-        chunks: tl.constexpr = 2 * (CACHE_BLOCK // GATHER_TOKENS)
-        per_block = (NUM_KV_HEADS // GATHER_HEADS) * chunks
-        n_gather = n_copy_blocks * per_block
-        g = (pid + 1) // spread
-        if ((pid + 1) % spread == 0) & (g <= n_gather):
-            index = g - 1
-            i = (index // per_block).to(tl.int64)
-            r = index % per_block
-            head0 = (r // chunks) * GATHER_HEADS
-            c = r % chunks
-            block = tl.load(copy_block_ptr + i).to(tl.int64)
-            offs_t = (c // 2) * GATHER_TOKENS + tl.arange(0, GATHER_TOKENS)
-            if c % 2 == 0:
-                _copy_rows(k_cache_ptr, k_scale_ptr, k_copy_ptr, block, i, head0, offs_t, stride_scale_block,
-                           stride_scale_token, stride_scale_head, NUM_KV_HEADS, HEAD_DIM, CACHE_BLOCK, BLOCK_D,
-                           GATHER_HEADS, FP8, False, INTERPRET)
-            else:
-                _copy_rows(v_cache_ptr, v_scale_ptr, v_copy_ptr, block, i, head0, offs_t, stride_scale_block,
-                           stride_scale_token, stride_scale_head, NUM_KV_HEADS, HEAD_DIM, CACHE_BLOCK, BLOCK_D,
-                           GATHER_HEADS, FP8, V_KEY_MAJOR, INTERPRET)
-            return
-        pid = pid - tl.minimum(g, n_gather)
     # Each program handles TOKENS tokens: all their q, k and v heads. Tensors are
     # [TOKENS, heads, BLOCK_HALF]; a head is processed as its two rotary halves. With V_GROUP, V goes
     # to programs of its own past those, one a KV head and V_GROUP tokens (_store_v_group).
     if V_GROUP > 0:
-        if pid >= tl.cdiv(n_tokens, TOKENS):
-            _store_v_group(pid - tl.cdiv(n_tokens, TOKENS), qkv_ptr, v_cache_ptr, v_scale_ptr, slot_ptr,
+        if tl.program_id(0) >= tl.cdiv(n_tokens, TOKENS):
+            _store_v_group(tl.program_id(0) - tl.cdiv(n_tokens, TOKENS), qkv_ptr, v_cache_ptr, v_scale_ptr, slot_ptr,
                            copy_slot_ptr, v_copy_ptr, n_tokens, qkv_token_stride, stride_scale_block,
                            stride_scale_token, stride_scale_head, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_D,
                            V_GROUP, V_BLOCK_SIZE, COPY, INTERPRET)
             return
-    tokens = (pid * TOKENS + tl.arange(0, TOKENS)).to(tl.int64)
+    tokens = (tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)).to(tl.int64)
     token_mask = tokens < n_tokens
     positions = tl.load(positions_ptr + tokens, mask=token_mask, other=0).to(tl.int64)
     # slot < 0 marks a row whose K/V must not be stored (padding); q is still produced.
@@ -244,7 +200,7 @@ def _qk_norm_rotary_store_kernel(
             run, run_ptrs1, run_mask = False, v_ptrs1, kv_mask
             if V_KEY_MAJOR and TOKENS > 1 and V_BLOCK_SIZE % TOKENS == 0:  # an aligned run stays in its block
                 keys = tl.arange(0, TOKENS)
-                first = tl.load(slot_ptr + pid.to(tl.int64) * TOKENS).to(tl.int64)
+                first = tl.load(slot_ptr + tl.program_id(0).to(tl.int64) * TOKENS).to(tl.int64)
                 run = (first >= 0) & (first % TOKENS == 0) & (tl.sum((slots == first + keys).to(tl.int32), 0) == TOKENS)
                 start = v_cache_ptr + slot_offsets(first, 0, NUM_KV_HEADS * HEAD_DIM, V_BLOCK_SIZE, True)
                 run_ptrs1 = tl.multiple_of(start, TOKENS) + cols * V_BLOCK_SIZE + keys[:, None, None]
@@ -297,7 +253,6 @@ def _default(dtype, row_bucket, tokens_bucket, cache_dtype=None):
             "DIRECT_STORES": False}
 
 
-KNOBS = {'interleave': False}
 _TUNING = Tunable("qk_norm_rotary_store", _space, _default)
 
 
@@ -312,7 +267,7 @@ def qk_norm_rotary_store_bucket(dtype: torch.dtype, num_heads: int, num_kv_heads
 
 def qk_norm_rotary_store(positions, qkv, q_weight, k_weight, eps, cos_sin_cache, k_cache, v_cache, slot_mapping,
                          num_heads, num_kv_heads, out=None, *, k_scale=None, v_scale=None, k_copy=None, v_copy=None,
-                         copy_slots=None, copy_blocks=None):
+                         copy_slots=None):
     """Qwen3's attention prologue on the packed QKV GEMM output, in one launch; returns q [T, Hq, D].
 
     qkv [T, (Hq + 2*Hkv) * D] float32/float16/bfloat16: per token the Hq q heads, then the Hkv k
@@ -375,24 +330,16 @@ def qk_norm_rotary_store(positions, qkv, q_weight, k_weight, eps, cos_sin_cache,
         # and a KV head, where a prompt's (head, d) row of codes fills a 32-byte sector in one store.
         v_group = 32 if fp8 and v_key_major and config["TOKENS"] > 1 and k_cache.shape[1] % 32 == 0 else 0
         grid = triton.cdiv(n_tokens, config["TOKENS"]) + (triton.cdiv(n_tokens, 32) * num_kv_heads if v_group else 0)
-        bs = k_cache.shape[1]
-        g_heads = 2 if num_kv_heads % 2 == 0 else 1
-        g_tokens = min(bs, max(1, 4096 // (g_heads * triton.next_power_of_2(head_dim)))) if copy_blocks is not None else 0
-        n_blocks = copy_blocks.shape[0] if copy_blocks is not None else 0
-        n_gather = n_blocks * (num_kv_heads // g_heads) * 2 * (bs // g_tokens) if g_tokens else 0
-        spread = max(1, (grid + n_gather) // n_gather) if n_gather and KNOBS["interleave"] else 1
-        grid += n_gather
         _qk_norm_rotary_store_kernel[(grid,)](
             positions, qkv, q_weight, k_weight, cos_sin_cache, k_cache, v_cache, slot_mapping, out, k_scale, v_scale,
-            copy_slots, k_copy, v_copy, copy_blocks, n_blocks, spread,
+            copy_slots, k_copy, v_copy,
             n_tokens, qkv.stride(0), cos_sin_cache.stride(0), out.stride(0), out.stride(1), eps,
             *scale_strides(k_scale),
             NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
             BLOCK_QH=block_qh, BLOCK_KH=block_kh, BLOCK_HALF=block_half, FP8=fp8, INTERPRET=INTERPRET,
             V_BLOCK_SIZE=k_cache.shape[1] if v_key_major else 1, V_KEY_MAJOR=v_key_major,
             SCALE_BLOCK=k_cache.shape[1] if fp8 else 1, COPY=copy, V_GROUP=v_group,
-            BLOCK_D=triton.next_power_of_2(head_dim), GATHER_TOKENS=g_tokens, GATHER_HEADS=g_heads,
-            CACHE_BLOCK=k_cache.shape[1], **config,
+            BLOCK_D=triton.next_power_of_2(head_dim), **config,
         )
 
     # The launch only writes q_out and cache slots it fully determines: repeating it is harmless.
