@@ -99,7 +99,8 @@ def _store_v_group(index, qkv_ptr, v_cache_ptr, v_scale_ptr, slot_ptr, copy_slot
     keys = tl.arange(0, V_GROUP)
     first = tl.load(slot_ptr + group.to(tl.int64) * V_GROUP).to(tl.int64)  # a group's first token exists
     if (first >= 0) & (first % V_GROUP == 0) & (tl.sum((slots == first + keys).to(tl.int32), 0) == V_GROUP):
-        start = tl.multiple_of(v_cache_ptr + slot_offsets(first, 0, NUM_KV_HEADS * HEAD_DIM, V_BLOCK_SIZE, True), V_GROUP)
+        start = v_cache_ptr + slot_offsets(first, 0, NUM_KV_HEADS * HEAD_DIM, V_BLOCK_SIZE, True)
+        start = tl.multiple_of(start, V_GROUP)
         tl.store(start + (cols * V_BLOCK_SIZE)[None, :] + keys[:, None], codes, mask=(keys >= 0)[:, None] & dim_mask)
     else:
         offsets = slot_offsets(slots[:, None], cols[None, :], NUM_KV_HEADS * HEAD_DIM, V_BLOCK_SIZE, True)
@@ -190,7 +191,8 @@ def _qk_norm_rotary_store_kernel(
         tl.store(k_cache_ptr + k_offsets, k1, mask=kv_mask)
         tl.store(k_cache_ptr + k_offsets + HALF, k2, mask=kv_mask)
     if V_GROUP == 0:
-        v_ptrs1 = v_cache_ptr + slot_offsets(slots[:, None, None], cols, NUM_KV_HEADS * HEAD_DIM, V_BLOCK_SIZE, V_KEY_MAJOR)
+        v_ptrs1 = v_cache_ptr + slot_offsets(slots[:, None, None], cols, NUM_KV_HEADS * HEAD_DIM, V_BLOCK_SIZE,
+                                             V_KEY_MAJOR)
         v_ptrs2 = v_cache_ptr + slot_offsets(slots[:, None, None], cols + HALF, NUM_KV_HEADS * HEAD_DIM, V_BLOCK_SIZE,
                                              V_KEY_MAJOR)
         if FP8:

@@ -157,7 +157,8 @@ def prompt_slots(tokens, block_size):
     multiple of 32; across a block of 32's end), then single rows and padding (< 0)."""
     first = block_size * -(-100 // block_size)
     second = block_size * -(-(first + 40) // block_size) + 16
-    runs = [torch.arange(first, first + 40), torch.arange(8, 16), torch.arange(67, 83), torch.arange(second, second + 34)]
+    runs = [torch.arange(first, first + 40), torch.arange(8, 16), torch.arange(67, 83),
+            torch.arange(second, second + 34)]
     after = second + 34 + block_size
     rest = torch.tensor([after + 1, -1, after + 7, after + 8, -5])
     return torch.cat(runs + [rest])[:tokens]
