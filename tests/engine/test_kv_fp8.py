@@ -7,6 +7,7 @@ from tritonllm import BUNDLED_MODEL, LLM, SamplingParams
 from tritonllm.config import EngineConfig
 from tritonllm.engine.scheduler import ScheduledBatch
 from tritonllm.engine.step_inputs import build_step_inputs
+from tritonllm.kernels import qk_norm_rotary
 from tritonllm.layers.attention import kv_bytes_per_token
 from tritonllm.tiny_tasks import EVAL_SEED, problems
 
@@ -120,3 +121,27 @@ def test_fp8_through_prefix_hits_chunks_and_preemption(tiny_qwen3):
     assert sum(o.num_cached_tokens for o in outputs) >= 32 and tight.scheduler.num_preemptions > 0
     assert tight.block_manager.num_free_blocks == 8
     tight.close()
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_fp8_prefill_programs_of_several_tokens(tiny_qwen3, monkeypatch, block_size):
+    # Prefill-sized steps store K/V 4 tokens a program, and at blocks of 32 or more keys V from
+    # programs of 32 tokens and a KV head (kernels/qk_norm_rotary.py). Forced onto a tiny model's
+    # steps: prompts that fill whole and partial blocks after a 32-token prefix hit, in chunks of 56
+    # tokens that start off every alignment. The cache, and so every token, equals that of one token
+    # a program, and every block comes back.
+    prefix = list(range(300, 332))
+    prompts = [prefix + list(range(12 * i + 1, 12 * i + 1 + n)) for i, n in enumerate((48, 5, 30, 17))]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outputs = {}
+    for tokens_per_program in (1, 4):
+        monkeypatch.setattr(qk_norm_rotary._TUNING, "default", lambda *bucket, t=tokens_per_program: {
+            "TOKENS": t, "num_warps": 1, "num_stages": 1, "DIRECT_STORES": True})
+        with LLM(str(tiny_qwen3), max_num_seqs=4, num_kv_blocks=24, kv_block_size=block_size,
+                 max_num_batched_tokens=56, kv_cache_dtype="fp8") as llm:
+            llm.generate([prefix + [7]], SamplingParams(max_tokens=1), use_tqdm=False)
+            done = llm.generate(prompts, params, use_tqdm=False)
+            outputs[tokens_per_program] = [o.token_ids for o in done]
+            assert sum(o.num_cached_tokens for o in done) >= 32
+            assert llm.block_manager.num_free_blocks == 24
+    assert outputs[4] == outputs[1]
