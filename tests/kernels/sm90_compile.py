@@ -121,6 +121,12 @@ def cases():
                 t(600, 16, hk, 128, dtype=torch.float8_e4m3fn), key_major_e4m3(600, 16, hk, 128),
                 t(n, dtype=torch.int32), hq, hk, k_scale=t(600, 16, hk, dtype=torch.float32),
                 v_scale=t(600, 16, hk, dtype=torch.float32)))
+        # Blocks of 256 keys, with the copies prefill takes: V from programs of 32 tokens and a KV head.
+        calls.append(lambda t=t: qk_norm_rotary_store(
+            t(8192, dtype=torch.int64), t(8192, 32 * 128), t(128), t(128), 1e-6, t(40960, 128, dtype=torch.float32),
+            t(40, 256, 8, 128, dtype=torch.float8_e4m3fn), key_major_e4m3(40, 256, 8, 128), t(8192, dtype=torch.int32),
+            16, 8, k_scale=t(40, 256, 8, dtype=torch.float32), v_scale=t(40, 256, 8, dtype=torch.float32),
+            k_copy=t(32, 256, 8, 128), v_copy=t(32, 256, 8, 128), copy_slots=t(8192, dtype=torch.int32)))
     from tritonllm.kernels import gather_kv_blocks
 
     # The copies prefill takes of an e4m3 cache (V key-major), and of a bf16 one.
