@@ -70,6 +70,15 @@ def _store_e4m3_heads(x1, x2, ptrs1, ptrs2, mask, scale_ptrs, scale_mask, DIRECT
 
 
 @triton.jit
+def _aligned_run(slot_ptr, group, slots, RUN: tl.constexpr):
+    """(run, first): whether the slots [RUN] of tokens group * RUN onward (the first exists) are one run
+    from a multiple of RUN (a prompt's rows), and the first of them (int64)."""
+    first = tl.load(slot_ptr + group.to(tl.int64) * RUN).to(tl.int64)
+    run = (first >= 0) & (first % RUN == 0) & (tl.sum((slots == first + tl.arange(0, RUN)).to(tl.int32), 0) == RUN)
+    return run, first
+
+
+@triton.jit
 def _store_v_group(index, qkv_ptr, v_cache_ptr, v_scale_ptr, slot_ptr, copy_slot_ptr, v_copy_ptr, n_tokens,
                    qkv_token_stride, stride_scale_block, stride_scale_token, stride_scale_head,
                    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -97,8 +106,8 @@ def _store_v_group(index, qkv_ptr, v_cache_ptr, v_scale_ptr, slot_ptr, copy_slot
                                          V_BLOCK_SIZE), scale, mask=row_mask)
     codes = to_e4m3(v, scale[:, None], INTERPRET)
     keys = tl.arange(0, V_GROUP)
-    first = tl.load(slot_ptr + group.to(tl.int64) * V_GROUP).to(tl.int64)  # a group's first token exists
-    if (first >= 0) & (first % V_GROUP == 0) & (tl.sum((slots == first + keys).to(tl.int32), 0) == V_GROUP):
+    run, first = _aligned_run(slot_ptr, group, slots, V_GROUP)
+    if run:
         start = v_cache_ptr + slot_offsets(first, 0, NUM_KV_HEADS * HEAD_DIM, V_BLOCK_SIZE, True)
         start = tl.multiple_of(start, V_GROUP)
         tl.store(start + (cols * V_BLOCK_SIZE)[None, :] + keys[:, None], codes, mask=(keys >= 0)[:, None] & dim_mask)
@@ -202,8 +211,7 @@ def _qk_norm_rotary_store_kernel(
             run, run_ptrs1, run_mask = False, v_ptrs1, kv_mask
             if V_KEY_MAJOR and TOKENS > 1 and V_BLOCK_SIZE % TOKENS == 0:  # an aligned run stays in its block
                 keys = tl.arange(0, TOKENS)
-                first = tl.load(slot_ptr + tl.program_id(0).to(tl.int64) * TOKENS).to(tl.int64)
-                run = (first >= 0) & (first % TOKENS == 0) & (tl.sum((slots == first + keys).to(tl.int32), 0) == TOKENS)
+                run, first = _aligned_run(slot_ptr, tl.program_id(0), slots, TOKENS)
                 start = v_cache_ptr + slot_offsets(first, 0, NUM_KV_HEADS * HEAD_DIM, V_BLOCK_SIZE, True)
                 run_ptrs1 = tl.multiple_of(start, TOKENS) + cols * V_BLOCK_SIZE + keys[:, None, None]
                 run_mask = (keys >= 0)[:, None, None] & (kv_heads < NUM_KV_HEADS) & dim_mask3
@@ -331,7 +339,8 @@ def qk_norm_rotary_store(positions, qkv, q_weight, k_weight, eps, cos_sin_cache,
         # Prefill into an e4m3 key-major V in blocks of 32 or more keys: V goes to programs of 32 tokens
         # and a KV head, where a prompt's (head, d) row of codes fills a 32-byte sector in one store.
         v_group = 32 if fp8 and v_key_major and config["TOKENS"] > 1 and k_cache.shape[1] % 32 == 0 else 0
-        grid = triton.cdiv(n_tokens, config["TOKENS"]) + (triton.cdiv(n_tokens, 32) * num_kv_heads if v_group else 0)
+        v_programs = triton.cdiv(n_tokens, v_group) * num_kv_heads if v_group else 0
+        grid = triton.cdiv(n_tokens, config["TOKENS"]) + v_programs
         _qk_norm_rotary_store_kernel[(grid,)](
             positions, qkv, q_weight, k_weight, cos_sin_cache, k_cache, v_cache, slot_mapping, out, k_scale, v_scale,
             copy_slots, k_copy, v_copy,
