@@ -53,16 +53,13 @@ def _mask(scores, i, num_full, pos, BLOCK_N: gl.constexpr, S_LAYOUT: gl.constexp
 
 @gluon.jit
 def _ready_v(v_bufs, ready_v, count, n0, seq_len, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-             IO_LAYOUT: gl.constexpr, CONVERTED: gl.constexpr):
-    """The PV dot's operand of the count-th tile loaded (keys n0 ..) once it has landed. Rows past
-    the sequence hold whatever the cache block held: p is 0 there, 0 * NaN is not, so they are zeroed in
-    place first (both warpgroups write the same zeros). A CONVERTED slot is [D, BLOCK_N], zeroed by its
-    producer (kernels/prefill_hopper_fp8.py)."""
+             IO_LAYOUT: gl.constexpr):
+    """The V slot of the count-th tile loaded (keys n0 ..) once its copy has landed. Rows past the
+    sequence hold whatever the cache block held: p is 0 there, 0 * NaN is not, so they are zeroed in
+    place first (both warpgroups write the same zeros)."""
     v_buf = v_bufs.index(count % NUM_STAGES)
     mbarrier.wait(ready_v.index(count % NUM_STAGES), (count // NUM_STAGES) & 1)
-    if CONVERTED:
-        v_buf = v_buf.permute((1, 0))
-    elif n0 + BLOCK_N > seq_len:
+    if n0 + BLOCK_N > seq_len:
         v = v_buf.load(IO_LAYOUT)
         rows = n0 + gl.arange(0, BLOCK_N, gl.SliceLayout(1, IO_LAYOUT))
         v_buf.store(gl.where((rows < seq_len)[:, None], v, gl.zeros_like(v)))
@@ -91,15 +88,13 @@ def _prefetch_q(q_ptr, q_smem, w, rows, offs_d, cu_seqlens_q_ptr, seq_lens_ptr, 
 
 
 @gluon.jit
-def _attend_partition(q_ptr, o_ptr, q_bufs, q16_bufs, k_bufs, v_bufs, ready_k, ready_v, free_k, free_v, items,
-                      item_ready, item_free, qk_scale, cu_seqlens_q_ptr, seq_lens_ptr, num_kv_heads, batch,
-                      num_q_tiles, stride_q_token, stride_q_head, stride_o_token, stride_o_head, WARPGROUP: gl.constexpr,
+def _attend_partition(q_ptr, o_ptr, q_bufs, k_bufs, v_bufs, ready_k, ready_v, free_k, free_v, items, item_ready,
+                      item_free, qk_scale, cu_seqlens_q_ptr, seq_lens_ptr, num_kv_heads, batch, num_q_tiles,
+                      stride_q_token, stride_q_head, stride_o_token, stride_o_head, WARPGROUP: gl.constexpr,
                       GROUP: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                      NUM_STAGES: gl.constexpr, CONVERTED: gl.constexpr):
+                      NUM_STAGES: gl.constexpr):
     """Rows 64 * WARPGROUP .. + 63 of each work item's tile, on one warpgroup: attention over the
-    item's key tiles as the ring delivers them, then the output rows stored. CONVERTED: the ring holds
-    float16 tiles dequantized from an e4m3 cache, V as [D, BLOCK_N]; the dots run in float16, the
-    query rows converted once an item into q16_bufs (unused otherwise)."""
+    item's key tiles as the ring delivers them, then the output rows stored."""
     # wgmma accumulators of the scores and the output, 16 rows a warp; a 16-byte-vector layout for
     # the loads and stores through pointers.
     S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -108,9 +103,6 @@ def _attend_partition(q_ptr, o_ptr, q_bufs, q16_bufs, k_bufs, v_bufs, ready_k, r
                                                        instr_shape=[16, HEAD_DIM, 16])
     IO_LAYOUT: gl.constexpr = gl.BlockedLayout([1, 8], [256 // HEAD_DIM, HEAD_DIM // 8], [4, 1], [1, 0])
     P_LAYOUT: gl.constexpr = gl.DotOperandLayout(0, O_LAYOUT, 2)
-    # Query buffers a warpgroup: the next item's rows come in while this one runs; converted rows are
-    # read from q16_bufs, so one buffer is free for them as soon as it is converted.
-    Q_SLOTS: gl.constexpr = 1 if CONVERTED else 2
     rows = WARPGROUP * 64 + gl.arange(0, 64, gl.SliceLayout(1, IO_LAYOUT))
     s_rows = WARPGROUP * 64 + gl.arange(0, 64, gl.SliceLayout(1, S_LAYOUT))
     offs_d = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, IO_LAYOUT))
@@ -119,23 +111,16 @@ def _attend_partition(q_ptr, o_ptr, q_bufs, q16_bufs, k_bufs, v_bufs, ready_k, r
     num_items = num_q_tiles * num_kv_heads * batch
     w = _next_item(items, item_ready, j)
     if w < num_items:
-        _prefetch_q(q_ptr, q_bufs.index(Q_SLOTS * WARPGROUP), w, rows, offs_d, cu_seqlens_q_ptr, seq_lens_ptr,
+        _prefetch_q(q_ptr, q_bufs.index(2 * WARPGROUP), w, rows, offs_d, cu_seqlens_q_ptr, seq_lens_ptr,
                     num_kv_heads, batch, num_q_tiles, stride_q_token, stride_q_head, GROUP, BLOCK_Q, BLOCK_N)
     while w < num_items:
         kv_head, q_start, q_len, q0, seq_len, num_full, num_tiles, seq = _work_item(
             w, cu_seqlens_q_ptr, seq_lens_ptr, num_kv_heads, batch, num_q_tiles, BLOCK_Q, BLOCK_N)
         token, head, row_mask = _item_rows(rows, q0, kv_head, q_len, GROUP, BLOCK_Q)
         # The query rows were copied in while the previous item finished (or before the first).
-        q_smem = q_bufs.index(Q_SLOTS * WARPGROUP + j % Q_SLOTS)
+        q_smem = q_bufs.index(2 * WARPGROUP + j % 2)
         async_copy.wait_group(0)
         fence_async_shared()
-        if CONVERTED:
-            # Every thread's copies have landed before any thread reads others' rows; the slot's last
-            # reader was the previous item's last score dot, waited for.
-            gl.thread_barrier()
-            q_smem = q16_bufs.index(WARPGROUP)
-            q_smem.store(q_bufs.index(WARPGROUP).load(IO_LAYOUT).to(gl.float16))
-            fence_async_shared()
         # Idle rows past q_len see the sequence's last key, so no row's mask reaches past seq_len.
         pos = gl.minimum(seq_len - q_len + q0 + s_rows // GROUP, seq_len - 1)
 
@@ -163,7 +148,7 @@ def _attend_partition(q_ptr, o_ptr, q_bufs, q16_bufs, k_bufs, v_bufs, ready_k, r
             scores = warpgroup_mma(q_smem, k_buf.permute((1, 0)), gl.zeros([64, BLOCK_N], gl.float32, S_LAYOUT),
                                    use_acc=False, is_async=True)
             v_buf = _ready_v(v_bufs, ready_v, count + i - 1, (i - 1) * BLOCK_N, seq_len, BLOCK_N, NUM_STAGES,
-                             IO_LAYOUT, CONVERTED)
+                             IO_LAYOUT)
             acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
             # wgmma groups complete in order: one outstanding means the scores are done.
             scores = warpgroup_mma_wait(1, deps=(scores, q_smem, k_buf))[0]
@@ -184,11 +169,11 @@ def _attend_partition(q_ptr, o_ptr, q_bufs, q16_bufs, k_bufs, v_bufs, ready_k, r
         # last reader, the item before this one, is done.
         w_next = _next_item(items, item_ready, j + 1)
         if w_next < num_items:
-            _prefetch_q(q_ptr, q_bufs.index(Q_SLOTS * WARPGROUP + (j + 1) % Q_SLOTS), w_next, rows, offs_d, cu_seqlens_q_ptr,
+            _prefetch_q(q_ptr, q_bufs.index(2 * WARPGROUP + (j + 1) % 2), w_next, rows, offs_d, cu_seqlens_q_ptr,
                         seq_lens_ptr, num_kv_heads, batch, num_q_tiles, stride_q_token, stride_q_head, GROUP, BLOCK_Q,
                         BLOCK_N)
         v_buf = _ready_v(v_bufs, ready_v, count - 1, (num_tiles - 1) * BLOCK_N, seq_len, BLOCK_N, NUM_STAGES,
-                         IO_LAYOUT, CONVERTED)
+                         IO_LAYOUT)
         acc = warpgroup_mma(p_op, v_buf, acc)
         mbarrier.arrive(free_v.index((count - 1) % NUM_STAGES), count=1)
         out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, O_LAYOUT))[:, None]
@@ -234,10 +219,10 @@ def _prefill_attention_hopper_kernel(
     # Tuples of arguments are written out in the call: Gluon keeps constexprs only that way.
     if WARPGROUPS == 1:
         gl.warp_specialize([
-            (_attend_partition, (q_ptr, o_ptr, q_bufs, q_bufs, k_bufs, v_bufs, ready_k, ready_v, free_k, free_v, items,
+            (_attend_partition, (q_ptr, o_ptr, q_bufs, k_bufs, v_bufs, ready_k, ready_v, free_k, free_v, items,
                                  item_ready, item_free, qk_scale, cu_seqlens_q_ptr, seq_lens_ptr, num_kv_heads, batch,
                                  num_q_tiles, stride_q_token, stride_q_head, stride_o_token, stride_o_head, 0, GROUP,
-                                 BLOCK_Q, BLOCK_N, HEAD_DIM, NUM_STAGES, False)),
+                                 BLOCK_Q, BLOCK_N, HEAD_DIM, NUM_STAGES)),
             (_load_kv_partition, (k_desc, v_desc, k_bufs, v_bufs, ready_k, ready_v, free_k, free_v, items,
                                   item_ready, item_free, counter_ptr, cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
                                   stride_block_table, num_kv_heads, batch, num_q_tiles, HEAD_DIM, BLOCK_SIZE, BLOCK_Q,
@@ -245,14 +230,14 @@ def _prefill_attention_hopper_kernel(
         ], [1], [24])
     else:
         gl.warp_specialize([
-            (_attend_partition, (q_ptr, o_ptr, q_bufs, q_bufs, k_bufs, v_bufs, ready_k, ready_v, free_k, free_v, items,
+            (_attend_partition, (q_ptr, o_ptr, q_bufs, k_bufs, v_bufs, ready_k, ready_v, free_k, free_v, items,
                                  item_ready, item_free, qk_scale, cu_seqlens_q_ptr, seq_lens_ptr, num_kv_heads, batch,
                                  num_q_tiles, stride_q_token, stride_q_head, stride_o_token, stride_o_head, 0, GROUP,
-                                 BLOCK_Q, BLOCK_N, HEAD_DIM, NUM_STAGES, False)),
-            (_attend_partition, (q_ptr, o_ptr, q_bufs, q_bufs, k_bufs, v_bufs, ready_k, ready_v, free_k, free_v, items,
+                                 BLOCK_Q, BLOCK_N, HEAD_DIM, NUM_STAGES)),
+            (_attend_partition, (q_ptr, o_ptr, q_bufs, k_bufs, v_bufs, ready_k, ready_v, free_k, free_v, items,
                                  item_ready, item_free, qk_scale, cu_seqlens_q_ptr, seq_lens_ptr, num_kv_heads, batch,
                                  num_q_tiles, stride_q_token, stride_q_head, stride_o_token, stride_o_head, 1, GROUP,
-                                 BLOCK_Q, BLOCK_N, HEAD_DIM, NUM_STAGES, False)),
+                                 BLOCK_Q, BLOCK_N, HEAD_DIM, NUM_STAGES)),
             (_load_kv_partition, (k_desc, v_desc, k_bufs, v_bufs, ready_k, ready_v, free_k, free_v, items,
                                   item_ready, item_free, counter_ptr, cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
                                   stride_block_table, num_kv_heads, batch, num_q_tiles, HEAD_DIM, BLOCK_SIZE, BLOCK_Q,

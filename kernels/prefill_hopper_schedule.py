@@ -60,7 +60,7 @@ def _copy_tile(desc, bufs, ready, free, count, n0, block_table_row, seq_len, col
 def _publish_item(items, item_ready, item_free, j, w):
     """The producer's side of the item ring: item w, the j-th handed out, into entry j % 2."""
     mbarrier.wait(item_free.index(j % 2), ((j // 2) & 1) ^ 1)
-    items.index(j % 2).store(gl.full([1], w, gl.int32, gl.BlockedLayout([1], [32], [gl.num_warps()], [0])))
+    items.index(j % 2).store(gl.full([1], w, gl.int32, gl.BlockedLayout([1], [32], [1], [0])))
     mbarrier.arrive(item_ready.index(j % 2), count=1)
 
 
