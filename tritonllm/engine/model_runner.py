@@ -7,13 +7,13 @@ import time
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from tritonllm.config import EngineConfig
 from tritonllm.context import Context, set_context
 from tritonllm.distributed import (all_reduce, broadcast, broadcast_object, close_distributed, init_distributed,
                                    tp_rank)
-from tritonllm.engine.decode_graphs import DecodeGraphs
 from tritonllm.engine.penalties import PenaltyRows
 from tritonllm.engine.sequence import Sequence
 from tritonllm.engine.step_inputs import StepInputs
@@ -24,6 +24,11 @@ from tritonllm.layers.ops import backend
 from tritonllm.loader import build_model, init_dummy_weights, load_weights
 
 CPU_KV_CACHE_BYTES = 1 << 30
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    sizes = [1, 2, 4, 8] + list(range(16, max_num_seqs + 1, 16))
+    return sorted({min(s, max_num_seqs) for s in sizes} | {max_num_seqs})
 
 
 def prefill_warmup_steps(max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int) -> list[list[int]]:
@@ -91,11 +96,11 @@ class ModelRunner:
         if self.device.type == "cuda" and self.rank == 0:
             self._compile_sampler()  # before the KV cache is sized: its scratch is gone by then
         self.num_kv_blocks = self._allocate_kv_cache()
-        self.penalties = PenaltyRows(self.ops, hf_config.vocab_size, config.max_num_seqs, self.device, self.to_device)
-        self.graphs = None
+        self.penalties = PenaltyRows(self.ops, hf_config.vocab_size, config.max_num_seqs, self.device, self._to_device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # The references index with boolean masks, which syncs the host: they cannot be captured.
         if self.device.type == "cuda" and not config.enforce_eager and config.kernels == "triton":
-            self.graphs = DecodeGraphs(self, self._progress)
+            self._capture_decode_graphs()
 
     # ---- KV cache
 
@@ -174,11 +179,11 @@ class ModelRunner:
         if copies:
             context.gather_blocks = torch.zeros(copies, dtype=torch.int32, device=d)
             context.gather_tables, context.copy_slots, context.num_copies = tables, no_slots, copies
-        self.forward(torch.zeros(num_tokens, dtype=torch.long, device=d), positions, context)
+        self._forward(torch.zeros(num_tokens, dtype=torch.long, device=d), positions, context)
 
     # ---- inputs (rank 0) -> broadcast -> forward (every rank)
 
-    def to_device(self, t: torch.Tensor | None) -> torch.Tensor | None:
+    def _to_device(self, t: torch.Tensor | None) -> torch.Tensor | None:
         """Host tensor to this rank's device; from pinned memory on a GPU, so the copy never waits for
         the step still running there."""
         if t is None or self.device.type == "cpu":
@@ -187,40 +192,85 @@ class ModelRunner:
 
     def _input_ids(self, inputs: StepInputs, previous_ids: torch.Tensor | None) -> torch.Tensor:
         """The step's token ids on the device; pending ones are taken from the previous step's samples."""
-        token_ids = self.to_device(inputs.token_ids)
+        token_ids = self._to_device(inputs.token_ids)
         if inputs.pending_rows is None:
             return token_ids
         if self.world_size > 1:  # rank 0 sampled them; the other ranks receive them here
             if self.rank > 0:
                 previous_ids = torch.empty(inputs.num_previous_samples, dtype=torch.long, device=self.device)
             broadcast(previous_ids)
-        rows = self.to_device(inputs.pending_rows)
+        rows = self._to_device(inputs.pending_rows)
         return torch.where(rows >= 0, previous_ids[rows.clamp(min=0)], token_ids)
-
-    def _graphed(self, inputs: StepInputs) -> bool:
-        return not inputs.is_prefill and self.graphs is not None and self.graphs.fits(len(inputs.seq_lens))
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs, previous_ids: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Forward one step on this rank (no host sync); logits [N, V] of the rows that sample (rank 0).
+        """Forward one step on this rank (no host sync); logits [N, V] of the rows that sample.
         previous_ids: the previous step's sampled ids on the device (rank 0), read by pending rows."""
-        to = self.to_device
+        to = self._to_device
         token_ids = self._input_ids(inputs, previous_ids)
-        if self._graphed(inputs):  # every decode row samples: the logits are the graph's, in row order
-            return self.graphs.replay(inputs, token_ids)
-        context = Context(inputs.is_prefill, to(inputs.slot_mapping), to(inputs.seq_lens), to(inputs.block_tables),
-                          to(inputs.cu_seqlens_q), inputs.max_q_len, inputs.max_seq_len, to(inputs.gather_blocks),
-                          to(inputs.gather_tables), to(inputs.copy_slots), inputs.num_copies)
-        hidden = self.forward(token_ids, to(inputs.positions), context)
+        if not inputs.is_prefill and self.graphs and len(inputs.seq_lens) <= max(self.graphs):
+            hidden = self._replay(inputs, token_ids)
+        else:
+            context = Context(inputs.is_prefill, to(inputs.slot_mapping), to(inputs.seq_lens), to(inputs.block_tables),
+                              to(inputs.cu_seqlens_q), inputs.max_q_len, inputs.max_seq_len, to(inputs.gather_blocks),
+                              to(inputs.gather_tables), to(inputs.copy_slots), inputs.num_copies)
+            hidden = self._forward(token_ids, to(inputs.positions), context)
         return self.model.compute_logits(hidden[to(inputs.logit_rows)])
 
     @torch.inference_mode()
-    def forward(self, token_ids, positions, context: Context) -> torch.Tensor:
+    def _forward(self, token_ids, positions, context: Context) -> torch.Tensor:
         set_context(context)
         try:
             return self.model(token_ids, positions)
         finally:
             set_context(None)
+
+    # ---- CUDA graphs for decode
+
+    def _graph_batch(self, batch: int) -> int:
+        return next(size for size in sorted(self.graphs) if size >= batch)
+
+    @torch.inference_mode()
+    def _capture_decode_graphs(self) -> None:
+        max_bs = self.config.max_num_seqs
+        d = self.device
+        self.graph_inputs = {
+            "token_ids": torch.zeros(max_bs, dtype=torch.long, device=d),
+            "positions": torch.zeros(max_bs, dtype=torch.long, device=d),
+            "slot_mapping": torch.full((max_bs,), -1, dtype=torch.long, device=d),
+            "seq_lens": torch.ones(max_bs, dtype=torch.int32, device=d),
+            "block_tables": torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32, device=d),
+        }
+        self.graph_output = torch.zeros(max_bs, self.hf_config.hidden_size, dtype=self.config.dtype, device=d)
+        pool = None
+        g = self.graph_inputs
+        for batch in self._progress(list(reversed(graph_batch_sizes(max_bs))), "Capturing decode graphs"):
+            context = Context(False, g["slot_mapping"][:batch], g["seq_lens"][:batch], g["block_tables"][:batch],
+                              None, 1, self.config.max_model_len)
+            self._forward(g["token_ids"][:batch], g["positions"][:batch], context)  # compiles and warms the kernels
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool):
+                self.graph_output[:batch] = self._forward(g["token_ids"][:batch], g["positions"][:batch], context)
+            pool = graph.pool()
+            self.graphs[batch] = graph
+            torch.cuda.synchronize(d)
+
+    def _replay(self, inputs: StepInputs, token_ids: torch.Tensor) -> torch.Tensor:
+        batch = len(inputs.seq_lens)
+        graph_batch = self._graph_batch(batch)
+        g = self.graph_inputs
+        g["token_ids"][:batch].copy_(token_ids)
+        # Rows past the batch are padding: no KV store (slot -1) and one key read (seq_len 1), from
+        # block_tables[row, 0]. Every table entry ever written is a valid block id and entries past a
+        # sequence's length are never read, so the tables are not cleared. The host pads the other
+        # inputs: one copy from pinned memory straight into each graph buffer. The tables' slice of
+        # their buffer is not contiguous, so they go through a device copy.
+        for name, pad_value in (("positions", 0), ("slot_mapping", -1), ("seq_lens", 1)):
+            padded = F.pad(getattr(inputs, name), (0, graph_batch - batch), value=pad_value)
+            g[name][:graph_batch].copy_(padded.pin_memory(), non_blocking=True)
+        g["block_tables"][:batch, : inputs.block_tables.shape[1]].copy_(self._to_device(inputs.block_tables))
+        self.graphs[graph_batch].replay()
+        return self.graph_output[:batch]
 
     # ---- sampling (rank 0)
 
@@ -246,27 +296,20 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence], seeds: list[int],
-               graphed: bool = False) -> "SampledTokens":
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], seeds: list[int]) -> "SampledTokens":
         """Sample each row (no host sync); the ids and, when asked, logprobs head to the host.
-        Penalties, when a row has some, modify the logits first; logprobs are of the raw logits.
-        graphed: the logits are the decode graphs' (which then sample plain rows themselves)."""
+        Penalties, when a row has some, modify the logits first; logprobs are of the raw logits."""
         params = [seq.params for seq in seqs]
         vocab = self.hf_config.vocab_size
         rows = self.penalties.rows(seqs)
-        k = min(max(p.top_logprobs for p in params), vocab)
-        raw, wants_logprobs = logits, any(p.wants_logprobs for p in params)
-        if graphed and rows is None and not wants_logprobs and not k:
-            ids = self.graphs.sample([p.temperature for p in params], [min(p.top_k, vocab) for p in params],
-                                     [p.top_p for p in params], [p.min_p for p in params], seeds)
-            return SampledTokens(ids, None)
         penalties = [] if rows is None else [[p.presence_penalty for p in params], [p.frequency_penalty for p in params],
                                              [p.repetition_penalty for p in params]]
-        floats = self.to_device(torch.tensor([[p.temperature for p in params], [p.top_p for p in params],
+        floats = self._to_device(torch.tensor([[p.temperature for p in params], [p.top_p for p in params],
                                                [p.min_p for p in params], *penalties], dtype=torch.float32))
         # top_k past the vocabulary means off; clamped so that it fits the kernel's int32.
-        ints = self.to_device(torch.tensor([[min(p.top_k, vocab) for p in params], seeds, *([] if rows is None else [rows])],
+        ints = self._to_device(torch.tensor([[min(p.top_k, vocab) for p in params], seeds, *([] if rows is None else [rows])],
                                             dtype=torch.int64))
+        raw, wants_logprobs = logits, any(p.wants_logprobs for p in params)
         if rows is not None:
             logits = logits.clone() if wants_logprobs else logits
             self.ops.apply_penalties(logits, self.penalties.counts, self.penalties.prompt_mask, ints[2], *floats[3:])
@@ -274,6 +317,7 @@ class ModelRunner:
         if rows is not None:
             self.ops.count_tokens(self.penalties.counts, ints[2], ids)
         logprobs = self.ops.compute_logprobs(raw, ids) if wants_logprobs else None
+        k = min(max(p.top_logprobs for p in params), vocab)
         return SampledTokens(ids, logprobs, self.ops.compute_top_logprobs(raw, k) if k else None)
 
     # ---- tensor-parallel driving
@@ -285,7 +329,7 @@ class ModelRunner:
         if self.world_size > 1:
             broadcast_object(("execute", inputs))
         logits = self.execute(inputs, previous_ids)
-        return self.sample(logits, seqs, seeds, self._graphed(inputs)) if seqs else None
+        return self.sample(logits, seqs, seeds) if seqs else None
 
     def worker_loop(self) -> None:
         """Ranks > 0: run what rank 0 broadcasts until it says exit."""
@@ -300,6 +344,5 @@ class ModelRunner:
         """Release the graphs and the process group; rank 0 first tells live workers to exit."""
         if self.rank == 0 and self.world_size > 1 and peers_alive:
             broadcast_object(("exit", None))
-        if self.graphs is not None:
-            self.graphs.clear()
+        self.graphs.clear()
         close_distributed(peers_alive)
