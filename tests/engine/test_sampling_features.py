@@ -218,3 +218,21 @@ def test_wrong_types_are_type_errors(llm):
     with pytest.raises(ValueError, match="top_logprobs"):
         llm.generate([SHORT], params, use_tqdm=False)
     assert not llm.has_unfinished()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="decode CUDA graphs need a GPU")
+def test_decode_graphs_sample_as_the_eager_engine(tiny_qwen3, llm):
+    """Decode steps replay CUDA graphs, three rows in a bucket of four (a padding row). Seeded rows
+    with different parameters each, plain or with a penalty or logprobs, draw the same tokens as an
+    engine without graphs: the graphs' inputs and outputs reach the right rows."""
+    prompts = [PROMPT, SHORT, PROMPT[5:25]]
+    plain = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m, seed=s, max_tokens=10, ignore_eos=True)
+             for t, k, p, m, s in ((0.7, 0, 0.9, 0.0, 11), (1.3, 20, 1.0, 0.02, 12), (1.0, 5, 0.6, 0.1, 13))]
+    mixed = [plain[0], SamplingParams(temperature=1.1, presence_penalty=0.5, seed=14, max_tokens=10, ignore_eos=True),
+             SamplingParams(temperature=0.9, logprobs=True, seed=15, max_tokens=10, ignore_eos=True)]
+    graphed = [[out.token_ids for out in llm.generate(prompts, params, use_tqdm=False)] for params in (plain, mixed)]
+    assert_clean(llm)
+    with LLM(str(tiny_qwen3), max_num_seqs=8, num_kv_blocks=NUM_BLOCKS, enforce_eager=True) as eager:
+        expected = [[out.token_ids for out in eager.generate(prompts, params, use_tqdm=False)] for params in (plain, mixed)]
+    assert graphed == expected
+    assert len({tuple(t) for t in expected[0]}) == 3  # the rows differ: a row given another's inputs would show
