@@ -80,3 +80,11 @@ def hf_greedy(path, prompt_ids: list[int], n: int) -> list[int]:
         for _ in range(n):
             ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
     return ids[0, len(prompt_ids):].tolist()
+
+
+def greedy_agreement(outputs: list[list[int]], expected: list[list[int]]) -> tuple[int, int]:
+    """How far greedy completions follow the expected ones: (prompts whose first token matches, those of them whose
+    second token matches too). The first token comes from the prefill, the second from the first decode step: for a
+    fresh prompt over an e4m3 cache, the first read of the stored codes and scales (prefill runs on copies)."""
+    matched = [(o, e) for o, e in zip(outputs, expected) if o[0] == e[0]]
+    return len(matched), sum(o[1] == e[1] for o, e in matched)

@@ -1,7 +1,7 @@
 """The engine with an FP8 KV cache: sized for its bytes, close to HF, the bundled model still right."""
 import pytest
 import torch
-from tiny_qwen3 import hf_greedy
+from tiny_qwen3 import greedy_agreement, hf_greedy
 
 from tritonllm import BUNDLED_MODEL, LLM, SamplingParams
 from tritonllm.config import EngineConfig
@@ -51,8 +51,10 @@ def test_fp8_greedy_tokens_mostly_equal_hf(tiny_qwen3):
     llm = LLM(str(tiny_qwen3), max_num_seqs=8, num_kv_blocks=64, kv_cache_dtype="fp8")
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     expected = [hf_greedy(tiny_qwen3, p, 4) for p in PROMPTS]
-    first = sum(o.token_ids[0] == e[0] for o, e in zip(outputs, expected))
-    assert first >= 0.75 * len(PROMPTS), [(o.token_ids, e) for o, e in zip(outputs, expected)]
+    tokens = [o.token_ids for o in outputs]
+    first, second = greedy_agreement(tokens, expected)
+    # The second token is the first decode step over the e4m3 cache (tiny_qwen3.greedy_agreement).
+    assert first >= 0.75 * len(PROMPTS) and second >= 0.75 * first, list(zip(tokens, expected))
     assert llm.block_manager.num_free_blocks == 64
     llm.close()
 
