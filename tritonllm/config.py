@@ -19,7 +19,8 @@ KERNEL_BACKENDS = tuple(BACKENDS)  # "triton", and "reference": the PyTorch refe
 DEVICES = ("cuda", "cpu")
 LOAD_FORMATS = ("auto", "dummy")  # safetensors of the checkpoint folder; random weights
 # "auto": the model's dtype; "fp8": float8 e4m3 with a float32 scale per (token, KV head), set when stored
-KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn}
+# "fp8_e4m3" is vLLM's name for the same cache: its users' settings carry over.
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 
 
 @dataclass
@@ -96,11 +97,12 @@ class EngineConfig:
         field("seed", int)
         field("kernels", str, *one_of(KERNEL_BACKENDS))
         field("kv_cache_dtype", str, *one_of(KV_CACHE_DTYPES))
-        if self.kv_cache_dtype == "fp8" and self.device == "cuda" and self.kernels == "triton":
+        if KV_CACHE_DTYPES[self.kv_cache_dtype] is not None and self.device == "cuda" and self.kernels == "triton":
             # Triton has no e4m3 type below compute capability 8.9 (Ada): its kernels would not compile.
             capability = torch.cuda.get_device_capability()
             field("kv_cache_dtype", str, lambda _: capability >= (8, 9),
-                  f"'auto' on this GPU (compute capability {capability[0]}.{capability[1]}): 'fp8' needs 8.9 or later")
+                  f"'auto' on this GPU (compute capability {capability[0]}.{capability[1]}): "
+                  f"{self.kv_cache_dtype!r} needs 8.9 or later")
 
     @property
     def cache_dtype(self) -> torch.dtype:

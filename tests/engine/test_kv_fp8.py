@@ -15,8 +15,14 @@ PROMPTS = [list(range(3 * i + 1, 3 * i + 4 + 5 * i)) for i in range(12)]  # 4 to
 
 
 def test_unknown_kv_cache_dtype_is_an_error(tiny_qwen3):
-    with pytest.raises(ValueError, match="kv_cache_dtype"):
-        LLM(str(tiny_qwen3), kv_cache_dtype="int8")
+    for value in ("int8", "fp8_e5m2", "FP8"):
+        with pytest.raises(ValueError, match=f"kv_cache_dtype={value!r} is invalid: .*one of auto, fp8, fp8_e4m3"):
+            LLM(str(tiny_qwen3), kv_cache_dtype=value)
+
+
+def test_vllm_name_fp8_e4m3_is_the_fp8_cache():
+    config = EngineConfig.from_options(BUNDLED_MODEL, kv_cache_dtype="fp8_e4m3")
+    assert config.kv_cache_dtype == "fp8_e4m3" and config.cache_dtype == torch.float8_e4m3fn
 
 
 def test_fp8_on_a_gpu_without_e4m3_is_a_clear_error(monkeypatch):
@@ -25,8 +31,9 @@ def test_fp8_on_a_gpu_without_e4m3_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8' is invalid: .*capability 8\.0.*8\.9"):
-        EngineConfig.from_options(BUNDLED_MODEL, device="cuda", kv_cache_dtype="fp8")
+    for value in ("fp8", "fp8_e4m3"):
+        with pytest.raises(ValueError, match=rf"kv_cache_dtype='{value}' is invalid: .*capability 8\.0.*'{value}' needs 8\.9"):
+            EngineConfig.from_options(BUNDLED_MODEL, device="cuda", kv_cache_dtype=value)
     assert EngineConfig.from_options(BUNDLED_MODEL, device="cuda", kv_cache_dtype="fp8",
                                      kernels="reference").kv_cache_dtype == "fp8"
     assert EngineConfig.from_options(BUNDLED_MODEL, device="cuda").kv_cache_dtype == "auto"
