@@ -1,12 +1,13 @@
 """Bad sampling parameters and checkpoint files fail with errors that name the field or the file (issue 16.5)."""
 import dataclasses
+import json
 import math
 
 import numpy as np
 import pytest
 import torch
 
-from tritonllm import SamplingParams
+from tritonllm import LLM, SamplingParams
 from tritonllm.loader import build_model, load_config, load_weights
 from tritonllm.validation import check
 
@@ -61,3 +62,13 @@ def test_an_unreadable_checkpoint_file_is_named(tiny_qwen3, tmp_path, damage):
     model = build_model(load_config(str(tmp_path)), torch.float32, torch.device("cpu"))
     with pytest.raises(ValueError, match=r"model\.safetensors' is unreadable: .*header"):
         load_weights(model, tmp_path)
+
+
+def test_a_quantized_checkpoint_is_named_before_loading(tiny_qwen3, tmp_path):
+    # As Qwen3-30B-A3B-FP8's config has it: an error before any weight is read.
+    config = json.loads((tiny_qwen3 / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").symlink_to(tiny_qwen3 / "model.safetensors")
+    with pytest.raises(ValueError, match=r"quantized checkpoint \(quantization_config\.quant_method 'fp8'\)"):
+        LLM(str(tmp_path))

@@ -22,7 +22,16 @@ def load_config(model: str):
         return preset_config(model)
     if not Path(model, "config.json").exists():
         raise ValueError(f"model folder {model!r} has no config.json")
-    return AutoConfig.from_pretrained(model, trust_remote_code=False)
+    config = AutoConfig.from_pretrained(model, trust_remote_code=False)
+    # A quantized checkpoint (Qwen3-*-FP8, AWQ, GPTQ) stores codes plus scale tensors; read as plain
+    # weights it would fail on the first scale tensor, after loading gigabytes.
+    quantization = getattr(config, "quantization_config", None)
+    if quantization:
+        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else type(quantization).__name__
+        raise ValueError(f"model folder {model!r} is a quantized checkpoint (quantization_config.quant_method "
+                         f"{method!r}): tritonllm loads float32/float16/bfloat16 weights only; use the unquantized "
+                         f"checkpoint")
+    return config
 
 
 def build_model(config, dtype: torch.dtype, device: torch.device, kernels: str = "triton") -> nn.Module:
