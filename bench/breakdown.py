@@ -170,8 +170,9 @@ def main():
         print(f"| {kind} | {seconds:.3f} | {100 * seconds / wall:.1f}% | {launches[kind]} |")
     print(f"| host (GPU idle) | {wall - gpu:.3f} | {100 * (wall - gpu) / wall:.1f}% | |")
     print(f"| total | {wall:.3f} | 100% | {sum(launches.values())} |")
-    # GEMM and other: kernels we do not write; MoE: router, alignment, the grouped GEMMs and the sum.
-    for kind in [kind for kind in ("GEMM", "other", "MoE") if names[kind]]:
+    # GEMM and other: kernels we do not write; MoE: router, alignment, the grouped GEMMs and the sum; decode
+    # attention and its merge; the norms.
+    for kind in [kind for kind in ("GEMM", "other", "MoE", "decode attention", "norms") if names[kind]]:
         print(f"\n{kind} kernels, longest first: " + "; ".join(
             f"{name[:70]} {seconds:.3f} s x{count}" for seconds, count, name in sorted(names[kind], reverse=True)[:8]))
     print_gaps(gaps)
