@@ -121,6 +121,13 @@ def qk_norm_rotary_store(positions, qkv, q_weight, k_weight, eps, cos_sin_cache,
     return out
 
 
+def linear(x, weight, bias=None, *, counts=None, out=None, config=None):
+    """torch.nn.functional.linear (the engine's reference backend); counts and config are the Triton
+    kernel's and unused here."""
+    y = torch.nn.functional.linear(x, weight, bias)
+    return y if out is None else out.copy_(y)
+
+
 def silu_and_mul(x):
     """x [T, 2I] -> silu(x[:, :I]) * x[:, I:] with HF's rounding (silu rounded, then the product)."""
     inter = x.shape[-1] // 2

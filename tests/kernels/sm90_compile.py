@@ -127,6 +127,15 @@ def cases():
             t(40, 256, 8, 128, dtype=torch.float8_e4m3fn), key_major_e4m3(40, 256, 8, 128), t(8192, dtype=torch.int32),
             16, 8, k_scale=t(40, 256, 8, dtype=torch.float32), v_scale=t(40, 256, 8, dtype=torch.float32),
             k_copy=t(32, 256, 8, 128), v_copy=t(32, 256, 8, 128), copy_slots=t(8192, dtype=torch.int32)))
+    from tritonllm.kernels import linear
+
+    # A decode step's projections (Qwen3-0.6B's qkv at 1 row, its down at 16; 30B-A3B's router), split and not.
+    for dtype in (torch.float16, torch.bfloat16):
+        for rows, n, k, tile in ((1, 4096, 1024, (64, 128, 2)), (16, 1024, 3072, (32, 256, 4)),
+                                 (4, 128, 2048, (32, 128, 8)), (3, 70, 300, (32, 64, 1))):
+            cfg = {"BLOCK_N": tile[0], "BLOCK_K": tile[1], "SPLIT_K": tile[2], "num_warps": 4, "num_stages": 3}
+            calls.append(lambda d=dtype, m=rows, n=n, k=k, c=cfg: linear(torch.zeros(m, k, dtype=d),
+                                                                         torch.zeros(n, k, dtype=d), config=c))
     from tritonllm.kernels import gather_kv_blocks
 
     # The copies prefill takes of an e4m3 cache (V key-major), and of a bf16 one.

@@ -10,6 +10,7 @@ from tritonllm.kernels import tuning
 from tritonllm.kernels.decode_attention import decode_attention_bucket
 from tritonllm.kernels.fused_moe import fused_moe_bucket
 from tritonllm.kernels.kv_cache import store_kv_cache_bucket
+from tritonllm.kernels.linear import linear_bucket
 from tritonllm.kernels.logprobs import compute_logprobs_bucket
 from tritonllm.kernels.moe_routing import moe_route_bucket
 from tritonllm.kernels.norm import rms_norm_bucket
@@ -33,13 +34,16 @@ def test_pow2_buckets():
 @pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
 def test_shipped_configs_match_their_kernels(path):
     # A tuned config must carry exactly the meta-parameters its kernel takes today, plus at most the
-    # launch options a tuning space may add (decode's register cap).
+    # launch options a tuning space may add (decode's register cap): those of the default, or of a
+    # config of the bucket's space (linear chooses between cuBLAS and its tiles).
     body = json.loads(path.read_text())
     assert body["kernels"]
     for name, rows in body["kernels"].items():
         tunable = tuning.REGISTRY[name]
         for key, config in rows.items():
-            assert set(config) - {"maxnreg"} == set(tunable.default(*parse_bucket(key))), (name, key)
+            bucket = parse_bucket(key)
+            allowed = [set(tunable.default(*bucket))] + [set(c) - {"maxnreg"} for c in tunable.space(*bucket)]
+            assert set(config) - {"maxnreg"} in allowed, (name, key)
 
 
 @pytest.fixture
@@ -131,6 +135,7 @@ WRAPPERS = {
     "compute_logprobs": (lambda: kernels.compute_logprobs(zeros(3, 100), index(0, 1, 2)),
                          compute_logprobs_bucket(torch.float16, 100)),
     "moe_route": (lambda: kernels.moe_route(zeros(3, 60), 4, True), moe_route_bucket(torch.float16, 60, 3)),
+    "linear": (lambda: kernels.linear(zeros(3, 32), zeros(8, 32)), linear_bucket(torch.float16, 8, 32, 3)),
     "fused_moe": (lambda: kernels.fused_moe(zeros(3, 32), zeros(8, 96, 32), zeros(8, 32, 48),
                                             zeros(3, 2, dtype=torch.float32), index(0, 1, 2, 3, 4, 5).view(3, 2)),
                   fused_moe_bucket(torch.float16, 8, 48, 32, 3)),

@@ -1,13 +1,19 @@
 """Tensor-parallel linear layers. Weights are loaded straight into this rank's shard.
 
+Each layer computes through its kernel backend's `linear` (ops: the Triton kernels or their
+references, layers/ops.py), handing it the layer's own split counters (kernels/linear.py), which
+the kernel leaves zeroed: a decode step's projections then take one launch each.
+
 `loaded` in the weight loaders is a torch tensor or a safetensors slice (read lazily, so each
 rank reads only its part of the checkpoint).
 """
+from types import ModuleType
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tritonllm.distributed import all_reduce, tp_rank, tp_size
+from tritonllm.kernels.linear import linear_counts
 
 
 def narrow(loaded, dim: int, start: int, size: int) -> torch.Tensor:
@@ -31,9 +37,11 @@ def copy_weight(param: nn.Parameter, loaded) -> None:
 
 
 class LinearBase(nn.Module):
-    def __init__(self, input_size: int, output_size: int, bias: bool):
+    def __init__(self, input_size: int, output_size: int, bias: bool, ops: ModuleType):
         super().__init__()
+        self.ops = ops
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        self.register_buffer("split_counts", linear_counts(output_size), persistent=False)
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         self.bias = None
@@ -41,29 +49,45 @@ class LinearBase(nn.Module):
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
 
+    def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.ops.linear(x, self.weight, bias, counts=self.split_counts)
+
+
+class ReplicatedLinear(LinearBase):
+    """y = x W^T with the whole W on every rank (Qwen3-MoE's router)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, *, ops: ModuleType):
+        super().__init__(input_size, output_size, bias, ops)
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id=None):
+        copy_weight(param, loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.project(x, self.bias)
+
 
 class ColumnParallelLinear(LinearBase):
     """y = x W^T with W's output rows split over the ranks; y stays split."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, *, ops: ModuleType):
         if output_size % tp_size():
             raise ValueError(f"output size {output_size} is not divisible by tensor_parallel_size {tp_size()}")
-        super().__init__(input_size, output_size // tp_size(), bias)
+        super().__init__(input_size, output_size // tp_size(), bias, ops)
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None):
         size = param.shape[0]
         param.data.copy_(narrow(loaded, 0, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.project(x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs in one GEMM (gate and up): shard i sits after shards < i."""
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, *, ops: ModuleType):
         self.output_sizes = output_sizes
-        super().__init__(input_size, sum(output_sizes), bias)
+        super().__init__(input_size, sum(output_sizes), bias, ops=ops)
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id: int):
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
@@ -74,13 +98,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 class QKVParallelLinear(ColumnParallelLinear):
     """Packed q, k, v projections; each rank holds its query heads and its KV heads."""
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False, *,
+                 ops: ModuleType):
         for name, heads in (("num_attention_heads", num_heads), ("num_key_value_heads", num_kv_heads)):
             if heads % tp_size():
                 raise ValueError(f"{name}={heads} is not divisible by tensor_parallel_size {tp_size()}")
         self.head_dim = head_dim
         self.num_heads, self.num_kv_heads = num_heads // tp_size(), num_kv_heads // tp_size()
-        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias)
+        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias, ops=ops)
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id: str):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -91,10 +116,10 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(LinearBase):
     """y = x W^T with W's input columns split over the ranks; partial sums all-reduced."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, *, ops: ModuleType):
         if input_size % tp_size():
             raise ValueError(f"input size {input_size} is not divisible by tensor_parallel_size {tp_size()}")
-        super().__init__(input_size // tp_size(), output_size, bias)
+        super().__init__(input_size // tp_size(), output_size, bias, ops)
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None):
         if param.dim() == 1:  # the bias is added once, on rank 0
@@ -105,4 +130,4 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None
-        return all_reduce(F.linear(x, self.weight, bias))
+        return all_reduce(self.project(x, bias))

@@ -7,11 +7,10 @@ and w2 [E, H, N/tp], and filled one checkpoint tensor at a time as the loader st
 from types import ModuleType
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tritonllm.distributed import all_reduce, tp_rank, tp_size
-from tritonllm.layers.linear import copy_weight, narrow
+from tritonllm.layers.linear import ReplicatedLinear, copy_weight, narrow
 
 
 class FusedMoE(nn.Module):
@@ -50,10 +49,9 @@ class SparseMoeBlock(nn.Module):
 
     def __init__(self, config, ops: ModuleType):
         super().__init__()
-        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
-        self.gate.weight.requires_grad_(False)
+        self.gate = ReplicatedLinear(config.hidden_size, config.num_experts, ops=ops)
         self.experts = FusedMoE(config.num_experts, config.hidden_size, config.moe_intermediate_size,
                                 config.num_experts_per_tok, config.norm_topk_prob, ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(self.experts(x, F.linear(x, self.gate.weight)))
+        return all_reduce(self.experts(x, self.gate(x)))

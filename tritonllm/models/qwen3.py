@@ -18,8 +18,9 @@ class Qwen3Attention(nn.Module):
         super().__init__()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
-                                          config.num_key_value_heads, bias=getattr(config, "attention_bias", False))
-        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size)
+                                          config.num_key_value_heads, bias=getattr(config, "attention_bias", False),
+                                          ops=ops)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, ops=ops)
         self.attn = Attention(self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim, config.rms_norm_eps,
                               rotary, ops)
 
@@ -30,8 +31,8 @@ class Qwen3Attention(nn.Module):
 class Qwen3MLP(nn.Module):
     def __init__(self, config, ops: ModuleType):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2)
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, ops=ops)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, ops=ops)
         self.act = SiluAndMul(ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
