@@ -22,6 +22,7 @@ from tritonllm.kernels.tuning import Tunable, dtype_name, pow2
 
 MAX_ROWS = 16  # past this cuBLAS's tiles win (bench/NOTES-engine.md)
 BLOCK_M = 16  # the MMA's smallest N: x's rows, padded
+MIN_BLOCK_N = 16  # the MMA's smallest M: a counter buffer serves every tile of at least this many rows of W
 MIN_PROGRAMS = 132  # about one program an SM (H200) before K is split further
 
 
@@ -112,7 +113,7 @@ def linear_bucket(dtype: torch.dtype, n: int, k: int, rows: int) -> tuple:
 
 def linear_counts(n: int, device=None) -> torch.Tensor:
     """A zeroed int32 counter buffer that serves every linear call with weights of n rows (N)."""
-    return torch.zeros(triton.cdiv(n, 32), dtype=torch.int32, device=device)
+    return torch.zeros(triton.cdiv(n, MIN_BLOCK_N), dtype=torch.int32, device=device)
 
 
 def _torch_linear(x, weight, bias, out):
@@ -145,8 +146,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return _torch_linear(x, weight, bias, out)
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("x and weight need contiguous rows (stride 1 along K)")
-    if counts is not None and (counts.dtype != torch.int32 or counts.numel() < triton.cdiv(n, 32)):
-        raise ValueError(f"counts must be int32 with at least {triton.cdiv(n, 32)} entries (linear_counts({n}))")
+    if counts is not None and (counts.dtype != torch.int32 or counts.numel() < triton.cdiv(n, MIN_BLOCK_N)):
+        raise ValueError(f"counts must be int32 with at least {triton.cdiv(n, MIN_BLOCK_N)} entries "
+                         f"(linear_counts({n}))")
     def launch(cfg):
         if cfg.get("TORCH"):
             return _torch_linear(x, weight, None, out)

@@ -38,7 +38,7 @@ def test_linear_untuned_bucket_is_cublas():
 
 # Every tile and split count, with N, M and K that the tiles do not divide; with splits the last
 # split's K run ends early (K 300) or holds no step at all (K 130 in 8 splits of 64).
-@pytest.mark.parametrize("cfg", [config(32, 64, 1), config(32, 64, 2), config(64, 128, 4, 4), config(32, 64, 8),
+@pytest.mark.parametrize("cfg", [config(16, 64, 4), config(32, 64, 1), config(32, 64, 2), config(64, 128, 4, 4), config(32, 64, 8),
                                  config(128, 64, 2), config(32, 256, 1)],
                          ids=lambda c: f"n{c['BLOCK_N']}-k{c['BLOCK_K']}-s{c['SPLIT_K']}")
 @pytest.mark.parametrize("rows, n, k", [(5, 70, 300), (16, 129, 130), (1, 32, 512)])
@@ -50,8 +50,8 @@ def test_linear_counts_are_left_zero_and_reused():
     # One counter buffer for several calls, as a layer keeps it: the last program of each tile resets
     # its counter, so every later call starts from zero (a stale count would skip the tile's sum).
     counts = linear_counts(96, DEVICE)
-    for rows in (1, 4, 16):
-        check(rows, 96, 512, torch.bfloat16, config(32, 64, 4), counts=counts)
+    for rows, block_n in ((1, 32), (4, 16), (16, 64)):  # the smallest tile uses every counter
+        check(rows, 96, 512, torch.bfloat16, config(block_n, 64, 4), counts=counts)
         assert not counts.any()
 
 
@@ -89,7 +89,7 @@ def test_linear_bad_inputs():
         linear(x, randn(8, 32, dtype=torch.float16))
     with pytest.raises(ValueError, match="contiguous"):
         linear(randn(32, 2, dtype=torch.bfloat16).t(), randn(8, 32, dtype=torch.bfloat16), config=config(32, 64, 1))
-    with pytest.raises(ValueError, match=r"counts must be int32 with at least 3 entries"):
+    with pytest.raises(ValueError, match=r"counts must be int32 with at least 5 entries"):
         linear(x, randn(70, 32, dtype=torch.bfloat16), counts=torch.zeros(2, dtype=torch.int32, device=DEVICE),
                config=config(32, 64, 1))
     with pytest.raises(ValueError, match=r"out must be \[2, 8\]"):
