@@ -1,4 +1,6 @@
 """Qwen3 through the kernels equals HF transformers' Qwen3ForCausalLM."""
+import importlib
+
 import pytest
 import torch
 from model_utils import (DEVICE, SEQ_LENS, hf_logits, load, prefill_then_decode, random_sequences,
@@ -6,6 +8,8 @@ from model_utils import (DEVICE, SEQ_LENS, hf_logits, load, prefill_then_decode,
 from numerics import rel_err
 from transformers.models.qwen3 import Qwen3ForCausalLM as HFQwen3
 
+from tritonllm.kernels import tuning
+from tritonllm.kernels.linear import linear_bucket
 from tritonllm.loader import build_model, init_dummy_weights, load_config
 from tritonllm.models.presets import preset_config
 
@@ -33,6 +37,42 @@ def test_logits_close_to_hf_bfloat16(tiny_qwen3):
     for b, n in enumerate(SEQ_LENS):
         assert rel_err(prefill[offsets[b]:offsets[b + 1]], expected[b][:n]) < 3e-2
         assert rel_err(decode[b], expected[b][n]) < 3e-2
+
+
+linear_module = importlib.import_module("tritonllm.kernels.linear")  # the package exports linear, the function
+
+
+class LaunchSpy:
+    """Stands in for a @triton.jit kernel: counts its launches and runs it."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("fixture", ["tiny_qwen3", "tiny_qwen3_moe"])
+def test_decode_projections_through_the_triton_linear(fixture, request, monkeypatch):
+    # A tuned table that sends the decode step's projections (3 rows: qkv, o, gate/up, down, the MoE
+    # router) to kernels.linear's split tiles, as the H200 table does for small batches; the prefill
+    # (54 rows) stays on cuBLAS. Same logits as cuBLAS within bf16 rounding, and every layer's
+    # counter buffer is zero again after the step.
+    path = request.getfixturevalue(fixture)
+    model = load(path, torch.bfloat16)
+    sequences = random_sequences(model.config.vocab_size, SEQ_LENS)
+    _, _, cublas = prefill_then_decode(model, sequences, torch.bfloat16)
+    tile = {"BLOCK_N": 16, "BLOCK_K": 64, "SPLIT_K": 2, "num_warps": 4, "num_stages": 2}
+    layers = [m for m in model.modules() if hasattr(m, "split_counts")]
+    buckets = {tuning.bucket_key(linear_bucket(torch.bfloat16, *m.weight.shape, len(SEQ_LENS))) for m in layers}
+    monkeypatch.setattr(tuning, "_table", {"linear": dict.fromkeys(buckets, tile)})
+    spy = LaunchSpy(linear_module._linear_kernel)
+    monkeypatch.setattr(linear_module, "_linear_kernel", spy)
+    _, _, triton_rows = prefill_then_decode(model, sequences, torch.bfloat16)
+    assert spy.launches == len(layers)
+    assert rel_err(triton_rows, cublas) < 2e-2
+    assert all(not m.split_counts.any() for m in layers)
 
 
 def test_sharded_checkpoint_loads_the_same_weights(tiny_qwen3, tmp_path):
