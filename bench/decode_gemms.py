@@ -92,7 +92,8 @@ def main():
         tune({name: shape for name, shape in shapes.items() if name != "lm_head"})
     bf16 = dict(dtype=torch.bfloat16, device="cuda")
     print(f"{args.model}: (N, K) {shapes}; kernels.linear runs its Triton kernel up to {MAX_ROWS} rows\n\n"
-          "| B | GEMM | cuBLAS us | linear us | floor us | linear of floor | linear speedup |\n|---|---|---|---|---|---|---|")
+          "| B | GEMM | cuBLAS us | linear us | floor us | linear of floor | linear speedup |\n"
+          "|---|---|---|---|---|---|---|")
     layer = [shape for name, shape in shapes.items() if name != "lm_head"]
     counts = {n: linear_counts(n, "cuda") for n, _ in shapes.values()}
 
@@ -118,6 +119,7 @@ def main():
         floor = sum(floor_us(batch, n, k) for n, k in layer)
         print(f"| {batch} | a layer's {len(layer)}, back to back | {cublas:.1f} | {mine:.1f} | {floor:.1f} | "
               f"{floor / mine:.0%} | {cublas / mine:.2f}x |")
+
 
 if __name__ == "__main__":
     main()

@@ -129,11 +129,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     x: [M, K] with contiguous rows; weight: [N, K] of x's dtype with contiguous rows; bias: [N] or
     None. float16/bfloat16 x of 1 to MAX_ROWS rows and no bias run the split-K Triton kernel
     (float32 accumulation, the split partials added in a fixed order, one rounding to x's dtype; no
-    host sync) where the tuned config says so, else cuBLAS. counts: the int32 counters of a split launch, linear_counts(N) (zero before the call
-    and zero again after it: pass the same buffer to every call, and calls that share it must not
-    run concurrently); None: a zeroed buffer per call. Anything else calls torch. out: optional
-    [M, N] of x's dtype, written in place. config: overrides the tuned/default launch config (tests,
-    benchmarks). Returns y [M, N].
+    host sync) where the tuned config says so, else cuBLAS; anything else calls torch. counts: the
+    int32 counters of a split launch, linear_counts(N) (zero before the call and zero again after
+    it: pass the same buffer to every call, and calls that share it must not run concurrently);
+    None: a zeroed buffer per call. out: optional [M, N] of x's dtype, written in place. config:
+    overrides the tuned/default launch config (tests, benchmarks). Returns y [M, N].
     """
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x must be [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
@@ -141,7 +141,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         raise TypeError(f"weight's dtype {weight.dtype} must be x's {x.dtype}")
     rows, (n, k) = x.shape[0], weight.shape
     if out is not None and (out.shape != (rows, n) or out.dtype != x.dtype or out.stride(1) != 1):
-        raise ValueError(f"out must be [{rows}, {n}] {x.dtype} with contiguous rows, got {tuple(out.shape)} {out.dtype}")
+        raise ValueError(f"out must be [{rows}, {n}] {x.dtype} with contiguous rows, "
+                         f"got {tuple(out.shape)} {out.dtype}")
     if bias is not None or x.dtype == torch.float32 or not 1 <= rows <= MAX_ROWS:
         return _torch_linear(x, weight, bias, out)
     if x.stride(1) != 1 or weight.stride(1) != 1:
@@ -149,6 +150,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if counts is not None and (counts.dtype != torch.int32 or counts.numel() < triton.cdiv(n, MIN_BLOCK_N)):
         raise ValueError(f"counts must be int32 with at least {triton.cdiv(n, MIN_BLOCK_N)} entries "
                          f"(linear_counts({n}))")
+
     def launch(cfg):
         if cfg.get("TORCH"):
             return _torch_linear(x, weight, None, out)
