@@ -1,8 +1,8 @@
 """y = x W^T for the few rows of a small decode step (M <= MAX_ROWS), split over K.
 
 With a handful of rows a projection is a read of W [N, K]: its time is W's bytes plus how soon
-every SM has loads in flight. cuBLAS's kernels for these shapes read W at 25-40% of the copy
-ceiling on an H200, some as a split-K GEMM plus a second reduction launch (bench/NOTES-engine.md).
+every SM has loads in flight. cuBLAS's kernels for these shapes read W well below the copy ceiling,
+some as a split-K GEMM plus a second reduction launch (bench/NOTES-engine.md has the timings).
 Here a program computes BLOCK_N rows of y^T = W x^T (W's rows are the MMA's M; x's few rows its N,
 padded to BLOCK_M) over one of SPLIT_K runs of K. With SPLIT_K > 1 each program writes its float32
 partial, then counts its arrival on the tile's int32 counter; the last to arrive adds the partials
