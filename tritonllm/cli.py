@@ -142,7 +142,8 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--kernels", choices=KERNEL_BACKENDS, default="triton",
                        help="Triton kernels, or their PyTorch references")
         p.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
-                       help="auto: the model's dtype; fp8 (vLLM: fp8_e4m3): e4m3 with a scale per token and KV head (half the bytes)")
+                       help="auto: the model's dtype; fp8 (vLLM: fp8_e4m3): e4m3 with a scale per token and KV head "
+                            "(half the bytes)")
         p.add_argument("--seed", type=int, default=0)
 
     gen = commands.add_parser("generate", help="complete prompts (or run the bundled model's task set)",

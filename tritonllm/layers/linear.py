@@ -52,6 +52,9 @@ class LinearBase(nn.Module):
     def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return self.ops.linear(x, self.weight, bias, counts=self.split_counts)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.project(x, self.bias)
+
 
 class ReplicatedLinear(LinearBase):
     """y = x W^T with the whole W on every rank (Qwen3-MoE's router)."""
@@ -61,9 +64,6 @@ class ReplicatedLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None):
         copy_weight(param, loaded)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.project(x, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -77,9 +77,6 @@ class ColumnParallelLinear(LinearBase):
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None):
         size = param.shape[0]
         param.data.copy_(narrow(loaded, 0, self.tp_rank * size, size))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.project(x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
