@@ -10,10 +10,9 @@ rows, each projection with its zeroed counter buffer; past that it calls cuBLAS 
 of a GEMM is the larger of its bytes (weights, input, output) over the copy ceiling and its FLOPs
 over the bf16 GEMM ceiling. NOTES-engine.md has the workload's sum.
 
---tune first tunes kernels.linear's untuned buckets of the model's projections at 1 to MAX_ROWS rows
-(qkv and a dense model's gate/up also with the norm fused, its down with SiLU-and-mul; cuBLAS, with
-the separate launch, among the candidates), each config graph-timed over the same cold weight sets,
-and writes the winners to the tuned-config file; --retune tunes every bucket again.
+--tune first tunes kernels.linear's buckets of the model's projections at 1 to MAX_ROWS rows (cuBLAS
+among the candidates), each config graph-timed over the same cold weight sets, and writes the
+winners to the tuned-config file.
 """
 import argparse
 
@@ -57,44 +56,27 @@ def weight_sets(batch: int, n: int, k: int) -> list[tuple[torch.Tensor, torch.Te
             for _ in range(input_sets(gemm_bytes(batch, n, k)))]
 
 
-def tune(shapes: dict[str, tuple[int, int]], retune: bool):
-    """Each untuned (all where retune) bucket's fastest config of kernels.linear's space at 1..MAX_ROWS rows, into the tuned table:
-    every projection plain, qkv (and a dense model's gate/up) with the RMSNorm and residual add in its
-    prologue, a dense model's down with SiLU-and-mul in its, as the layers call them (own buckets)."""
+def tune(shapes: dict[str, tuple[int, int]]):
+    """Each bucket's fastest config of kernels.linear's space at 1..MAX_ROWS rows, into the tuned table."""
     table = tuning.tuned_table().setdefault("linear", {})
-    fused = {"qkv": "norm"} | ({"gate_up": "norm", "down": "silu_and_mul"} if "gate_up" in shapes else {})
     for name, (n, k) in shapes.items():
         counts = linear_counts(n, "cuda")
-        norm_w = torch.ones(k, dtype=torch.bfloat16, device="cuda")
-        calls = {None: lambda x, w, cfg: linear(x, w, counts=counts, config=cfg),
-                 "norm": lambda x, r, w, cfg: kernels.rms_norm_linear(x, norm_w, 1e-6, w, residual=r, counts=counts,
-                                                                      config=cfg),
-                 "silu_and_mul": lambda x, w, cfg: kernels.silu_and_mul_linear(x, w, counts=counts, config=cfg)}
-        for prologue in (None, fused.get(name)) if name in fused else (None,):
-            rows = 1
-            while rows <= MAX_ROWS:
-                sets = weight_sets(rows, n, k)
-                if prologue == "norm":
-                    sets = [(x, torch.randn_like(x), w) for x, w in sets]
-                elif prologue == "silu_and_mul":
-                    sets = [(torch.randn(rows, 2 * k, dtype=x.dtype, device=x.device), w) for x, w in sets]
-                bucket = linear_bucket(torch.bfloat16, n, k, rows, prologue)
-                if tuning.bucket_key(bucket) in table and not retune:
-                    rows *= 2
+        rows = 1
+        while rows <= MAX_ROWS:
+            sets, bucket = weight_sets(rows, n, k), linear_bucket(torch.bfloat16, n, k, rows)
+            times = []
+            for cfg in LINEAR_TUNABLE.space(*bucket):
+                try:
+                    times.append((graph_time_ms(lambda x, w, c=cfg: linear(x, w, counts=counts, config=c), sets,
+                                                replays=15), cfg))
+                except triton.runtime.errors.OutOfResources:
                     continue
-                times = []
-                for cfg in LINEAR_TUNABLE.space(*bucket):
-                    try:
-                        times.append((graph_time_ms(lambda *t, c=cfg: calls[prologue](*t, c), sets, replays=15), cfg))
-                    except triton.runtime.errors.OutOfResources:
-                        continue
-                times.sort(key=lambda row: row[0])
-                table[tuning.bucket_key(bucket)] = times[0][1]
-                cublas = next(ms for ms, cfg in times if cfg.get("TORCH"))
-                print(f"tuned {name}{' + ' + prologue if prologue else ''} (N {n}, K {k}) M {rows}: "
-                      f"{1e3 * times[0][0]:.1f} us {times[0][1]}, cuBLAS (with the separate launch) "
-                      f"{1e3 * cublas:.1f} us, {len(times)} configs", flush=True)
-                rows *= 2
+            times.sort(key=lambda row: row[0])
+            table[tuning.bucket_key(bucket)] = times[0][1]
+            cublas = next(ms for ms, cfg in times if cfg.get("TORCH"))
+            print(f"tuned {name} (N {n}, K {k}) M {rows}: {1e3 * times[0][0]:.1f} us {times[0][1]}, cuBLAS "
+                  f"{1e3 * cublas:.1f} us, {len(times)} configs", flush=True)
+            rows *= 2
     print(f"tuned configs written to {tuning.save()}")
 
 
@@ -102,14 +84,13 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen3-0.6b", help="preset name or checkpoint folder")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
-    parser.add_argument("--tune", action="store_true", help="tune kernels.linear's untuned buckets of these shapes first")
-    parser.add_argument("--retune", action="store_true", help="tune all of them first")
+    parser.add_argument("--tune", action="store_true", help="tune kernels.linear's buckets of these shapes first")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/decode_gemms.py needs a CUDA GPU")
     shapes = layer_shapes(load_config(args.model))
-    if args.tune or args.retune:
-        tune({name: shape for name, shape in shapes.items() if name != "lm_head"}, args.retune)
+    if args.tune:
+        tune({name: shape for name, shape in shapes.items() if name != "lm_head"})
     bf16 = dict(dtype=torch.bfloat16, device="cuda")
     print(f"{args.model}: (N, K) {shapes}; kernels.linear runs its Triton kernel up to {MAX_ROWS} rows\n\n"
           "| B | GEMM | cuBLAS us | linear us | floor us | linear of floor | linear speedup |\n"

@@ -29,9 +29,6 @@ MIN_PROGRAMS = 132  # about one program an SM (H200) before K is split further
 
 
 PLAIN, NORM, ADD_NORM, SILU_AND_MUL = (tl.constexpr(v) for v in range(4))  # PROLOGUE: x before the dot
-# A fused form has buckets of its own: cuBLAS there costs the prologue's separate launch too.
-_BUCKET_SUFFIX = {PLAIN.value: (), NORM.value: ("norm",), ADD_NORM.value: ("norm",),
-                  SILU_AND_MUL.value: ("silu_and_mul",)}
 
 
 @triton.jit
@@ -152,7 +149,7 @@ def _splits(n: int, k: int, block_n: int, block_k: int) -> int:
 TORCH = {"TORCH": 1}
 
 
-def _space(dtype, n_bucket, k_bucket, rows_bucket, prologue=None):
+def _space(dtype, n_bucket, k_bucket, rows_bucket):
     # Buckets hold N and K in (bucket / 2, bucket]: splits are sized on the smallest K.
     min_k = max(1, k_bucket // 2)
     configs = [TORCH]
@@ -168,17 +165,16 @@ def _space(dtype, n_bucket, k_bucket, rows_bucket, prologue=None):
     return configs
 
 
-def _default(dtype, n_bucket, k_bucket, rows_bucket, prologue=None):
+def _default(dtype, n_bucket, k_bucket, rows_bucket):
     return TORCH
 
 
 LINEAR_TUNABLE = Tunable("linear", _space, _default)
 
 
-def linear_bucket(dtype: torch.dtype, n: int, k: int, rows: int, prologue: str | None = None) -> tuple:
-    """The tuning bucket of linear: x's dtype, then N, K and the rows M as powers of two; the fused
-    forms' ("norm": rms_norm_linear, "silu_and_mul": silu_and_mul_linear, K its output's width) append it."""
-    return (dtype_name(dtype), pow2(n), pow2(k), pow2(rows)) + ((prologue,) if prologue else ())
+def linear_bucket(dtype: torch.dtype, n: int, k: int, rows: int) -> tuple:
+    """The tuning bucket of linear: x's dtype, then N, K and the rows M as powers of two."""
+    return dtype_name(dtype), pow2(n), pow2(k), pow2(rows)
 
 
 def linear_counts(n: int, device=None) -> torch.Tensor:
@@ -241,7 +237,7 @@ def _project(x, weight, k, counts, out, config, torch_path, prologue=PLAIN, resi
         return y
 
     if config is None:
-        bucket = linear_bucket(x.dtype, n, k, rows) + _BUCKET_SUFFIX[prologue.value]
+        bucket = linear_bucket(x.dtype, n, k, rows)
         config = LINEAR_TUNABLE.config(bucket, tuning.graph_replay(launch) if x.is_cuda else launch)
     return launch(config), not config.get("TORCH")
 

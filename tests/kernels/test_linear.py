@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from kernel_utils import DEVICE, assert_close, poisoned, randn
 
-from tritonllm.kernels import fused_add_rms_norm, linear, reference, silu_and_mul, tuning
+from tritonllm.kernels import fused_add_rms_norm, linear, reference, silu_and_mul
 from tritonllm.kernels.linear import (LINEAR_TUNABLE, MAX_ROWS, TORCH, linear_bucket, linear_counts, rms_norm_linear,
                                       silu_and_mul_linear)
 
@@ -108,9 +108,6 @@ def test_linear_space(n, k, rows):
     tiles = space[1:]
     assert tiles and all(max(1, bucket[2] // 2) // cfg["SPLIT_K"] >= cfg["BLOCK_K"] for cfg in tiles)
     assert any(cfg["SPLIT_K"] > 1 for cfg in tiles) == (k >= 256)
-    for prologue in ("norm", "silu_and_mul"):  # the fused forms' buckets: the same choices
-        fused = linear_bucket(torch.bfloat16, n, k, rows, prologue)
-        assert fused[:-1] == bucket and fused[-1] == prologue and LINEAR_TUNABLE.space(*fused) == space
 
 
 FUSED_CONFIGS = [config(16, 64, 4), config(32, 64, 1), config(64, 128, 2, 4)]
@@ -144,18 +141,6 @@ def test_silu_and_mul_linear(rows, n, inter, cfg, dtype):
     y = silu_and_mul_linear(gate_up, w, config=cfg)
     act = reference.silu_and_mul(gate_up)
     assert_close(y, reference.linear(act.double(), w.double()).to(dtype), dtype)
-
-
-def test_fused_forms_look_up_their_own_buckets(monkeypatch):
-    x, residual, gate_up = (randn(3, k, dtype=torch.bfloat16) for k in (64, 64, 128))
-    norm_w, w = randn(64, dtype=torch.bfloat16), randn(24, 64, dtype=torch.bfloat16)
-    monkeypatch.setattr(tuning, "_table", {})
-    for call, prologue in [(lambda: linear(x, w), None),
-                           (lambda: rms_norm_linear(x, norm_w, 1e-6, w, residual=residual), "norm"),
-                           (lambda: rms_norm_linear(x, norm_w, 1e-6, w), "norm"),
-                           (lambda: silu_and_mul_linear(gate_up, w), "silu_and_mul")]:
-        call()
-        assert LINEAR_TUNABLE.last_key == tuning.bucket_key(linear_bucket(torch.bfloat16, 24, 64, 3, prologue))
 
 
 def test_fused_forms_fall_back_to_the_separate_kernels():

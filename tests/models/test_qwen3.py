@@ -56,7 +56,7 @@ class LaunchSpy:
 @pytest.mark.parametrize("fixture", ["tiny_qwen3", "tiny_qwen3_moe"])
 def test_decode_projections_through_the_triton_linear(fixture, request, monkeypatch):
     # A tuned table that sends the decode step's projections (3 rows: qkv, o, gate/up, down, the MoE
-    # router; the dense layers' with their norm or activation fused) to kernels.linear's split tiles, as the H200 table does for small batches; the prefill
+    # router) to kernels.linear's split tiles, as the H200 table does for small batches; the prefill
     # (54 rows) stays on cuBLAS. Same logits as cuBLAS within bf16 rounding, and every layer's
     # counter buffer is zero again after the step.
     path = request.getfixturevalue(fixture)
@@ -65,8 +65,7 @@ def test_decode_projections_through_the_triton_linear(fixture, request, monkeypa
     _, _, cublas = prefill_then_decode(model, sequences, torch.bfloat16)
     tile = {"BLOCK_N": 16, "BLOCK_K": 64, "SPLIT_K": 2, "num_warps": 4, "num_stages": 2}
     layers = [m for m in model.modules() if hasattr(m, "split_counts")]
-    buckets = {tuning.bucket_key(linear_bucket(torch.bfloat16, *m.weight.shape, len(SEQ_LENS), prologue))
-               for m in layers for prologue in (None, "norm", "silu_and_mul")}
+    buckets = {tuning.bucket_key(linear_bucket(torch.bfloat16, *m.weight.shape, len(SEQ_LENS))) for m in layers}
     monkeypatch.setattr(tuning, "_table", {"linear": dict.fromkeys(buckets, tile)})
     spy = LaunchSpy(linear_module._linear_kernel)
     monkeypatch.setattr(linear_module, "_linear_kernel", spy)
