@@ -21,7 +21,6 @@ import torch.nn.functional as F
 import triton
 
 from timing import BF16_FLOPS_PER_S, COPY_BYTES_PER_S, graph_time_ms, input_sets
-from tritonllm import kernels
 from tritonllm.kernels import tuning
 from tritonllm.kernels.linear import LINEAR_TUNABLE, MAX_ROWS, linear, linear_bucket, linear_counts
 from tritonllm.loader import load_config
@@ -120,42 +119,6 @@ def main():
         floor = sum(floor_us(batch, n, k) for n, k in layer)
         print(f"| {batch} | a layer's {len(layer)}, back to back | {cublas:.1f} | {mine:.1f} | {floor:.1f} | "
               f"{floor / mine:.0%} | {cublas / mine:.2f}x |")
-        if "gate_up" in shapes and batch <= MAX_ROWS:
-            separate, fused = (1e3 * graph_time_ms(fn, dense_layer_sets(batch, shapes)) for fn in
-                               (separate_layer, fused_layer))
-            print(f"| {batch} | a layer's projections with its two norms and SiLU-and-mul: separate / fused | "
-                  f"{separate:.1f} | {fused:.1f} | | | {separate / fused:.2f}x |")
-
-
-def dense_layer_sets(batch, shapes):
-    """Inputs of a dense layer's norms and projections: (hidden, residual, attention output, o output,
-    gate/up output, norm weight, the qkv, o, gate_up and down weights, then their counter buffers)."""
-    (n_qkv, hidden), (_, q), (n_gu, _), _ = (shapes[n] for n in ("qkv", "o", "gate_up", "down"))
-    bf16 = dict(dtype=torch.bfloat16, device="cuda")
-    weights = [(n, k) for n, k in (shapes[n] for n in ("qkv", "o", "gate_up", "down"))]
-    return [(torch.randn(batch, hidden, **bf16), torch.randn(batch, hidden, **bf16), torch.randn(batch, q, **bf16),
-             torch.randn(batch, hidden, **bf16), torch.randn(batch, n_gu, **bf16), torch.ones(hidden, **bf16),
-             *(torch.randn(n, k, **bf16) * 0.02 for n, k in weights), *(linear_counts(n, "cuda") for n, _ in weights))
-            for _ in range(input_sets(sum(gemm_bytes(batch, n, k) for n, k in weights)))]
-
-
-def separate_layer(hidden, residual, attn, o, gate_up, norm_w, w_qkv, w_o, w_gu, w_down, c_qkv, c_o, c_gu, c_down):
-    """The engine's launches before the fusion: norm, qkv, o, norm, gate_up, SiLU-and-mul, down."""
-    kernels.fused_add_rms_norm(hidden, residual, norm_w, 1e-6)
-    linear(hidden, w_qkv, counts=c_qkv)
-    linear(attn, w_o, counts=c_o)
-    kernels.fused_add_rms_norm(o, residual, norm_w, 1e-6)
-    linear(o, w_gu, counts=c_gu)
-    linear(kernels.silu_and_mul(gate_up), w_down, counts=c_down)
-
-
-def fused_layer(hidden, residual, attn, o, gate_up, norm_w, w_qkv, w_o, w_gu, w_down, c_qkv, c_o, c_gu, c_down):
-    """The same with each norm and the activation in the next projection's prologue."""
-    kernels.rms_norm_linear(hidden, norm_w, 1e-6, w_qkv, residual=residual, counts=c_qkv)
-    linear(attn, w_o, counts=c_o)
-    kernels.rms_norm_linear(o, norm_w, 1e-6, w_gu, residual=residual, counts=c_gu)
-    kernels.silu_and_mul_linear(gate_up, w_down, counts=c_down)
-
 
 
 if __name__ == "__main__":

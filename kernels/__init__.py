@@ -2,7 +2,7 @@
 from tritonllm.kernels.decode_attention import decode_attention
 from tritonllm.kernels.fused_moe import fused_moe
 from tritonllm.kernels.kv_cache import gather_kv_blocks, store_kv_cache
-from tritonllm.kernels.linear import linear, rms_norm_linear, silu_and_mul_linear
+from tritonllm.kernels.linear import linear
 from tritonllm.kernels.logprobs import compute_logprobs, compute_top_logprobs
 from tritonllm.kernels.moe_routing import moe_align, moe_route
 from tritonllm.kernels.norm import fused_add_rms_norm, rms_norm

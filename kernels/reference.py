@@ -128,17 +128,6 @@ def linear(x, weight, bias=None, *, counts=None, out=None, config=None):
     return y if out is None else out.copy_(y)
 
 
-def rms_norm_linear(x, norm_weight, eps, weight, *, residual=None, counts=None, config=None):
-    """(linear(rms_norm(h)), h), h = x + residual rounded (x without a residual); new tensors."""
-    h = x if residual is None else fused_add_rms_norm(x, residual, norm_weight, eps)[1]
-    return linear(rms_norm(h, norm_weight, eps), weight), h
-
-
-def silu_and_mul_linear(x, weight, *, counts=None, config=None):
-    """linear(silu_and_mul(x), weight)."""
-    return linear(silu_and_mul(x), weight)
-
-
 def silu_and_mul(x):
     """x [T, 2I] -> silu(x[:, :I]) * x[:, I:] with HF's rounding (silu rounded, then the product)."""
     inter = x.shape[-1] // 2

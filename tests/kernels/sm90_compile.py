@@ -128,7 +128,6 @@ def cases():
             16, 8, k_scale=t(40, 256, 8, dtype=torch.float32), v_scale=t(40, 256, 8, dtype=torch.float32),
             k_copy=t(32, 256, 8, 128), v_copy=t(32, 256, 8, 128), copy_slots=t(8192, dtype=torch.int32)))
     from tritonllm.kernels import linear
-    from tritonllm.kernels.linear import rms_norm_linear, silu_and_mul_linear
 
     # A decode step's projections (Qwen3-0.6B's qkv at 1 row, its down at 16; 30B-A3B's router), split and not.
     for dtype in (torch.float16, torch.bfloat16):
@@ -137,14 +136,6 @@ def cases():
             cfg = {"BLOCK_N": tile[0], "BLOCK_K": tile[1], "SPLIT_K": tile[2], "num_warps": 4, "num_stages": 3}
             calls.append(lambda d=dtype, m=rows, n=n, k=k, c=cfg: linear(torch.zeros(m, k, dtype=d),
                                                                          torch.zeros(n, k, dtype=d), config=c))
-        # The fused forms: RMSNorm (with and without the residual add) and SiLU-and-mul in the prologue.
-        cfg = {"BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 2, "num_warps": 4, "num_stages": 4}
-        for residual in (None, torch.zeros(1, 1024, dtype=dtype)):
-            calls.append(lambda d=dtype, r=residual, c=cfg: rms_norm_linear(
-                torch.zeros(1, 1024, dtype=d), torch.zeros(1024, dtype=d), 1e-6, torch.zeros(4096, 1024, dtype=d),
-                residual=r, config=c))
-        calls.append(lambda d=dtype, c=cfg: silu_and_mul_linear(torch.zeros(4, 2 * 3072, dtype=d),
-                                                                torch.zeros(1024, 3072, dtype=d), config=c))
     from tritonllm.kernels import gather_kv_blocks
 
     # The copies prefill takes of an e4m3 cache (V key-major), and of a bf16 one.

@@ -4,9 +4,8 @@ import torch
 import torch.nn.functional as F
 from kernel_utils import DEVICE, assert_close, poisoned, randn
 
-from tritonllm.kernels import fused_add_rms_norm, linear, reference, silu_and_mul
-from tritonllm.kernels.linear import (LINEAR_TUNABLE, MAX_ROWS, TORCH, linear_bucket, linear_counts, rms_norm_linear,
-                                      silu_and_mul_linear)
+from tritonllm.kernels import linear, reference
+from tritonllm.kernels.linear import LINEAR_TUNABLE, MAX_ROWS, TORCH, linear_bucket, linear_counts
 
 HALF = [torch.float16, torch.bfloat16]
 
@@ -108,49 +107,3 @@ def test_linear_space(n, k, rows):
     tiles = space[1:]
     assert tiles and all(max(1, bucket[2] // 2) // cfg["SPLIT_K"] >= cfg["BLOCK_K"] for cfg in tiles)
     assert any(cfg["SPLIT_K"] > 1 for cfg in tiles) == (k >= 256)
-
-
-FUSED_CONFIGS = [config(16, 64, 4), config(32, 64, 1), config(64, 128, 2, 4)]
-
-
-@pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("cfg", FUSED_CONFIGS, ids=lambda c: f"n{c['BLOCK_N']}-k{c['BLOCK_K']}-s{c['SPLIT_K']}")
-@pytest.mark.parametrize("with_residual", [False, True])
-@pytest.mark.parametrize("rows, n, k", [(1, 70, 300), (5, 96, 512), (16, 40, 130)])
-def test_rms_norm_linear(rows, n, k, with_residual, cfg, dtype):
-    # The fused form against rms_norm (after the residual add) then linear, in float64 from the same
-    # rounded inputs: h must be exact, y within the dtype's tolerance; x and residual untouched.
-    x, w, norm_w = randn(rows, k, dtype=dtype), randn(n, k, dtype=dtype), randn(k, dtype=dtype, scale=0.5) + 1
-    residual = randn(rows, k, dtype=dtype) if with_residual else None
-    inputs = [t.clone() for t in (x, residual) if t is not None]
-    counts = linear_counts(n, DEVICE)
-    y, h = rms_norm_linear(x, norm_w, 1e-6, w, residual=residual, counts=counts, config=cfg)
-    expected_h = x if residual is None else reference.fused_add_rms_norm(x, residual, norm_w, 1e-6)[1]
-    normed = reference.rms_norm(expected_h, norm_w, 1e-6)
-    assert torch.equal(h, expected_h)
-    assert_close(y, reference.linear(normed.double(), w.double()).to(dtype), dtype)
-    assert all(torch.equal(a, b) for a, b in zip([t for t in (x, residual) if t is not None], inputs))
-    assert not counts.any()
-
-
-@pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("cfg", FUSED_CONFIGS, ids=lambda c: f"n{c['BLOCK_N']}-k{c['BLOCK_K']}-s{c['SPLIT_K']}")
-@pytest.mark.parametrize("rows, n, inter", [(1, 70, 300), (7, 96, 512), (16, 40, 130)])
-def test_silu_and_mul_linear(rows, n, inter, cfg, dtype):
-    gate_up, w = randn(rows, 2 * inter, dtype=dtype, scale=3.0), randn(n, inter, dtype=dtype)
-    y = silu_and_mul_linear(gate_up, w, config=cfg)
-    act = reference.silu_and_mul(gate_up)
-    assert_close(y, reference.linear(act.double(), w.double()).to(dtype), dtype)
-
-
-def test_fused_forms_fall_back_to_the_separate_kernels():
-    # cuBLAS configs (the default) and more than MAX_ROWS rows: exactly the norm / activation kernel,
-    # then torch (h from the in-place fused_add_rms_norm).
-    for rows in (3, MAX_ROWS + 1):
-        x, residual = randn(rows, 64, dtype=torch.bfloat16), randn(rows, 64, dtype=torch.bfloat16)
-        norm_w, w = randn(64, dtype=torch.bfloat16), randn(24, 64, dtype=torch.bfloat16)
-        normed, expected_h = fused_add_rms_norm(x.clone(), residual.clone(), norm_w, 1e-6)
-        y, h = rms_norm_linear(x, norm_w, 1e-6, w, residual=residual)
-        assert torch.equal(h, expected_h) and torch.equal(y, F.linear(normed, w))
-        gate_up = randn(rows, 128, dtype=torch.bfloat16)
-        assert torch.equal(silu_and_mul_linear(gate_up, w), F.linear(silu_and_mul(gate_up), w))

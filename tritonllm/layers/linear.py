@@ -55,17 +55,6 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.project(x, self.bias)
 
-    def normed(self, x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None):
-        """(self(norm(x + residual)), x + residual) in one launch where the kernel takes it (no bias):
-        the RMSNorm `norm` in this projection's prologue; x and residual may be overwritten."""
-        if self.bias is not None:
-            if residual is None:
-                return self(norm(x)), x
-            hidden, residual = norm(x, residual)
-            return self(hidden), residual
-        return self.ops.rms_norm_linear(x, norm.weight, norm.eps, self.weight, residual=residual,
-                                        counts=self.split_counts)
-
 
 class ReplicatedLinear(LinearBase):
     """y = x W^T with the whole W on every rank (Qwen3-MoE's router)."""
@@ -139,9 +128,3 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None
         return all_reduce(self.project(x, bias))
-
-    def activated(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """self(silu_and_mul(gate_up)), the activation in this projection's prologue (no bias)."""
-        if self.bias is not None:
-            return self(self.ops.silu_and_mul(gate_up))
-        return all_reduce(self.ops.silu_and_mul_linear(gate_up, self.weight, counts=self.split_counts))

@@ -5,6 +5,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
+from tritonllm.layers.activation import SiluAndMul
 from tritonllm.layers.attention import Attention
 from tritonllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from tritonllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -23,10 +24,8 @@ class Qwen3Attention(nn.Module):
         self.attn = Attention(self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim, config.rms_norm_eps,
                               rotary, ops)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, norm: RMSNorm, residual: torch.Tensor | None):
-        """(attention output, new residual): norm(hidden + residual) in the qkv projection's prologue."""
-        qkv, residual = self.qkv_proj.normed(hidden, norm, residual)
-        return self.o_proj(self.attn(positions, qkv).flatten(1)), residual
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(self.attn(positions, self.qkv_proj(hidden)).flatten(1))
 
 
 class Qwen3MLP(nn.Module):
@@ -34,11 +33,10 @@ class Qwen3MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, ops=ops)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, ops=ops)
+        self.act = SiluAndMul(ops)
 
-    def forward(self, x: torch.Tensor, norm: RMSNorm, residual: torch.Tensor):
-        """(MLP output, new residual): norm(x + residual) in gate/up's prologue, SiLU-and-mul in down's."""
-        gate_up, residual = self.gate_up_proj.normed(x, norm, residual)
-        return self.down_proj.activated(gate_up), residual
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class Qwen3DecoderLayer(nn.Module):
@@ -50,12 +48,11 @@ class Qwen3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
     def forward(self, positions, hidden, residual):
-        # Each RMSNorm runs in the prologue of the projection that reads it, and SiLU-and-mul in the
-        # down projection's (layers/linear.py): one launch each where kernels.linear takes the rows. A
-        # MoE block reads the normalized rows twice (router and experts): its norm stays a launch.
-        hidden, residual = self.self_attn(positions, hidden, self.input_layernorm, residual)
-        if isinstance(self.mlp, Qwen3MLP):
-            return self.mlp(hidden, self.post_attention_layernorm, residual)
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
