@@ -25,7 +25,7 @@ from tritonllm.layers import rotary
 
 HQ, HKV, D, BS = 16, 8, 128, 16
 CASES = [(16384, "bf16"), (16384, "fp8"), (16384, "fp8 copies"), (1024, "fp8 copies"), (256, "bf16"), (256, "fp8"),
-         (64, "bf16"), (64, "fp8"), (8, "fp8")]
+         (128, "bf16"), (128, "fp8"), (64, "bf16"), (64, "fp8"), (32, "fp8"), (8, "fp8"), (1, "fp8")]
 
 
 def inputs(tokens: int, cache: str) -> tuple:

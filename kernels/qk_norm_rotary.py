@@ -177,28 +177,16 @@ def _qk_norm_rotary_store_kernel(
     if COPY:
         copy_slots = tl.load(copy_slot_ptr + tokens, mask=token_mask, other=-1).to(tl.int64)
 
-    # q: normed + roped into q_out.
-    q1, q2 = _norm_rotate(q1, q2, qw1.to(tl.float32), qw2.to(tl.float32), cos, sin, eps, HEAD_DIM, True)
-    q_out = q_out_ptr + tokens[:, None, None] * q_out_token_stride + q_heads * q_out_head_stride + dims3
-    tl.store(q_out, q1.to(q_out_ptr.dtype.element_ty), mask=q_mask)
-    tl.store(q_out + HALF, q2.to(q_out_ptr.dtype.element_ty), mask=q_mask)
-
-    # k (normed + roped) and v (as is) into their cache slot.
     cols = kv_heads * HEAD_DIM + dims3
-    k_offsets = slot_offsets(slots[:, None, None], cols, NUM_KV_HEADS * HEAD_DIM, 1, False)
-    k1, k2 = _norm_rotate(k1, k2, kw1.to(tl.float32), kw2.to(tl.float32), cos, sin, eps, HEAD_DIM, not FP8)
     if FP8:
-        # K from its rotated float32 value, unrounded; a scale per (token, head) at [slot, head].
+        # A scale per (token, head) at [slot, head], for K and for V.
         heads = tl.arange(0, BLOCK_KH)[None, :]
         scale_offs = scale_offsets(slots[:, None], heads, stride_scale_block, stride_scale_token, stride_scale_head,
                                    SCALE_BLOCK)
         scale_mask = (token_mask & (slots >= 0))[:, None] & (heads < NUM_KV_HEADS)
-        k1, k2 = _store_e4m3_heads(k1, k2, k_cache_ptr + k_offsets, k_cache_ptr + k_offsets + HALF, kv_mask,
-                                   k_scale_ptr + scale_offs, scale_mask, DIRECT_STORES, False, INTERPRET)
-    else:
-        k1, k2 = k1.to(k_cache_ptr.dtype.element_ty), k2.to(k_cache_ptr.dtype.element_ty)
-        tl.store(k_cache_ptr + k_offsets, k1, mask=kv_mask)
-        tl.store(k_cache_ptr + k_offsets + HALF, k2, mask=kv_mask)
+
+    # v (as is) into its cache slot first: it needs nothing of q or k, and into a key-major e4m3 V
+    # (a byte every block_size bytes) its stores take the longest to complete.
     if V_GROUP == 0:
         v_ptrs1 = v_cache_ptr + slot_offsets(slots[:, None, None], cols, NUM_KV_HEADS * HEAD_DIM, V_BLOCK_SIZE,
                                              V_KEY_MAJOR)
@@ -222,6 +210,24 @@ def _qk_norm_rotary_store_kernel(
             v1, v2 = v1.to(v_cache_ptr.dtype.element_ty), v2.to(v_cache_ptr.dtype.element_ty)
             tl.store(v_ptrs1, v1, mask=kv_mask)
             tl.store(v_ptrs2, v2, mask=kv_mask)
+
+    # q: normed + roped into q_out.
+    q1, q2 = _norm_rotate(q1, q2, qw1.to(tl.float32), qw2.to(tl.float32), cos, sin, eps, HEAD_DIM, True)
+    q_out = q_out_ptr + tokens[:, None, None] * q_out_token_stride + q_heads * q_out_head_stride + dims3
+    tl.store(q_out, q1.to(q_out_ptr.dtype.element_ty), mask=q_mask)
+    tl.store(q_out + HALF, q2.to(q_out_ptr.dtype.element_ty), mask=q_mask)
+
+    # k (normed + roped) into its cache slot.
+    k_offsets = slot_offsets(slots[:, None, None], cols, NUM_KV_HEADS * HEAD_DIM, 1, False)
+    k1, k2 = _norm_rotate(k1, k2, kw1.to(tl.float32), kw2.to(tl.float32), cos, sin, eps, HEAD_DIM, not FP8)
+    if FP8:
+        # K from its rotated float32 value, unrounded.
+        k1, k2 = _store_e4m3_heads(k1, k2, k_cache_ptr + k_offsets, k_cache_ptr + k_offsets + HALF, kv_mask,
+                                   k_scale_ptr + scale_offs, scale_mask, DIRECT_STORES, False, INTERPRET)
+    else:
+        k1, k2 = k1.to(k_cache_ptr.dtype.element_ty), k2.to(k_cache_ptr.dtype.element_ty)
+        tl.store(k_cache_ptr + k_offsets, k1, mask=kv_mask)
+        tl.store(k_cache_ptr + k_offsets + HALF, k2, mask=kv_mask)
     if COPY:
         # The stored rows again, as values in the copies' dtype at their copy slots (plain layout).
         copy_mask = kv_mask & (copy_slots >= 0)[:, None, None]
@@ -238,22 +244,18 @@ def _space(dtype, row_bucket, tokens_bucket, cache_dtype=None):
     # row_bucket: the padded elements of one token's q, k and v heads. At least 8 elements a thread.
     # Into an e4m3 cache, each config also with DIRECT_STORES (store_held).
     direct = (False, True) if cache_dtype == "float8_e4m3fn" else (False,)
-    return [
-        {"TOKENS": tokens, "num_warps": warps, "num_stages": 1, "DIRECT_STORES": d}
-        for tokens in (1, 2, 4)
-        for warps in (1, 2, 4, 8)
-        for d in direct
-        if tokens <= tokens_bucket and tokens * row_bucket <= 16384 and (warps == 1 or warps * 32 * 8 <= tokens * row_bucket)
-    ]
+    return [{"TOKENS": tokens, "num_warps": warps, "num_stages": 1, "DIRECT_STORES": d}
+            for tokens in (1, 2, 4) for warps in (1, 2, 4, 8) for d in direct
+            if tokens <= tokens_bucket and tokens * row_bucket <= 16384
+            and (warps == 1 or warps * 32 * 8 <= tokens * row_bucket)]
 
 
 def _default(dtype, row_bucket, tokens_bucket, cache_dtype=None):
     # One token a program (16/8 heads x 128: 4096 elements, 4 warps); small rows (TP shards) share
-    # a program when there are many tokens. Into an e4m3 cache (the engine's V key-major, where a
-    # token's V bytes lie a block apart) many tokens go 4 to a program, for runs of 4 adjacent bytes,
-    # and, 4 at a time, store their scales and V bytes where they are held (store_held): each move
-    # through shared memory makes a program's warps wait on each other at a barrier. With fewer
-    # tokens a program, and at decode sizes, the move measured faster (bench/NOTES-elementwise.md).
+    # a program when there are many tokens. Into an e4m3 cache (V key-major: a token's V bytes a
+    # block apart) many tokens go 4 to a program, for runs of 4 adjacent bytes, and store their
+    # scales and V bytes where they are held (store_held), with no barrier for a move through shared
+    # memory; with fewer tokens a program the move measured faster (bench/NOTES-elementwise.md).
     if cache_dtype == "float8_e4m3fn" and tokens_bucket >= 1024:
         tokens = max(1, min(4, 16384 // row_bucket))
         return {"TOKENS": tokens, "num_warps": min(8, max(1, tokens * row_bucket // 2048)), "num_stages": 1,
