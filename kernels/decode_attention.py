@@ -25,6 +25,7 @@ from tritonllm.kernels.paged import (LOG2E, _key_blocks, _key_major_keys, _load_
 
 PROGRAMS_PER_SM = 3  # resident programs per SM that hide memory latency without extra splits
 FP8_PROGRAMS_PER_SM = 6  # one-warp programs over an e4m3 cache: twice as many an SM keep bytes in flight
+ONE_WARP_MAX_BATCH = 8  # up to this many rows the bf16 tuning space also holds one-warp tiles
 MAX_BATCH = 65535  # sequences are the grid's third dimension, which CUDA caps there
 MERGE_BLOCK_D = 64  # head-dim columns a merge program takes
 
@@ -241,18 +242,23 @@ def _decode_space(dtype_name, head_dim, group, num_kv_heads, block_size, batch, 
     default = _decode_default(dtype_name, head_dim, group, num_kv_heads, block_size, batch, context, cache_dtype_name)
     base = default["NUM_SPLITS"]
     splits = sorted({max(1, base // 2), base, base * 2})
+    # One-warp programs of 16 keys a tile, capped at 128 registers so that 16 fit an SM (10.7 KiB of
+    # shared memory each); their splits may be as short as 64 keys.
+    short_tile = {"BLOCK_N": 16, "num_warps": 1, "maxnreg": 128, "SPLIT_MIN": 64}
     if default["num_warps"] > 1:
         # Bandwidth-bound: what matters is bytes in flight per SM (tile size) and the split count;
         # the stage count barely moves the time (bench/NOTES-decode-attention.md).
-        return [default | {"BLOCK_N": block_n, "NUM_SPLITS": num_splits, "num_stages": 3}
-                for block_n in (32, 64, 128) for num_splits in splits]
-    # e4m3: one-warp programs of 16 or 32 keys a tile, and the four-warp tiles of 128 keys they
-    # replaced, which pay barriers for their cross-warp reductions. A one-warp program waits on its
-    # own instruction chain more than on memory, so programs an SM set its speed: capped at 128
-    # registers, 16 fit an SM's registers instead of 12, and 16-key tiles (10.7 KiB of shared
-    # memory, 32-key ones 19.3) let them all fit; their splits may then be as short as 64 keys. Where
-    # fewer programs share an SM, a fifth stage keeps enough bytes in flight.
-    short_tile = {"maxnreg": 128, "SPLIT_MIN": 64}
+        four_warps = [default | {"BLOCK_N": block_n, "NUM_SPLITS": num_splits, "num_stages": 3}
+                      for block_n in (32, 64, 128) for num_splits in splits]
+        if dtype_name == "float32" or batch > ONE_WARP_MAX_BATCH:
+            return four_warps
+        # A few rows: many short one-warp programs (the e4m3 cache's short tile) keep more loads in flight.
+        n = default_num_splits(batch, num_kv_heads, context, 64, num_sms(), FP8_PROGRAMS_PER_SM)
+        return four_warps + [default | short_tile | {"NUM_SPLITS": num_splits, "num_stages": stages}
+                             for stages in (4, 5) for num_splits in sorted({max(1, n // 2), n, n * 2})]
+    # e4m3: one-warp tiles of 16 or 32 keys, and the four-warp 128-key tiles they replaced (barriers for
+    # their cross-warp reductions). A one-warp program waits on its own instruction chain more than on
+    # memory, so programs an SM set its speed; where fewer share an SM, a fifth stage keeps bytes in flight.
     one_warp = [default | {"BLOCK_N": block_n, "NUM_SPLITS": num_splits, "num_stages": stages} | extra
                 for block_n, stages, extra in ((16, 4, {}), (32, 2, {}), (32, 3, {}), (32, 4, {}),
                                                (32, 2, {"maxnreg": 128}), (16, 4, short_tile), (16, 5, short_tile))

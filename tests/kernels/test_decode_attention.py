@@ -155,6 +155,26 @@ def test_decode_fp8_space_configs(config):
     assert_close(out, ref, torch.bfloat16, ATTN)
 
 
+def test_bf16_space_offers_one_warp_tiles_at_few_rows_only():
+    def one_warp(dtype, batch):
+        return [c for c in decode_module.DECODE_TUNABLE.space(dtype, 64, 2, 2, 16, batch, 4096) if c["num_warps"] == 1]
+    few = one_warp("bfloat16", decode_module.ONE_WARP_MAX_BATCH)
+    assert few and all(c["BLOCK_N"] == 16 and c["SPLIT_MIN"] == 64 and c["maxnreg"] == 128 for c in few)
+    assert not one_warp("bfloat16", 2 * decode_module.ONE_WARP_MAX_BATCH) and not one_warp("float32", 1)
+
+
+# The bf16 space's one-warp tiles over a bf16 cache, lengths across their 64-key splits.
+@pytest.mark.parametrize("config", [c for c in decode_module.DECODE_TUNABLE.space("bfloat16", 64, 2, 2, 16, 4, 4096)
+                                    if c["num_warps"] == 1], ids=str)
+def test_decode_bf16_one_warp_configs(config):
+    seq_lens = [1, 63, 65, 300]
+    k_cache, v_cache, tables, scales = paged_caches(seq_lens, 2, 64, 16, torch.bfloat16, False)
+    q = randn(len(seq_lens), 4, 64, dtype=torch.bfloat16, scale=2.0)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    out, ref = run_decode(q, k_cache, v_cache, lens, tables, scales, config=config)
+    assert_close(out, ref, torch.bfloat16, ATTN)
+
+
 # What the engine runs: lengths around SPLIT_MIN (128..512) and BLOCK_N (64, 128) boundaries.
 @FP8
 @pytest.mark.parametrize("config", shipped_decode_configs(),
