@@ -242,8 +242,8 @@ def _decode_space(dtype_name, head_dim, group, num_kv_heads, block_size, batch, 
     default = _decode_default(dtype_name, head_dim, group, num_kv_heads, block_size, batch, context, cache_dtype_name)
     base = default["NUM_SPLITS"]
     splits = sorted({max(1, base // 2), base, base * 2})
-    # One-warp programs of 16 keys a tile, capped at 128 registers so that 16 fit an SM (10.7 KiB of
-    # shared memory each); their splits may be as short as 64 keys.
+    # One-warp programs of 16 keys a tile, capped at 128 registers so that 16 fit an SM's registers
+    # (an e4m3 tile's stages take 10.7 KiB of shared memory); their splits may be as short as 64 keys.
     short_tile = {"BLOCK_N": 16, "num_warps": 1, "maxnreg": 128, "SPLIT_MIN": 64}
     if default["num_warps"] > 1:
         # Bandwidth-bound: what matters is bytes in flight per SM (tile size) and the split count;
