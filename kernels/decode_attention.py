@@ -240,8 +240,11 @@ def default_num_splits(batch, num_kv_heads, context, split_min, sms, programs_pe
 
 def _decode_space(dtype_name, head_dim, group, num_kv_heads, block_size, batch, context, cache_dtype_name=None):
     default = _decode_default(dtype_name, head_dim, group, num_kv_heads, block_size, batch, context, cache_dtype_name)
-    base = default["NUM_SPLITS"]
-    splits = sorted({max(1, base // 2), base, base * 2})
+
+    def around(n):  # the split counts tried about n
+        return sorted({max(1, n // 2), n, n * 2})
+
+    splits = around(default["NUM_SPLITS"])
     # One-warp programs of 16 keys a tile, capped at 128 registers so that 16 fit an SM's registers
     # (an e4m3 tile's stages take 10.7 KiB of shared memory); their splits may be as short as 64 keys.
     short_tile = {"BLOCK_N": 16, "num_warps": 1, "maxnreg": 128, "SPLIT_MIN": 64}
@@ -255,7 +258,7 @@ def _decode_space(dtype_name, head_dim, group, num_kv_heads, block_size, batch, 
         # A few rows: many short one-warp programs (the e4m3 cache's short tile) keep more loads in flight.
         n = default_num_splits(batch, num_kv_heads, context, 64, num_sms(), FP8_PROGRAMS_PER_SM)
         return four_warps + [default | short_tile | {"NUM_SPLITS": num_splits, "num_stages": stages}
-                             for stages in (4, 5) for num_splits in sorted({max(1, n // 2), n, n * 2})]
+                             for stages in (4, 5) for num_splits in around(n)]
     # e4m3: one-warp tiles of 16 or 32 keys, and the four-warp 128-key tiles they replaced (barriers for
     # their cross-warp reductions). A one-warp program waits on its own instruction chain more than on
     # memory, so programs an SM set its speed; where fewer share an SM, a fifth stage keeps bytes in flight.
