@@ -1,15 +1,17 @@
 """Decode attention at the shapes of the nano-vllm workload, with the engine's config and others.
 
     python bench/decode_workload.py [--stride 16] [--kv-cache-dtype auto|fp8] [--block-size 16] [--grid space|wide]
-                                    [--save] [--out PATH] [--files OTHER/kernels/decode_attention.py ...]
+                                    [--max-model-len 4096] [--save] [--out PATH]
+                                    [--files OTHER/kernels/decode_attention.py ...]
 
 bench/throughput.py's workload (256 requests, prompts 100..1024, outputs 100..1024) decodes with
 batches that shrink from 256 as requests finish and contexts spread from 100 to 2k, under a
-context bound of max_model_len 4096. bench/kernels.py tunes on uniform contexts at the bound.
+context bound of max_model_len 4096 (--max-model-len: a checkpoint's own, 40960 for Qwen3, puts
+the steps in other buckets). bench/kernels.py tunes on uniform contexts at the bound.
 This replays one layer of every `stride`-th decode step of the workload, its rows longest context
 first as the engine orders them (Qwen3-0.6B heads: 16 q / 8 kv, D 128, bf16, KV blocks of
---block-size keys, batch padded to the engine's CUDA-graph size, block tables covering 4096
-keys), times the engine's config and a grid of others (one CUDA graph
+--block-size keys, batch padded to the engine's CUDA-graph size, block tables covering
+max_model_len keys), times the engine's config and a grid of others (one CUDA graph
 each, median: --grid space, the kernel's own tuning space of each bucket; --grid wide, 80 configs
 over an fp8 cache, each compiled once, which takes longer than a device call), and estimates the
 workload's decode-attention seconds (28 layers) for each config per batch bucket.
@@ -20,7 +22,7 @@ kv_cache_dtype="fp8"), and the fp8 buckets are the ones timed and saved.
 the same process, with the same configs, each checked against the installed kernel.
 
 --save writes each bucket's best config into the tuned-config file under the engine's bucket key
-(context bound 4096). Run it after bench/kernels.py, which tunes the same keys on uniform contexts
+(its context bound). Run it after bench/kernels.py, which tunes the same keys on uniform contexts
 at the bound: the engine serves spread contexts below its bound, as here.
 """
 import argparse
@@ -42,13 +44,13 @@ from tritonllm.kernels.decode_attention import DECODE_TUNABLE, decode_attention_
 from tritonllm.kernels.fp8 import head_major_copy
 from tritonllm.kernels.kv_cache import key_major_copy
 
-LAYERS, MAX_MODEL_LEN = 28, 4096
+LAYERS = 28
 
 
-def engine_bucket(batch, cache_dtype, block_size):
+def engine_bucket(batch, cache_dtype, block_size, max_model_len):
     """The decode tuning bucket of the engine's graph of `batch` rows: bf16, D 128, group 2, 8 kv heads,
     context bound max_model_len; the kernel's own builder, so saved configs are the ones it reads."""
-    return decode_attention_bucket(torch.bfloat16, 128, 2, 8, block_size, batch, MAX_MODEL_LEN, cache_dtype)
+    return decode_attention_bucket(torch.bfloat16, 128, 2, 8, block_size, batch, max_model_len, cache_dtype)
 
 
 def fastest(times: dict) -> str:
@@ -72,6 +74,8 @@ def main():
     parser.add_argument("--save", action="store_true", help="write each bucket's best config to the tuned-config file")
     parser.add_argument("--out", help="write every timing as JSON here")
     parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto", help="auto: bf16")
+    parser.add_argument("--max-model-len", type=int, default=4096,
+                        help="the engine's context bound: bench/throughput.py's 4096, or a checkpoint's own (40960)")
     parser.add_argument("--block-size", type=int, choices=(16, 32, 64, 128, 256), default=16, help="keys a KV block")
     parser.add_argument("--grid", choices=("space", "wide"), default="space",
                         help="configs timed: each bucket's tuning space, or a wider fixed grid")
@@ -105,11 +109,12 @@ def main():
         batch = next(s for s in sizes if s >= len(lens))
         seq_lens = torch.zeros(batch, dtype=torch.int32, device="cuda")
         seq_lens[: len(lens)] = torch.tensor(lens, dtype=torch.int32)
-        tables = torch.randint(0, num_blocks, (batch, MAX_MODEL_LEN // block_size), dtype=torch.int32, device="cuda")
+        table_width = -(-args.max_model_len // block_size)
+        tables = torch.randint(0, num_blocks, (batch, table_width), dtype=torch.int32, device="cuda")
         q = randn(batch, 16, 128)
         moved = sum(lens) * token_bytes
         bucket = tuning.pow2(batch)
-        step_bucket = engine_bucket(batch, k_cache.dtype, block_size)
+        step_bucket = engine_bucket(batch, k_cache.dtype, block_size, args.max_model_len)
         engine_cfg = DECODE_TUNABLE.config(step_bucket, None)
         configs = wide if wide is not None else DECODE_TUNABLE.space(*step_bucket)
         engine_keys[bucket] = json.dumps(engine_cfg, sort_keys=True)
@@ -161,7 +166,7 @@ def main():
             engine_total += engine_s
             best_total += totals[key]
             if args.save and name == "installed":
-                saved_key = tuning.bucket_key(engine_bucket(bucket, k_cache.dtype, block_size))
+                saved_key = tuning.bucket_key(engine_bucket(bucket, k_cache.dtype, block_size, args.max_model_len))
                 tuning.tuned_table().setdefault("decode_attention", {})[saved_key] = json.loads(key)
             print(f"| {bucket} | {engine_s:.3f} | {totals[key]:.3f} | {key} |")
         print(f"\nworkload decode attention, {name}, estimated: engine configs {engine_total:.3f} s, best config per "
