@@ -8,7 +8,8 @@ bench/throughput.py's workload (256 requests, prompts 100..1024, outputs 100..10
 batches that shrink from 256 as requests finish and contexts spread from 100 to 2k, under a
 context bound of max_model_len 4096 (--max-model-len: a checkpoint's own, 40960 for Qwen3, puts
 the steps in other buckets). bench/kernels.py tunes on uniform contexts at the bound.
-This replays one layer of every `stride`-th decode step of the workload, its rows longest context
+This replays one layer of every `stride`-th decode step of the workload (and the first step of
+each graph batch size the stride misses, so every bucket is timed), its rows longest context
 first as the engine orders them (Qwen3-0.6B heads: 16 q / 8 kv, D 128, bf16, KV blocks of
 --block-size keys, batch padded to the engine's CUDA-graph size, block tables covering
 max_model_len keys), times the engine's config and a grid of others (one CUDA graph
@@ -58,6 +59,28 @@ def fastest(times: dict) -> str:
     return min(times, key=lambda key: (times[key] != times[key], times[key]))
 
 
+def graph_batch(requests, step: int, sizes: list[int]) -> int:
+    """The engine's CUDA-graph batch at decode step `step`: the rows still decoding, padded up."""
+    rows = sum(o > step for _, o in requests)
+    return next(size for size in sizes if size >= rows)
+
+
+def sampled_steps(requests, stride: int, sizes: list[int]) -> list[tuple[int, int]]:
+    """The decode steps timed, each with the number of the workload's steps it stands for: every
+    stride-th step, plus the first step of each graph batch that those miss (the run's last and
+    smallest batches, whose buckets a stride would leave untuned)."""
+    last = max(o for _, o in requests)
+    steps = set(range(0, last, stride))
+    seen = {graph_batch(requests, step, sizes) for step in steps}
+    for step in range(last):
+        batch = graph_batch(requests, step, sizes)
+        if batch not in seen:
+            steps.add(step)
+            seen.add(batch)
+    steps = sorted(steps)
+    return [(step, following - step) for step, following in zip(steps, steps[1:] + [last])]
+
+
 def wide_candidates(fp8: bool):
     warps = (4, 8) if fp8 else (4,)  # e4m3 tiles gain from more warps (NOTES-decode-attention.md)
     for block_n, splits, split_min, stages, num_warps in itertools.product((64, 128), (1, 2, 4, 8), (128, 256, 512),
@@ -70,7 +93,8 @@ def wide_candidates(fp8: bool):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--stride", type=int, default=16, help="time every stride-th decode step")
+    parser.add_argument("--stride", type=int, default=16,
+                        help="time every stride-th decode step (and the first of each batch size those miss)")
     parser.add_argument("--save", action="store_true", help="write each bucket's best config to the tuned-config file")
     parser.add_argument("--out", help="write every timing as JSON here")
     parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto", help="auto: bf16")
@@ -103,10 +127,10 @@ def main():
     # kernel -> batch bucket -> config key -> estimated s
     by_bucket = defaultdict(lambda: defaultdict(lambda: defaultdict(float)))
     engine_keys = {}  # batch bucket -> the key of the config the engine runs there
-    for step in range(0, max(o for _, o in requests), args.stride):
+    for step, weight in sampled_steps(requests, args.stride, sizes):
         # In the engine's row order: longest context first (engine/scheduler.py).
         lens = sorted((p + step + 1 for p, o in requests if o > step), reverse=True)
-        batch = next(s for s in sizes if s >= len(lens))
+        batch = graph_batch(requests, step, sizes)
         seq_lens = torch.zeros(batch, dtype=torch.int32, device="cuda")
         seq_lens[: len(lens)] = torch.tensor(lens, dtype=torch.int32)
         table_width = -(-args.max_model_len // block_size)
@@ -141,11 +165,11 @@ def main():
                     except Exception:  # a prototype's config that does not compile stays NaN
                         if name == "installed":
                             raise
-                by_bucket[name][bucket][key] += times[key] * 1e-3 * args.stride * LAYERS
+                by_bucket[name][bucket][key] += times[key] * 1e-3 * weight * LAYERS
         times = step_times["installed"]
         best = fastest(times)
         engine_ms = times[engine_keys[bucket]]
-        rows.append({"step": step, "batch": len(lens), "graph_batch": batch, "mean_context": sum(lens) / len(lens),
+        rows.append({"step": step, "weight": weight, "batch": len(lens), "graph_batch": batch, "mean_context": sum(lens) / len(lens),
                      "engine": engine_cfg, "engine_us": engine_ms * 1e3, "best": json.loads(best),
                      "best_us": times[best] * 1e3, "floor_us": moved / COPY_BYTES_PER_S * 1e6, "all": times})
         print(f"step {step:4d}: batch {len(lens):3d} (graph {batch:3d}), mean context {sum(lens) / len(lens):6.0f}: "
@@ -155,7 +179,7 @@ def main():
             if name != "installed":
                 print(f"   {name}: engine config {other[engine_keys[bucket]] * 1e3:7.1f} us, best "
                       f"{other[fastest(other)] * 1e3:7.1f} us, error {errors[name]:.1e}", flush=True)
-    floor_total = sum(r["floor_us"] for r in rows) * 1e-6 * args.stride * LAYERS
+    floor_total = sum(r["floor_us"] * r["weight"] for r in rows) * 1e-6 * LAYERS
     for name, buckets in by_bucket.items():
         engine_total = best_total = 0.0
         print(f"\n{name}\n\n| batch bucket | engine config (s) | best single config (s) | that config |\n"
