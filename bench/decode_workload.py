@@ -59,10 +59,14 @@ def fastest(times: dict) -> str:
     return min(times, key=lambda key: (times[key] != times[key], times[key]))
 
 
-def graph_batch(requests, step: int, sizes: list[int]) -> int:
-    """The engine's CUDA-graph batch at decode step `step`: the rows still decoding, padded up."""
-    rows = sum(o > step for _, o in requests)
+def graph_batch(rows: int, sizes: list[int]) -> int:
+    """The engine's CUDA-graph batch for `rows` decoding rows: the smallest graph size that holds them."""
     return next(size for size in sizes if size >= rows)
+
+
+def rows_at(requests, step: int) -> int:
+    """The requests still decoding at decode step `step`."""
+    return sum(o > step for _, o in requests)
 
 
 def sampled_steps(requests, stride: int, sizes: list[int]) -> list[tuple[int, int]]:
@@ -71,9 +75,9 @@ def sampled_steps(requests, stride: int, sizes: list[int]) -> list[tuple[int, in
     smallest batches, whose buckets a stride would leave untuned)."""
     last = max(o for _, o in requests)
     steps = set(range(0, last, stride))
-    seen = {graph_batch(requests, step, sizes) for step in steps}
+    seen = {graph_batch(rows_at(requests, step), sizes) for step in steps}
     for step in range(last):
-        batch = graph_batch(requests, step, sizes)
+        batch = graph_batch(rows_at(requests, step), sizes)
         if batch not in seen:
             steps.add(step)
             seen.add(batch)
@@ -127,13 +131,13 @@ def main():
     # kernel -> batch bucket -> config key -> estimated s
     by_bucket = defaultdict(lambda: defaultdict(lambda: defaultdict(float)))
     engine_keys = {}  # batch bucket -> the key of the config the engine runs there
+    table_width = -(-args.max_model_len // block_size)
     for step, weight in sampled_steps(requests, args.stride, sizes):
         # In the engine's row order: longest context first (engine/scheduler.py).
         lens = sorted((p + step + 1 for p, o in requests if o > step), reverse=True)
-        batch = graph_batch(requests, step, sizes)
+        batch = graph_batch(len(lens), sizes)
         seq_lens = torch.zeros(batch, dtype=torch.int32, device="cuda")
         seq_lens[: len(lens)] = torch.tensor(lens, dtype=torch.int32)
-        table_width = -(-args.max_model_len // block_size)
         tables = torch.randint(0, num_blocks, (batch, table_width), dtype=torch.int32, device="cuda")
         q = randn(batch, 16, 128)
         moved = sum(lens) * token_bytes
@@ -169,9 +173,10 @@ def main():
         times = step_times["installed"]
         best = fastest(times)
         engine_ms = times[engine_keys[bucket]]
-        rows.append({"step": step, "weight": weight, "batch": len(lens), "graph_batch": batch, "mean_context": sum(lens) / len(lens),
-                     "engine": engine_cfg, "engine_us": engine_ms * 1e3, "best": json.loads(best),
-                     "best_us": times[best] * 1e3, "floor_us": moved / COPY_BYTES_PER_S * 1e6, "all": times})
+        rows.append({"step": step, "weight": weight, "batch": len(lens), "graph_batch": batch,
+                     "mean_context": sum(lens) / len(lens), "engine": engine_cfg, "engine_us": engine_ms * 1e3,
+                     "best": json.loads(best), "best_us": times[best] * 1e3,
+                     "floor_us": moved / COPY_BYTES_PER_S * 1e6, "all": times})
         print(f"step {step:4d}: batch {len(lens):3d} (graph {batch:3d}), mean context {sum(lens) / len(lens):6.0f}: "
               f"engine {engine_ms * 1e3:7.1f} us ({moved / engine_ms / 1e6:5.0f} GB/s), best {times[best] * 1e3:7.1f} us "
               f"({moved / times[best] / 1e6:5.0f} GB/s) {best}", flush=True)

@@ -38,8 +38,8 @@ def test_linear_untuned_bucket_is_cublas():
 
 # Every tile and split count, with N, M and K that the tiles do not divide; with splits the last
 # split's K run ends early (K 300) or holds no step at all (K 130 in 8 splits of 64).
-@pytest.mark.parametrize("cfg", [config(16, 64, 4), config(32, 64, 1), config(32, 64, 2), config(64, 128, 4, 4), config(32, 64, 8),
-                                 config(128, 64, 2), config(32, 256, 1)],
+@pytest.mark.parametrize("cfg", [config(16, 64, 4), config(32, 64, 1), config(32, 64, 2), config(64, 128, 4, 4),
+                                 config(32, 64, 8), config(128, 64, 2), config(32, 256, 1)],
                          ids=lambda c: f"n{c['BLOCK_N']}-k{c['BLOCK_K']}-s{c['SPLIT_K']}")
 @pytest.mark.parametrize("rows, n, k", [(5, 70, 300), (16, 129, 130), (1, 32, 512)])
 def test_linear_configs(rows, n, k, cfg):
