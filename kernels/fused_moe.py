@@ -29,6 +29,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tritonllm.kernels import tuning
+from tritonllm.kernels.checks import FLOATS, INDICES, check_dtype
 from tritonllm.kernels.moe_routing import moe_align
 from tritonllm.kernels.paged import dot_precision
 
@@ -264,6 +265,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     experts, inter = w13.shape[0], w13.shape[1] // 2
     if tuple(w2.shape) != (experts, hidden, inter) or w2.stride(2) != 1:
         raise ValueError(f"w2 must be [E, H, N] = {(experts, hidden, inter)} contiguous in N, got {tuple(w2.shape)}")
+    check_dtype("x", x, FLOATS)
+    check_dtype("topk_ids", topk_ids, INDICES)
     if not x.dtype == w13.dtype == w2.dtype:
         raise ValueError(f"x, w13 and w2 must share a dtype, got {x.dtype}, {w13.dtype}, {w2.dtype}")
     top_k = topk_ids.shape[-1]

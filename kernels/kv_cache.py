@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tritonllm.kernels.checks import FLOATS, INDICES, check_dtype, check_rows
 from tritonllm.kernels.fp8 import (block_scale_offsets, check_kv_scales, e4m3_scale, from_e4m3, scale_offsets,
                                   scale_strides, to_e4m3)
 from tritonllm.kernels.tuning import INTERPRET, Tunable, dtype_name, pow2
@@ -31,10 +32,11 @@ def is_key_major(cache: torch.Tensor) -> bool:
 
 
 def check_cache_layouts(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Check that v_cache has k_cache's shape and either its strides or, beside a contiguous k_cache,
+    """Check that v_cache has k_cache's shape and dtype and either its strides or, beside a contiguous k_cache,
     the key-major ones; returns whether v_cache is key-major. Raises ValueError naming v_cache."""
-    if v_cache.shape != k_cache.shape:
-        raise ValueError(f"v_cache must have k_cache's shape {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
+    if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"v_cache must have k_cache's shape {tuple(k_cache.shape)} and dtype {k_cache.dtype}, "
+                         f"got {tuple(v_cache.shape)} {v_cache.dtype}")
     if v_cache.stride() == k_cache.stride():
         return False
     if is_key_major(v_cache) and k_cache.is_contiguous():
@@ -160,9 +162,10 @@ def store_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scal
     n_tokens, num_heads, head_dim = k.shape
     if v.shape != k.shape or k.stride(2) != 1 or v.stride(2) != 1:
         raise ValueError(f"k and v must both be [T, Hkv, D] with contiguous rows, got {tuple(k.shape)} and {tuple(v.shape)}")
+    check_dtype("k", k, FLOATS)
+    check_dtype("v", v, FLOATS)
     v_key_major = check_store_caches(k_cache, v_cache, num_heads, head_dim)
-    if slot_mapping.shape != (n_tokens,):
-        raise ValueError(f"slot_mapping must have shape ({n_tokens},), got {tuple(slot_mapping.shape)}")
+    check_rows(n_tokens, INDICES, slot_mapping=slot_mapping)
     fp8 = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
     if n_tokens == 0:
         return
@@ -204,9 +207,7 @@ def check_store_copies(k_copy, v_copy, copy_slots, block_shape, dtype, n_tokens)
     check_block_copies("v_copy", v_copy, block_shape, dtype)
     if v_copy.shape != k_copy.shape:
         raise ValueError(f"v_copy must have k_copy's shape {tuple(k_copy.shape)}, got {tuple(v_copy.shape)}")
-    if copy_slots.shape != (n_tokens,) or copy_slots.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"copy_slots must be int32/int64 of shape ({n_tokens},), got {copy_slots.dtype} "
-                         f"{tuple(copy_slots.shape)}")
+    check_rows(n_tokens, INDICES, copy_slots=copy_slots)
     return True
 
 

@@ -4,6 +4,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tritonllm.kernels.checks import INDICES, check_logits, check_rows
 from tritonllm.kernels.tuning import Tunable, dtype_name, pow2
 
 
@@ -48,7 +49,8 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Ten
     logits [B, V] float32/float16/bfloat16 (rows may be strided); token_ids [B] int32/int64, each
     in [0, V). Returns float32 [B]; nothing is modified in place.
     """
-    batch, vocab = logits.shape
+    batch, vocab = check_logits(logits)
+    check_rows(batch, INDICES, token_ids=token_ids)
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     out = torch.empty(batch, dtype=torch.float32, device=logits.device)
@@ -137,7 +139,7 @@ def compute_top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, to
     get -inf (and are listed, lowest ids first, when a row has fewer than k finite ones). One
     pass over the row, grid (B,), no host sync. Nothing in place.
     """
-    batch, vocab = logits.shape
+    batch, vocab = check_logits(logits)
     if not 1 <= k <= min(MAX_TOP_LOGPROBS, vocab):
         raise ValueError(f"k={k} is invalid: must be in [1, min({MAX_TOP_LOGPROBS}, V={vocab})]")
     if logits.stride(1) != 1:

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tritonllm.kernels.checks import FLOATS, INDICES, check_dtype
 from tritonllm.kernels.tuning import Tunable, dtype_name, pow2
 
 # Past 16 tokens of top-8 routing, three launches that scatter chunks in parallel beat one program
@@ -88,6 +89,7 @@ def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool):
     """
     if router_logits.dim() != 2 or router_logits.stride(1) != 1:
         raise ValueError(f"router_logits must be [T, E] with contiguous rows, got {tuple(router_logits.shape)}")
+    check_dtype("router_logits", router_logits, FLOATS)
     num_tokens, num_experts = router_logits.shape
     if not 0 < top_k <= num_experts:
         raise ValueError(f"top_k must be in [1, E = {num_experts}], got {top_k}")
@@ -275,6 +277,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     """
     if topk_ids.dim() != 2 or not topk_ids.is_contiguous():
         raise ValueError(f"topk_ids must be a contiguous [T, k], got {tuple(topk_ids.shape)}")
+    check_dtype("topk_ids", topk_ids, INDICES)
     if block_m < 1 or block_m & (block_m - 1):
         raise ValueError(f"block_m must be a power of two, got {block_m}")
     num_pairs = topk_ids.numel()

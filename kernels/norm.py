@@ -3,6 +3,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tritonllm.kernels.checks import FLOATS, check_dtype
 from tritonllm.kernels.tuning import Tunable, dtype_name, pow2
 
 
@@ -77,6 +78,7 @@ def _norm(tunable, x, residual, weight, y, h, eps):
 
 
 def _check(x, weight):
+    check_dtype("x", x, FLOATS)
     if weight.shape != (x.shape[-1],):
         raise ValueError(f"weight must have shape ({x.shape[-1]},) to match x's last dim, got {tuple(weight.shape)}")
 
@@ -88,6 +90,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
     `out` when given (x is never modified).
     """
     _check(x, weight)
+    if out is not None and (out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous()):
+        raise ValueError(f"out must be a contiguous {tuple(x.shape)} {x.dtype}, got {tuple(out.shape)} {out.dtype}")
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from tritonllm.kernels import tuning
+from tritonllm.kernels.checks import FLOATS, check_dtype, check_rows
 from tritonllm.kernels.fp8 import block_scale_offsets, check_kv_scales, from_e4m3
 from tritonllm.kernels.kv_cache import check_cache_layouts
 
@@ -188,12 +189,11 @@ def check_paged_inputs(q, k_cache, v_cache, seq_lens, block_tables, out, k_scale
     """
     if q.dim() != 3:
         raise ValueError(f"q must be [tokens, Hq, D], got shape {tuple(q.shape)}")
+    check_dtype("q", q, FLOATS)
     if k_cache.dim() != 4:
         raise ValueError(f"k_cache must be [num_blocks, block_size, Hkv, D], got shape {tuple(k_cache.shape)}")
     v_key_major = check_cache_layouts(k_cache, v_cache)
     fp8 = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
-    if fp8 and q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ValueError(f"q must be float32/float16/bfloat16 with a float8_e4m3fn cache, got {q.dtype}")
     if not fp8 and (k_cache.dtype != q.dtype or v_cache.dtype != q.dtype):
         raise ValueError(f"k_cache/v_cache dtype {k_cache.dtype} differs from q dtype {q.dtype}")
     _, block_size, num_kv_heads, head_dim = k_cache.shape
@@ -210,8 +210,11 @@ def check_paged_inputs(q, k_cache, v_cache, seq_lens, block_tables, out, k_scale
     if seq_lens.dim() != 1:
         raise ValueError(f"seq_lens must be [B], got shape {tuple(seq_lens.shape)}")
     batch = seq_lens.shape[0]
-    if block_tables.dim() != 2 or block_tables.shape[0] != batch:
-        raise ValueError(f"block_tables must be [B={batch}, max_blocks], got shape {tuple(block_tables.shape)}")
+    check_rows(batch, (torch.int32,), seq_lens=seq_lens)
+    if block_tables.dim() != 2 or block_tables.shape[0] != batch or block_tables.stride(1) != 1:
+        raise ValueError(f"block_tables must be [B={batch}, max_blocks] with contiguous rows, got shape "
+                         f"{tuple(block_tables.shape)} strides {block_tables.stride()}")
+    check_dtype("block_tables", block_tables, (torch.int32,))
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1):
         raise ValueError(f"out must be a {q.dtype} tensor of q's shape {tuple(q.shape)}, contiguous in head_dim")
     return q.shape[1] // num_kv_heads, block_size, fp8, v_key_major

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tritonllm.kernels.checks import INDICES, ROW_FLOATS, check_logits, check_rows
+
 PENALTY_BLOCK = 1024  # vocabulary elements a program; a row's tiles spread over the SMs
 COUNT_BLOCK = 128  # (row, token) pairs a program
 
@@ -65,9 +67,11 @@ def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, prompt_mask: tor
     x <= 0; then x -= frequency[b] * c + presence[b] * (c > 0). Rows with rows[b] < 0 are untouched.
     rows [B] int32/int64; presence, frequency, repetition [B] float (1 and 0s: no change).
     """
-    batch, vocab = logits.shape
+    batch, vocab = check_logits(logits)
     if logits.stride(1) != 1:
         raise ValueError("apply_penalties works in place: logits rows must be contiguous")
+    check_rows(batch, INDICES, rows=rows)
+    check_rows(batch, ROW_FLOATS, presence=presence, frequency=frequency, repetition=repetition)
     _check_buffer("counts", counts, (torch.int32,), vocab)
     _check_buffer("prompt_mask", prompt_mask, (torch.uint8,), vocab)
     if batch == 0:
@@ -83,6 +87,7 @@ def count_tokens(counts: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tens
     mask; pairs with rows[i] < 0 are skipped. rows, token_ids [N] int32/int64, tokens in [0, V)."""
     _check_buffer("counts", counts, (torch.int32, torch.uint8), counts.shape[-1])
     n = rows.numel()
+    check_rows(n, INDICES, rows=rows, token_ids=token_ids)
     if n == 0:
         return
     _count_tokens_kernel[(triton.cdiv(n, COUNT_BLOCK),)](

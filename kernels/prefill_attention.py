@@ -23,6 +23,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tritonllm.kernels import tuning
+from tritonllm.kernels.checks import check_rows
 from tritonllm.kernels.fp8 import fp8_dot_operand, scale_strides
 from tritonllm.kernels.paged import LOG2E, _attend_tile, cache_bucket, check_paged_inputs, dot_precision
 from tritonllm.kernels.prefill_attention_hopper import HOPPER_TUNABLE, prefill_attention_hopper, supports
@@ -211,8 +212,7 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
         raise ValueError("path='hopper' needs an sm_90 GPU, bf16/fp16 q and cache in the plain layout, D 64 or 128, "
                          "block_size >= 16 and Hq / Hkv <= 64")
     batch = seq_lens.shape[0]
-    if cu_seqlens_q.shape != (batch + 1,):
-        raise ValueError(f"cu_seqlens_q must be [B + 1 = {batch + 1}], got shape {tuple(cu_seqlens_q.shape)}")
+    check_rows(batch + 1, (torch.int32,), cu_seqlens_q=cu_seqlens_q)
     out = torch.empty_like(q) if out is None else out
     if batch == 0 or q.shape[0] == 0:
         return out

@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from tritonllm.kernels import tuning
+from tritonllm.kernels.checks import FLOATS, INDICES, check_dtype, check_rows
 from tritonllm.kernels.fp8 import (check_kv_scales, e4m3_scale, from_e4m3, scale_offsets, scale_strides, store_held,
                                    to_e4m3)
 from tritonllm.kernels.kv_cache import check_store_caches, check_store_copies, slot_offsets
@@ -321,9 +322,10 @@ def qk_norm_rotary_store(positions, qkv, q_weight, k_weight, eps, cos_sin_cache,
         raise ValueError(f"q_weight and k_weight must have shape ({head_dim},), got {tuple(q_weight.shape)}, {tuple(k_weight.shape)}")
     if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != head_dim or cos_sin_cache.stride(1) != 1:
         raise ValueError(f"cos_sin_cache must be [max_pos, {head_dim}] with contiguous rows, got {tuple(cos_sin_cache.shape)}")
+    check_dtype("qkv", qkv, FLOATS)
+    check_dtype("cos_sin_cache", cos_sin_cache, (torch.float32,))
     v_key_major = check_store_caches(k_cache, v_cache, num_kv_heads, head_dim)
-    if positions.shape != (n_tokens,) or slot_mapping.shape != (n_tokens,):
-        raise ValueError(f"positions and slot_mapping must have shape ({n_tokens},), got {tuple(positions.shape)}, {tuple(slot_mapping.shape)}")
+    check_rows(n_tokens, INDICES, positions=positions, slot_mapping=slot_mapping)
     fp8 = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
     copy = check_store_copies(k_copy, v_copy, copy_slots, k_cache.shape[1:], qkv.dtype, n_tokens)
     if out is None:

@@ -3,6 +3,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tritonllm.kernels.checks import FLOATS, INDICES, check_dtype, check_rows
 from tritonllm.kernels.tuning import Tunable, dtype_name, pow2
 
 
@@ -66,6 +67,10 @@ def rotary_embedding(positions, q, k, cos_sin_cache):
         raise ValueError(f"q [T, Hq, D] and k [T, Hkv, D] need one T and D and contiguous rows, got {tuple(q.shape)}, {tuple(k.shape)}")
     if cos_sin_cache.shape[1] != head_dim or cos_sin_cache.stride(1) != 1:
         raise ValueError(f"cos_sin_cache must be [max_pos, {head_dim}] with contiguous rows, got {tuple(cos_sin_cache.shape)}")
+    check_dtype("q", q, FLOATS)
+    check_dtype("k", k, FLOATS)
+    check_dtype("cos_sin_cache", cos_sin_cache, (torch.float32,))
+    check_rows(n_tokens, INDICES, positions=positions)
     if n_tokens == 0:
         return q, k
     half = head_dim // 2

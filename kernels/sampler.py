@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tritonllm.kernels.checks import INDICES, ROW_FLOATS, check_logits, check_rows
 from tritonllm.kernels.sampler_search import INT_MAX, NEG_INF, POS_INF, _load_row, _row_stats, _threshold
 from tritonllm.kernels.tuning import Tunable, dtype_name, pow2
 
@@ -199,7 +200,9 @@ def sample_with_threshold(logits, temperature, top_k, top_p, min_p, seeds=None, 
     never drawn); T is -inf for rows without filters, the row max for greedy rows and +inf for rows
     holding +inf (their first +inf is drawn). `config` overrides the tuned/default config.
     """
-    batch, vocab = logits.shape
+    batch, vocab = check_logits(logits)
+    check_rows(batch, ROW_FLOATS, temperature=temperature, top_p=top_p, min_p=min_p)
+    check_rows(batch, INDICES, top_k=top_k, **({} if seeds is None else {"seeds": seeds}))
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     if seeds is None:

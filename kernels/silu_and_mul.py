@@ -3,6 +3,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tritonllm.kernels.checks import FLOATS, check_dtype
 from tritonllm.kernels.tuning import Tunable, dtype_name, pow2
 
 
@@ -47,7 +48,11 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     """
     if x.dim() != 2 or x.shape[1] % 2 or x.stride(1) != 1:
         raise ValueError(f"x must be [T, 2I] with contiguous rows, got shape {tuple(x.shape)} strides {x.stride()}")
+    check_dtype("x", x, FLOATS)
     n_rows, inter = x.shape[0], x.shape[1] // 2
+    if out is not None and (out.shape != (n_rows, inter) or out.dtype != x.dtype or out.stride(1) != 1):
+        raise ValueError(f"out must be [{n_rows}, {inter}] {x.dtype} with contiguous rows, got {tuple(out.shape)} "
+                         f"{out.dtype} strides {out.stride()}")
     y = torch.empty(n_rows, inter, dtype=x.dtype, device=x.device) if out is None else out
     if n_rows == 0:
         return y

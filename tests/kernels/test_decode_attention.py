@@ -293,7 +293,7 @@ def test_decode_rejects_bad_inputs():
     # Sequences are the grid's third dimension, which CUDA caps at 65535.
     many = decode_module.MAX_BATCH + 1
     with pytest.raises(ValueError, match="batch"):
-        decode_attention(q[:1].expand(many, -1, -1), k_cache, v_cache, seq_lens[:1].expand(many),
+        decode_attention(q[:1].expand(many, -1, -1), k_cache, v_cache, seq_lens[:1].repeat(many),
                          tables[:1].expand(many, -1))
     # The scale checks are prefill's (test_prefill_attention.py); here, that decode runs them.
     k8, v8, _, scales = paged_caches([4, 8], 2, 64, 16, torch.float32, fp8=True)

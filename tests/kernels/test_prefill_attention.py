@@ -283,5 +283,5 @@ def test_prefill_rejects_bad_scales():
         prefill_attention(q, *bf16, cu, seq_lens, tables, k_scale=k_scale, v_scale=v_scale)
     with pytest.raises(ValueError, match="v_cache"):
         prefill_attention(q, k_cache, bf16[1], cu, seq_lens, tables, k_scale=k_scale, v_scale=v_scale)
-    with pytest.raises(ValueError, match="q must be"):
+    with pytest.raises(TypeError, match="q must be"):
         prefill_attention(q.to(torch.float8_e4m3fn), k_cache, v_cache, cu, seq_lens, tables, **scales)

@@ -1,0 +1,39 @@
+"""Argument checks that several public wrappers share.
+
+A kernel checks no bounds, so an index tensor of floats, a per-row tensor shorter than the batch or
+a strided one would make it read the wrong memory (on a GPU an illegal address that ends the
+process's CUDA context). The wrappers refuse such arguments before any launch; each error names
+the argument and what it must be. Shapes and dtypes only: nothing here reads GPU memory.
+"""
+import torch
+
+FLOATS = (torch.float32, torch.float16, torch.bfloat16)  # activations and logits
+ROW_FLOATS = FLOATS + (torch.float64,)  # per-row parameters (temperature, penalties, ...)
+INDICES = (torch.int32, torch.int64)
+
+
+def _names(dtypes) -> str:
+    return "/".join(str(dtype).removeprefix("torch.") for dtype in dtypes)
+
+
+def check_dtype(name: str, tensor: torch.Tensor, dtypes) -> None:
+    """TypeError naming `name` unless `tensor`'s dtype is one of `dtypes`."""
+    if tensor.dtype not in dtypes:
+        raise TypeError(f"{name} must be {_names(dtypes)}, got {tensor.dtype}")
+
+
+def check_rows(length: int, dtypes, **tensors: torch.Tensor) -> None:
+    """Each keyword tensor must be [length] with stride 1 (a kernel reads element b for row b) of one of dtypes."""
+    for name, tensor in tensors.items():
+        if tensor.dim() != 1 or tensor.shape[0] != length or (length > 1 and tensor.stride(0) != 1):
+            raise ValueError(f"{name} must be a contiguous [{length}] tensor, got shape {tuple(tensor.shape)} "
+                             f"strides {tensor.stride()}")
+        check_dtype(name, tensor, dtypes)
+
+
+def check_logits(logits: torch.Tensor) -> tuple[int, int]:
+    """logits must be [B, V] float32/float16/bfloat16; returns (B, V)."""
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
+    check_dtype("logits", logits, FLOATS)
+    return logits.shape
