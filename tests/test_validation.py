@@ -20,7 +20,8 @@ from tritonllm.validation import check
     ("stop_token_ids", 5, TypeError), ("stop_token_ids", "12", TypeError), ("stop_token_ids", [-1], ValueError),
     ("stop_token_ids", [1.5], TypeError), ("stop_token_ids", [True], TypeError),
     ("logprobs", "yes", TypeError), ("logprobs", 1, TypeError), ("ignore_eos", "no", TypeError),
-    ("seed", 1.5, TypeError), ("seed", "7", TypeError),
+    ("seed", 1.5, TypeError), ("seed", "7", TypeError), ("temperature", 10**400, ValueError),
+    ("presence_penalty", -10**400, ValueError),
 ])
 def test_bad_sampling_params_name_the_field(field, value, error):
     with pytest.raises(error, match=rf"SamplingParams\.{field}\b"):

@@ -94,7 +94,7 @@ class EngineConfig:
         field("num_kv_blocks", int, lambda n: n >= 1, ">= 1", optional=True)
         field("gpu_memory_utilization", float, lambda u: 0 < u <= 1, "in (0, 1]")
         field("enforce_eager", bool)
-        field("seed", int)
+        field("seed", int, lambda n: -2**63 <= n < 2**64, "in [-2**63, 2**64) (torch.manual_seed's range)")
         field("kernels", str, *one_of(KERNEL_BACKENDS))
         field("kv_cache_dtype", str, *one_of(KV_CACHE_DTYPES))
         if KV_CACHE_DTYPES[self.kv_cache_dtype] is not None and self.device == "cuda" and self.kernels == "triton":

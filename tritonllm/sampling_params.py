@@ -11,7 +11,8 @@ class SamplingParams:
 
     temperature 0 is greedy. top_k 0 and top_p 1 and min_p 0 turn those filters off. Generation
     stops at max_tokens, at any EOS id of the model (unless ignore_eos), at stop_token_ids or at a
-    stop string (cut from the text); none of these before min_tokens. seed makes the request's
+    stop string (cut from the text); none of these before min_tokens (EOS and the stop tokens are
+    not drawn, their logits masked; a stop string counts past their text). seed makes the request's
     draws reproducible whatever else runs beside it. logprobs returns each chosen token's
     log-probability under the model's raw distribution.
     """

@@ -38,7 +38,10 @@ def check(name: str, value, kind: type, rule=None, allowed: str = "", optional: 
     if converted is None:
         raise TypeError(f"{name} must be {NAMES[kind]}{' or None' if optional else ''}, got {type(value).__name__} {value!r}")
     if kind is float:
-        converted = float(converted)
+        try:
+            converted = float(converted)
+        except OverflowError:
+            raise ValueError(f"{name} is invalid: an int of {converted.bit_length()} bits is past a float's range") from None
         if not math.isfinite(converted):
             raise ValueError(f"{name}={value!r} is invalid: must be finite")
     if rule is not None and not rule(converted):

@@ -99,3 +99,38 @@ def test_append_slot_takes_a_block_at_each_boundary():
         a.token_ids.append(t)
         manager.append_slot(a)
     assert len(a.block_table) == 2
+
+
+def test_can_append_counts_the_token_the_step_computes():
+    """The scheduler asks with that token already in len(seq) (pending): while the last block holds it
+    no free block is needed, past the boundary one is."""
+    manager = BlockManager(1, BS)
+    a = seq([1, 2, 3])
+    manager.allocate(a)
+    a.token_ids.append(4)  # index 3: the last slot of the only block
+    assert manager.num_free_blocks == 0 and manager.can_append(a)
+    manager.append_slot(a)
+    assert len(a.block_table) == 1
+    a.token_ids.append(5)
+    assert not manager.can_append(a)
+
+
+def test_cached_tokens_are_the_first_allocations_prompt_hits():
+    """After a preemption the sequence hits its own blocks, completion included: those are not cached prompt tokens."""
+    manager = BlockManager(8, BS)
+    compute(manager, _allocated(manager, seq(list(range(9)))))
+    b = _allocated(manager, seq(list(range(8)) + [99]))
+    assert b.num_cached_tokens == 8
+    compute(manager, b)
+    for token in (100, 101, 102, 103):  # generated: block 2 fills with [99, 100, 101, 102]
+        b.token_ids.append(token)
+        manager.append_slot(b)
+        compute(manager, b)
+    manager.deallocate(b)  # preempted
+    manager.allocate(b)
+    assert b.num_computed_tokens == 12 and b.num_cached_tokens == 8
+
+
+def _allocated(manager, s):
+    manager.allocate(s)
+    return s

@@ -19,7 +19,8 @@ BUNDLED = str(BUNDLED_MODEL)
     ({"max_model_len": 32.5}, TypeError), ({"max_model_len": "32"}, TypeError), ({"num_kv_blocks": 2.5}, TypeError),
     ({"gpu_memory_utilization": "0.5"}, TypeError), ({"gpu_memory_utilization": math.nan}, ValueError),
     ({"enforce_eager": "yes"}, TypeError), ({"seed": 1.0}, TypeError), ({"max_num_seqs": True}, TypeError),
-    ({"max_num_seqs": 65536}, ValueError),
+    ({"max_num_seqs": 65536}, ValueError), ({"seed": 2**64}, ValueError), ({"seed": -2**63 - 1}, ValueError),
+    ({"gpu_memory_utilization": 10**400}, ValueError),
     ({"tensor_parallel_size": 0}, ValueError), ({"dtype": torch.int8}, ValueError), ({"dtype": 16}, TypeError),
     ({"kernels": "cuda"}, ValueError), ({"device": "tpu"}, ValueError), ({"load_format": "pt"}, ValueError),
 ])

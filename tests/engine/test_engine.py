@@ -42,12 +42,19 @@ def assert_serving(llm, expected):
     assert_clean(llm)
 
 
+def run_to_end_outputs(llm) -> list:
+    """Step until the engine has nothing to do or report; every output, each final one with its output."""
+    outputs = []
+    while llm.has_unfinished():
+        outputs += llm.step()
+    assert all(out.finished == (out.output is not None) for out in outputs)
+    return outputs
+
+
 def run_to_end(llm) -> dict[int, list[int]]:
     tokens = {}
-    while llm.has_unfinished():
-        for out in llm.step():
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-            assert out.finished == (out.output is not None)
+    for out in run_to_end_outputs(llm):
+        tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
     return tokens
 
 
@@ -162,6 +169,59 @@ def test_an_abort_is_reported_by_the_next_step(llm, expected):
     assert aborted[0].output.prompt_token_ids == PROMPTS[2]
     finished = {out.request_id: out.output.token_ids for out in sum((llm.step() for _ in range(40)), [])}
     assert finished == {ids[i]: expected[i] for i in (0, 1, 3)}
+    assert_clean(llm)
+
+
+def test_an_abort_keeps_the_engine_unfinished_until_reported(llm):
+    """`while llm.has_unfinished(): llm.step()` sees the abort's final output."""
+    request = llm.add_request(PROMPTS[0], PARAMS)
+    llm.step()
+    llm.abort(request)
+    assert llm.has_unfinished()
+    finals = [out for out in run_to_end_outputs(llm) if out.finished]
+    assert [(out.request_id, out.output.finish_reason) for out in finals] == [(request, "abort")]
+    assert_clean(llm)
+
+
+def test_a_failed_step_keeps_the_abort_it_had_to_report(llm, expected, monkeypatch):
+    ids = [llm.add_request(p, PARAMS, stream=False) for p in PROMPTS[:2]]
+    llm.step()
+    llm.abort(ids[0])
+    monkeypatch.setattr(llm.runner, "launch", lambda *a: (_ for _ in ()).throw(RuntimeError("injected")))
+    with pytest.raises(RuntimeError, match="injected"):
+        llm.step()
+    monkeypatch.undo()
+    finals = {out.request_id: out.output for out in run_to_end_outputs(llm) if out.finished}
+    assert finals[ids[0]].finish_reason == "abort" and finals[ids[1]].token_ids == expected[1]
+    assert_clean(llm)
+
+
+def test_a_failed_step_keeps_the_outputs_it_made_before_failing(llm, expected, monkeypatch):
+    """A step fails while bringing in its tokens, after it finished one request: that request's final
+    output comes from the next step (a loop waiting for it would otherwise wait forever)."""
+    short = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    first = llm.add_request(PROMPTS[1], short)  # the longer context: its row comes first in a decode step
+    second = llm.add_request(PROMPTS[0], PARAMS)
+    seqs = [llm._requests[i].samples[0].seq for i in (first, second)]
+    original, fired = llm.block_manager.register_computed_blocks, []
+
+    def fail_after_the_first_finished(seq):
+        if seq is seqs[1] and seqs[0].is_finished and not fired:
+            fired.append(1)
+            raise RuntimeError("injected")
+        return original(seq)
+
+    monkeypatch.setattr(llm.block_manager, "register_computed_blocks", fail_after_the_first_finished)
+    outputs = []
+    with pytest.raises(RuntimeError, match="injected"):
+        while llm.has_unfinished():
+            outputs += llm.step()
+    monkeypatch.undo()
+    outputs += run_to_end_outputs(llm)
+    tokens = {i: sum((out.new_token_ids for out in outputs if out.request_id == i), []) for i in (first, second)}
+    finals = {out.request_id: out.output for out in outputs if out.finished}
+    assert tokens == {first: expected[1][:2], second: expected[0]}
+    assert finals[first].finish_reason == "length" and finals[first].token_ids == expected[1][:2]
     assert_clean(llm)
 
 

@@ -1,7 +1,10 @@
 """What a request may be: prompt types, parameters checked when added, vocab-sized options."""
+import shutil
+
 import numpy as np
 import pytest
 import torch
+from tiny_qwen3 import hf_greedy
 
 from tritonllm import BUNDLED_MODEL, LLM, SamplingParams
 
@@ -70,3 +73,31 @@ def test_unknown_characters_of_a_small_tokenizer_are_an_error():
     assert "".join(e.text_delta for e in bundled.chat([{"role": "user", "content": "rev abc"}],
                                                        SamplingParams(temperature=0, max_tokens=8), stream=True)) == "cba"
     bundled.close()
+
+
+def test_stop_strings_need_a_tokenizer(tiny_qwen3, tmp_path):
+    for name in ("config.json", "model.safetensors", "generation_config.json"):
+        shutil.copy(tiny_qwen3 / name, tmp_path / name)
+    with LLM(str(tmp_path), num_kv_blocks=4) as bare:
+        assert bare.tokenizer is None
+        with pytest.raises(ValueError, match=r"SamplingParams\.stop\b.*tokenizer"):
+            bare.generate([[5, 6, 7]], SamplingParams(max_tokens=2, stop=["a"]), use_tqdm=False)
+        out = bare.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0]
+        assert len(out.token_ids) == 4 and out.text is None
+
+
+def test_a_request_fits_when_its_computed_tokens_fit(tiny_qwen3):
+    """The last sampled token's K/V is never computed: prompt + max_tokens - 1 slots are enough, and
+    decode takes a new block only past a full one, so two such requests in two blocks never preempt."""
+    prompts = [list(range(1, 11)), list(range(20, 30))]  # 10 tokens: with 7 generated, 16 computed
+    params = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
+    with LLM(str(tiny_qwen3), max_num_seqs=2, num_kv_blocks=2) as small:
+        assert [o.token_ids for o in small.generate(prompts, params, use_tqdm=False)] == \
+            [hf_greedy(tiny_qwen3, p, 7) for p in prompts]
+        assert small.scheduler.num_preemptions == 0
+        small.add_request(prompts[0], SamplingParams(max_tokens=23))  # 32 computed: both blocks
+        with pytest.raises(ValueError, match="can never fit"):
+            small.add_request(prompts[0], SamplingParams(max_tokens=24))
+        while small.has_unfinished():
+            small.step()
+        assert small.block_manager.num_free_blocks == 2

@@ -1,5 +1,7 @@
 """How requests finish, on text: stop strings cut from the text (never shown by a stream first),
 min_tokens, EOS and stop tokens on the last allowed token."""
+import dataclasses
+
 import pytest
 
 from tritonllm import LLM, SamplingParams
@@ -101,7 +103,33 @@ def test_eos_or_stop_token_as_the_last_allowed_token_is_a_stop(llm, full):
     finally:
         llm.eos_ids = saved
     assert out.token_ids == tokens[:k + 1] and out.finish_reason == "stop"
-    assert eos_within_min.finish_reason == "length"  # an EOS within min_tokens does not stop
+    # Within min_tokens EOS is not drawn (vLLM's rule): the greedy choice there is the next best token.
+    assert eos_within_min.finish_reason == "length" and eos_within_min.token_ids[:k] == tokens[:k]
+    assert eos_within_min.token_ids[k] != tokens[k]
+    stop_within_min = llm.generate([PROMPT], dataclasses.replace(within_min, stop_token_ids=[tokens[k]], ignore_eos=True),
+                                   use_tqdm=False)[0]
+    assert stop_within_min.token_ids == eos_within_min.token_ids
+
+
+@pytest.mark.parametrize("abort_after", [1, 3, 5])
+def test_an_abort_hands_out_the_text_a_stop_string_held_back(llm, full, abort_after):
+    """A stream aborted while its text ends in what could start a stop string: the final delta
+    brings that tail, so the deltas still add up to the final text."""
+    tokens, text, ends = full
+    stop = text[ends[abort_after - 1] - 1] + "\u2603"  # the text's last character so far, then one it never makes
+    request = llm.add_request(PROMPT, SamplingParams(temperature=0, max_tokens=N, ignore_eos=True, stop=[stop]))
+    deltas, got, final = [], [], None
+    while final is None:
+        for out in llm.step():
+            deltas.append(out.text_delta)
+            got += out.new_token_ids
+            final = out.output
+        if len(got) == abort_after and final is None:
+            assert "".join(deltas) == text[:ends[abort_after - 1] - 1]  # the last character is held back
+            llm.abort(request)
+    assert final.finish_reason == "abort" and final.token_ids == got == tokens[:abort_after]
+    assert "".join(deltas) == final.text == text[:ends[abort_after - 1]]
+    assert llm.block_manager.num_free_blocks == 32
 
 
 class CharTokenizer:

@@ -185,10 +185,27 @@ def test_bad_chat_fields_are_400_naming_the_field(client, fields, param):
     assert error.status_code == 400 and error.param == param
 
 
+@pytest.mark.parametrize("path, fields, param", [
+    # Found by the engine process: named as the request named them, not as the engine does.
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "1" * 60}], "max_completion_tokens": 10},
+     "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "rev abcd"}], "min_tokens": 62}, "min_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "system", "content": "hi"}], "max_tokens": 2}, "messages"),
+    ("/v1/completions", {"prompt": "1" * 60, "max_tokens": 10}, "max_tokens"),
+    ("/v1/completions", {"prompt": ["1+1="] * 33, "n": 128, "max_tokens": 1}, "n"),  # more than --max-waiting: never
+])
+def test_errors_the_engine_finds_name_the_requests_field(server, path, fields, param):
+    status, answer = server.request("POST", path, {"model": MODEL, **fields})
+    assert status == 400 and answer["error"]["param"] == param, answer
+    assert param in answer["error"]["message"] or param == "messages"  # a chat's prompt is what its messages render
+
+
 def test_other_errors_and_unknown_fields(server, client):
     error = error_of(lambda: client.completions.create(model="gpt-4", prompt="1+1=", max_tokens=2))
     assert (error.status_code, error.code, error.param) == (404, "model_not_found", "model")
-    for body in (b"{not json", b"[1, 2]", b""):
+    # Deeper than the parser's recursion, an integer past Python's 4300 digits: still just bad JSON.
+    for body in (b"{not json", b"[1, 2]", b"", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+                 b'{"prompt": "1+1=", "seed": ' + b"9" * 5000 + b"}"):
         status, answer = server.request("POST", "/v1/completions", body)
         assert status == 400 and answer["error"]["code"] == "invalid_json" and answer["error"]["type"] == "invalid_request_error"
     status, answer = server.request("GET", "/v1/nothing")

@@ -81,8 +81,10 @@ class BlockManager:
             hits += 1
         for _ in range(hits, seq.num_blocks):
             seq.block_table.append(self._fresh_block().block_id)
-        seq.num_computed_tokens = seq.num_cached_tokens = hits * self.block_size
+        seq.num_computed_tokens = hits * self.block_size
         seq.num_hashed_blocks = hits
+        if seq.num_cached_tokens is None:  # the first allocation; a preempted one's later hits are its own blocks
+            seq.num_cached_tokens = seq.num_computed_tokens
 
     def deallocate(self, seq: Sequence) -> None:
         """Release seq's blocks; the tail is freed first so it is evicted before the shared head."""
@@ -95,8 +97,8 @@ class BlockManager:
         seq.num_computed_tokens = seq.num_hashed_blocks = 0
 
     def can_append(self, seq: Sequence) -> bool:
-        """Whether seq's next token (appended after this check) finds a slot."""
-        return len(seq) < len(seq.block_table) * self.block_size or self.num_free_blocks >= 1
+        """Whether append_slot finds a slot for the token at index len(seq) - 1 (the one a decode step computes)."""
+        return len(seq) <= len(seq.block_table) * self.block_size or self.num_free_blocks >= 1
 
     def append_slot(self, seq: Sequence) -> None:
         """Make room for the token at index len(seq) - 1."""

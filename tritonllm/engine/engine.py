@@ -22,7 +22,7 @@ from tritonllm.engine.block_manager import BlockManager
 from tritonllm.engine.model_runner import ModelRunner, SampledTokens
 from tritonllm.engine.output import RequestOutput
 from tritonllm.engine.ranks import check_ranks, shut_down, start_ranks
-from tritonllm.engine.requests import Request, Sample, final_output, make_request, step_output
+from tritonllm.engine.requests import Request, Sample, make_request, step_output
 from tritonllm.engine.scheduler import ScheduledBatch, Scheduler
 from tritonllm.engine.sequence import Sequence, SequenceStatus
 from tritonllm.engine.step_inputs import build_step_inputs
@@ -79,7 +79,8 @@ class LLMEngine:
         self._requests: dict[int, Request] = {}  # the unfinished ones
         self._samples: dict[int, tuple[Request, Sample]] = {}  # seq_id -> the unfinished sample, its request
         self._counters = dict.fromkeys(("prompt_tokens", "generation_tokens", "prefill_tokens", "unqueued"), 0)
-        self._aborted: list[RequestOutput] = []  # the final outputs of aborted requests, for the next step
+        # Outputs for the next step to return: aborted requests' final ones, and those a failed step made.
+        self._pending: list[RequestOutput] = []
         self._in_flight: InFlight | None = None
         self.last_step = None  # the last step's (tokens computed, is_prefill, seconds); None if it launched nothing
         # Runs on close(), when the engine is garbage-collected, or at interpreter exit, whichever is
@@ -147,16 +148,18 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         params = dataclasses.replace(params)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("SamplingParams.stop needs a tokenizer, and this model has none: use stop_token_ids")
         token_ids = self.encode(prompt)
         total = len(token_ids) + params.max_tokens
         if total > self.config.max_model_len:
             raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                              f"max_model_len={self.config.max_model_len}")
-        num_blocks = len(self.block_manager.blocks)
-        if -(-total // self.config.kv_block_size) > num_blocks:
-            raise ValueError(f"a request of {total} tokens can never fit the KV cache of {num_blocks} blocks "
-                             f"of {self.config.kv_block_size}")
-        return Sequence(token_ids, params, self.config.kv_block_size)
+        num_blocks, block_size = len(self.block_manager.blocks), self.config.kv_block_size
+        if -(-(total - 1) // block_size) > num_blocks:  # the last token's K/V is never computed
+            raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) can never fit the "
+                             f"KV cache of {num_blocks} blocks of {block_size} ({total - 1} tokens' K/V)")
+        return Sequence(token_ids, params, block_size)
 
     def queue(self, seq: Sequence, stream: bool = True) -> int:
         """Queue a sequence from make_sequence as sample 0 of its request; returns the request id."""
@@ -198,11 +201,11 @@ class LLMEngine:
                     self.scheduler.finish(seq, "abort")
                 else:
                     seq.finish_reason, seq.status = "abort", SequenceStatus.FINISHED
-                self._aborted.append(RequestOutput(request_id, [], "", True, final_output(sample, self.tokenizer),
-                                                   sample.index))
+                self._pending.append(step_output(request, sample, True, self.tokenizer))
 
     def has_unfinished(self) -> bool:
-        return bool(self._requests)
+        """Whether step() has more to do or to report: unfinished requests, or outputs it has not returned."""
+        return bool(self._requests or self._pending)
 
     # ---- the step
 
@@ -211,19 +214,21 @@ class LLMEngine:
         token (streamed ones each time, the others when they finish) and of those aborted since."""
         with self._lock:
             start = time.perf_counter()
-            outputs, self._aborted = self._aborted, []
             self._check_workers()
             batch = self.scheduler.schedule()
+            if batch is None and self._in_flight is None and not self.scheduler.is_finished():
+                raise RuntimeError("the scheduler found nothing to run: the KV cache is too small for the waiting requests")
+            outputs, self._pending = self._pending, []
             if batch is None and self._in_flight is None:
-                if not self.scheduler.is_finished():
-                    raise RuntimeError("the scheduler found nothing to run: the KV cache is too small for the waiting requests")
                 return outputs
             try:
                 launched = self._launch(batch) if batch is not None else None
                 previous, self._in_flight = self._in_flight, launched
-                outputs += self._resolve(previous)
+                self._resolve(previous, outputs)
             except BaseException as error:
+                # The outputs made so far report tokens the requests keep: the next step returns them.
                 # Whatever was in flight is lost: every live request is recomputed from its known tokens.
+                self._pending = outputs
                 self._in_flight = None
                 self.scheduler.recompute_all()
                 self.runner.penalties.reset()  # the counts may hold tokens the host never got
@@ -256,7 +261,7 @@ class LLMEngine:
         inputs = build_step_inputs(batch, previous.rows() if previous else {}, self.config.kv_block_size,
                                    self.config.prefill_gather_blocks)
         seqs = batch.sampling_seqs
-        samples = self.runner.launch(inputs, seqs, [self._seed(seq) for seq in seqs],
+        samples = self.runner.launch(inputs, seqs, [self._seed(seq) for seq in seqs], self._bans(seqs),
                                      previous.samples.ids if previous else None)
         self.scheduler.launched(batch)
         if batch.is_prefill:
@@ -264,15 +269,22 @@ class LLMEngine:
             self._queue_samples(seqs)
         return InFlight(seqs, samples) if samples is not None else None
 
+    def _bans(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
+        """The (row, token) pairs a step may not draw: a row short of its min_tokens draws neither EOS
+        (unless ignore_eos) nor its stop tokens, whose logits are masked (vLLM's min_tokens)."""
+        return [(row, token) for row, seq in enumerate(seqs)
+                if seq.params.min_tokens and seq.num_completion_tokens < seq.params.min_tokens
+                for token in seq.params.stop_token_ids + ([] if seq.params.ignore_eos else sorted(self.eos_ids))]
+
     def _check_workers(self, wait: float = 0.0) -> None:
         check_ranks(self._workers, wait)
 
-    def _resolve(self, in_flight: InFlight | None) -> list[RequestOutput]:
-        """Bring in a launched step's sampled tokens; rows of sequences that finished since are dropped."""
+    def _resolve(self, in_flight: InFlight | None, outputs: list[RequestOutput]) -> None:
+        """Bring in a launched step's sampled tokens, appending the outputs they make to `outputs` (one
+        at a time: a failure midway keeps those made); rows of sequences that finished since are dropped."""
         if in_flight is None:
-            return []
+            return
         token_ids, logprobs, top = in_flight.samples.result(self._check_workers if self._workers else None)
-        outputs = []
         for row, (seq, token) in enumerate(zip(in_flight.seqs, token_ids)):
             if seq.is_finished:
                 continue
@@ -287,7 +299,6 @@ class LLMEngine:
             output = self._advance(*self._samples[seq.seq_id])
             if output is not None:
                 outputs.append(output)
-        return outputs
 
     def _advance(self, request: Request, sample: Sample) -> RequestOutput | None:
         """The one place a sample finishes: EOS or a stop token, a stop string, max_tokens."""

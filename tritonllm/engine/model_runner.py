@@ -296,9 +296,11 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence], seeds: list[int]) -> "SampledTokens":
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], seeds: list[int],
+               bans: list[tuple[int, int]]) -> "SampledTokens":
         """Sample each row (no host sync); the ids and, when asked, logprobs head to the host.
-        Penalties, when a row has some, modify the logits first; logprobs are of the raw logits."""
+        Penalties, when a row has some, modify the logits first, and the (row, token) pairs of `bans`
+        are never drawn; logprobs are of the raw logits."""
         params = [seq.params for seq in seqs]
         vocab = self.hf_config.vocab_size
         rows = self.penalties.rows(seqs)
@@ -310,8 +312,11 @@ class ModelRunner:
         ints = self._to_device(torch.tensor([[min(p.top_k, vocab) for p in params], seeds, *([] if rows is None else [rows])],
                                             dtype=torch.int64))
         raw, wants_logprobs = logits, any(p.wants_logprobs for p in params)
+        if wants_logprobs and (rows is not None or bans):
+            logits = logits.clone()
+        if bans:
+            logits[tuple(self._to_device(torch.tensor(bans).T.contiguous()))] = float("-inf")
         if rows is not None:
-            logits = logits.clone() if wants_logprobs else logits
             self.ops.apply_penalties(logits, self.penalties.counts, self.penalties.prompt_mask, ints[2], *floats[3:])
         ids = self.ops.sample(logits, floats[0], ints[0].to(torch.int32), floats[1], floats[2], ints[1])
         if rows is not None:
@@ -322,14 +327,14 @@ class ModelRunner:
 
     # ---- tensor-parallel driving
 
-    def launch(self, inputs: StepInputs, seqs: list[Sequence], seeds: list[int],
+    def launch(self, inputs: StepInputs, seqs: list[Sequence], seeds: list[int], bans: list[tuple[int, int]],
                previous_ids: torch.Tensor | None) -> "SampledTokens | None":
         """Rank 0: start one step on every rank and sample the rows of `seqs` (one per logit row, in
-        order); returns the samples without waiting for them (None if no row samples)."""
+        order; bans as sample's); returns the samples without waiting for them (None if no row samples)."""
         if self.world_size > 1:
             broadcast_object(("execute", inputs))
         logits = self.execute(inputs, previous_ids)
-        return self.sample(logits, seqs, seeds) if seqs else None
+        return self.sample(logits, seqs, seeds, bans) if seqs else None
 
     def worker_loop(self) -> None:
         """Ranks > 0: run what rank 0 broadcasts until it says exit."""

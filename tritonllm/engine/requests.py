@@ -57,7 +57,7 @@ def final_output(sample: Sample, tokenizer) -> GenerationOutput:
     else:
         text = tokenizer.decode(seq.completion_token_ids, skip_special_tokens=True) if tokenizer else None
     return GenerationOutput(seq.token_ids[:seq.num_prompt_tokens], seq.completion_token_ids, text, seq.finish_reason,
-                            seq.num_cached_tokens, seq.logprobs if params.wants_logprobs else None,
+                            seq.num_cached_tokens or 0, seq.logprobs if params.wants_logprobs else None,
                             seq.top_logprobs if params.top_logprobs else None, sample.index)
 
 

@@ -31,7 +31,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_table_array = None  # the model runner's int32 copy: (the list it copies, the array)
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
-        self.num_cached_tokens = 0  # of those, how many came from the prefix cache
+        self.num_cached_tokens: int | None = None  # prompt tokens the first allocation found in the prefix cache
         self.num_hashed_blocks = 0  # leading blocks registered in the prefix cache
         self.logprobs: list[float] = []
         self.top_logprobs: list[dict[int, float]] = []

@@ -41,7 +41,7 @@ def error_response(error: ApiError) -> JSONResponse:
 async def read_json(request: Request) -> dict:
     try:
         body = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+    except (ValueError, RecursionError) as error:  # JSONDecodeError, UnicodeDecodeError, an int over 4300 digits
         raise ApiError(400, f"the body is not valid JSON: {error}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise ApiError(400, f"the body must be a JSON object, got {type(body).__name__}", code="invalid_json")
@@ -63,10 +63,7 @@ def release(state: ServerState, stream: RequestStream) -> None:
 async def collect(state: ServerState, stream: RequestStream, request: Request) -> list[tuple] | None:
     """Every output of a request not streamed; None if the client left first (that aborts it)."""
     async def outputs() -> list[tuple]:
-        items = []
-        while not stream.finished:
-            items += await stream.get()
-        return items
+        return [item async for batch in stream.batches() for item in batch]
 
     done = asyncio.ensure_future(outputs())
     gone = asyncio.ensure_future(until_disconnected(request))
@@ -85,8 +82,8 @@ async def events(state: ServerState, stream: RequestStream, renderer: Renderer, 
     last event before [DONE]."""
     yield renderer.stream_start()
     try:
-        while not stream.finished:
-            chunk = renderer.stream_chunks(await stream.get())
+        async for batch in stream.batches():
+            chunk = renderer.stream_chunks(batch)
             if chunk:
                 yield chunk
     except ApiError as error:
@@ -116,7 +113,7 @@ class EventStream(StreamingResponse):
 
 async def generate(state: ServerState, request: Request, parsed: GenerateRequest):
     state.counters["requests"] += 1
-    stream = await state.engine.submit(parsed.prompts, parsed.params, parsed.chat, parsed.fill_max_tokens, parsed.stream)
+    stream = await state.engine.submit(parsed)
     renderer = Renderer(parsed, state.names[0], state.tokenizer, state.token_cache)
     if parsed.stream:
         return EventStream(events(state, stream, renderer, parsed.include_usage), lambda: release(state, stream))

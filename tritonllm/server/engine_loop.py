@@ -31,7 +31,7 @@ import threading
 from collections import deque
 
 from tritonllm.server.engine_process import engine_main
-from tritonllm.server.protocol import ApiError
+from tritonllm.server.protocol import ApiError, GenerateRequest, refused
 
 STOP_TIMEOUT_S = 30  # how long the engine process gets to exit before it is killed
 
@@ -49,6 +49,7 @@ class RequestStream:
 
     @property
     def finished(self) -> bool:
+        """Every output has come, or the stream failed: nothing to abort."""
         return self.choices_left == 0 or self.error is not None
 
     def put(self, item: tuple) -> None:
@@ -58,19 +59,23 @@ class RequestStream:
         self.ready.set()
 
     def fail(self, error: ApiError) -> None:
-        self.error = error
-        self.ready.set()
+        """End the stream with `error` (its reader gets it from batches()), unless every output has come."""
+        if self.choices_left:
+            self.error = error
+            self.ready.set()
 
-    async def get(self) -> list[tuple]:
-        """Every output that came since the last call (waiting for one); raises the stream's error."""
-        while not self.items and self.error is None:
-            self.ready.clear()
-            await self.ready.wait()
-        if self.error is not None:
-            raise self.error
-        items = list(self.items)
-        self.items.clear()
-        return items
+    async def batches(self):
+        """Every output, in batches of those that came since the last one (waiting for one), until the
+        last output is taken, however early they all came; raises the stream's error instead."""
+        while self.choices_left or self.items or self.error is not None:
+            while not self.items and self.error is None:
+                self.ready.clear()
+                await self.ready.wait()
+            if self.error is not None:
+                raise self.error
+            items = list(self.items)
+            self.items.clear()
+            yield items
 
 
 class EngineClient:
@@ -167,14 +172,14 @@ class EngineClient:
         self.outbox.put(command)
         return await future
 
-    async def submit(self, prompts: list, params, chat: bool = False, fill_max_tokens: bool = False,
-                     stream: bool = True) -> RequestStream:
-        """Queue an API request's prompts (n samples each); errors are ApiErrors (400, 503). Not
-        streamed, each choice comes as one output when it finishes."""
+    async def submit(self, request: GenerateRequest) -> RequestStream:
+        """Queue an API request's prompts (n samples each); errors are ApiErrors (400 naming the body's
+        field, 503). Not streamed, each choice comes as one output when it finishes."""
         key = next(self.keys)
-        outputs = self.streams[key] = RequestStream(key, len(prompts) * params.n)
+        outputs = self.streams[key] = RequestStream(key, request.num_choices)
         try:
-            _, _, error, lengths = await self._ask(("add", key, prompts, params, chat, fill_max_tokens, stream))
+            _, _, error, lengths = await self._ask(("add", key, request.prompts, request.params, request.chat,
+                                                    request.fill_max_tokens, request.stream))
         except BaseException:  # cancelled: the client left while the engine was adding it
             self.release(outputs)
             raise
@@ -183,7 +188,7 @@ class EngineClient:
             kind, message = error
             if kind == "queue_full":
                 raise ApiError(503, message, code="queue_full")
-            raise ApiError(400, message, "max_tokens" if "max_tokens" in message else "prompt", "invalid_value")
+            raise refused(message, request.names)
         outputs.prompt_tokens = sum(lengths)
         return outputs
 

@@ -77,8 +77,14 @@ class EngineWorker:
 
     def add(self, key: int, prompts: list, params, chat: bool, fill_max_tokens: bool, stream: bool) -> None:
         """Queue every prompt of one API request, or none of them: a bad one is reported for all."""
+        samples = len(prompts) * params.n
+        if samples > self.max_waiting:  # never fits, however long the client waits: not a 503
+            message = (f"SamplingParams.n={params.n} is invalid: with {len(prompts)} prompt(s) it asks for {samples} "
+                       f"samples, more than this server queues (--max-waiting {self.max_waiting})")
+            self.conn.send(("added", key, ("invalid", message), None))
+            return
         waiting = self.engine.stats()["num_waiting_seqs"]
-        if waiting + len(prompts) * params.n > self.max_waiting:
+        if waiting + samples > self.max_waiting:
             self.conn.send(("added", key, ("queue_full", f"the server's queue is full ({waiting} requests waiting): "
                                                          "retry later"), None))
             return

@@ -57,6 +57,7 @@ class GenerateRequest:
     return_token_ids: bool  # each choice (and stream delta) also carries its token ids
     tokens_as_ids: bool  # logprob tokens as "token_id:N" instead of their text
     fill_max_tokens: bool  # chat without max_tokens: up to the model's length
+    names: dict[str, str]  # engine field -> the body's field for it, where they differ (refused)
 
     @property
     def num_choices(self) -> int:
@@ -95,10 +96,29 @@ def _stop(body: dict):
     return stop
 
 
+def field_names(body: dict) -> dict[str, str]:
+    """The body's names of the engine's fields where they differ: the prompt of a chat is its
+    messages, max_tokens may come as max_completion_tokens, a completion's top_logprobs is logprobs."""
+    chat = "messages" in body
+    return {"prompt": "messages" if chat else "prompt", "top_logprobs": "top_logprobs" if chat else "logprobs",
+            "max_tokens": "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"}
+
+
+def refused(message: str, names: dict[str, str]) -> ApiError:
+    """The 400 for a value the engine refused, named as the body names it: the SamplingParams field
+    the message names, else max_tokens where it is about the length, else the prompt."""
+    found = re.search(r"SamplingParams\.(\w+)", message)
+    field = found.group(1) if found else "max_tokens" if "max_tokens" in message else "prompt"
+    message = message.replace("SamplingParams.", "")
+    name = names.get(field, field)
+    if field != "prompt":  # "prompt" stays in the text: a chat's prompt is its rendered messages
+        message = message.replace(field, name, 1)
+    return bad(message, name)
+
+
 def sampling_params(body: dict, default_max_tokens: int | None, top_logprobs: int | None) -> SamplingParams:
     """The body's sampling fields as checked SamplingParams; a bad one is a 400 naming its field."""
-    max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    names = {"max_tokens": max_name, "top_logprobs": "logprobs" if "messages" not in body else "top_logprobs"}
+    max_name = field_names(body)["max_tokens"]
     fields = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "min_tokens": 0, "n": 1,
               "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
               "seed": None, "ignore_eos": False, "stop_token_ids": None}
@@ -114,12 +134,7 @@ def sampling_params(body: dict, default_max_tokens: int | None, top_logprobs: in
     try:
         return SamplingParams(**kwargs)
     except (TypeError, ValueError) as error:
-        found = re.search(r"SamplingParams\.(\w+)", str(error))
-        field = found.group(1) if found else None
-        message = str(error).replace("SamplingParams.", "")
-        if field in names:
-            message = message.replace(field, names[field], 1)
-        raise bad(message, names.get(field, field)) from None
+        raise refused(str(error), field_names(body)) from None
 
 
 def _prompts(body: dict) -> list:
@@ -202,4 +217,5 @@ def _request(body: dict, chat: bool, prompts: list, params: SamplingParams, logp
     stream = _typed(body, "stream", bool, False)
     return GenerateRequest(chat, prompts, params, stream, _usage_options(body, stream), logprobs,
                            _typed(body, "return_token_ids", bool, False) or not has_tokenizer,
-                           _typed(body, "return_tokens_as_token_ids", bool, False) or not has_tokenizer, False)
+                           _typed(body, "return_tokens_as_token_ids", bool, False) or not has_tokenizer, False,
+                           field_names(body))
