@@ -14,7 +14,8 @@ so the loop never blocks on a full pipe.
 
 The messages are tuples. Server to engine: ("add", key, prompts, params, chat, fill_max_tokens, stream),
 ("abort", key), ("stats", key), ("stop",). Engine to server: ("ready", info) or ("failed", text)
-once; ("added", key, error, prompt_lengths), ("stats", key, dict), ("out", items) with items
+once; ("added", key, error, prompt_lengths) with error None or (kind, text), kind "invalid",
+"queue_full" or "failed"; ("stats", key, dict); ("out", items) with items
 (key, choice, token_ids, text, logprobs, top_logprobs, final), final None or (finish_reason,
 cached_tokens); ("error", keys, text) when a step failed (those requests are aborted). A request
 not streamed gives one item per choice, when it finishes, with all its tokens and text.
@@ -188,6 +189,8 @@ class EngineClient:
             kind, message = error
             if kind == "queue_full":
                 raise ApiError(503, message, code="queue_full")
+            if kind == "failed":
+                raise ApiError(500, f"the engine failed to add this request: {message}")
             raise refused(message, request.names)
         outputs.prompt_tokens = sum(lengths)
         return outputs

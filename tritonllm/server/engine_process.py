@@ -104,6 +104,11 @@ class EngineWorker:
             self.abort(key)
             self.conn.send(("added", key, ("invalid", str(error)), None))
             return
+        except Exception as error:  # a fault on this request's way in: it fails alone, the engine serves on
+            self.abort(key)
+            print(f"tritonllm serve: adding a request failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+            self.conn.send(("added", key, ("failed", f"{type(error).__name__}: {error}"), None))
+            return
         self.conn.send(("added", key, None, lengths))
 
     def encode(self, prompt, chat: bool) -> list[int]:
