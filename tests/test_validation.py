@@ -19,13 +19,26 @@ from tritonllm.validation import check
     ("stop", 123, TypeError), ("stop", [""], ValueError), ("stop", ["ok", 1], TypeError),
     ("stop_token_ids", 5, TypeError), ("stop_token_ids", "12", TypeError), ("stop_token_ids", [-1], ValueError),
     ("stop_token_ids", [1.5], TypeError), ("stop_token_ids", [True], TypeError),
-    ("logprobs", "yes", TypeError), ("logprobs", 1, TypeError), ("ignore_eos", "no", TypeError),
+    ("logprobs", "yes", TypeError), ("logprobs", 21, ValueError), ("logprobs", -1, ValueError),
+    ("ignore_eos", "no", TypeError), ("top_k", -2, ValueError),
     ("seed", 1.5, TypeError), ("seed", "7", TypeError), ("temperature", 10**400, ValueError),
     ("presence_penalty", -10**400, ValueError),
 ])
 def test_bad_sampling_params_name_the_field(field, value, error):
     with pytest.raises(error, match=rf"SamplingParams\.{field}\b"):
         SamplingParams(**{field: value})
+
+
+def test_vllm_spellings_are_accepted():
+    """vLLM's top_k=-1 (off) and logprobs=k (the chosen token's logprob and the k most likely)."""
+    p = SamplingParams(top_k=-1, logprobs=3)
+    assert (p.top_k, p.logprobs, p.top_logprobs) == (0, True, 3) and p.wants_logprobs
+    p.validate()
+    assert (p.top_k, p.logprobs, p.top_logprobs) == (0, True, 3)
+    assert (SamplingParams(logprobs=0).logprobs, SamplingParams(logprobs=0).top_logprobs) == (True, 0)
+    assert SamplingParams(logprobs=np.int64(2), top_logprobs=2).top_logprobs == 2
+    with pytest.raises(ValueError, match=r"SamplingParams\.logprobs=2 and top_logprobs=5 disagree"):
+        SamplingParams(logprobs=2, top_logprobs=5)
 
 
 def test_validate_normalizes_and_is_idempotent():

@@ -14,7 +14,9 @@ from tritonllm.loader import safetensors_files
 from tritonllm.models.presets import is_preset
 from tritonllm.validation import check_field
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# "auto": the checkpoint's; "float" and "half" are vLLM's (and torch's) other names.
+DTYPES = {"auto": None, "float32": torch.float32, "float": torch.float32, "float16": torch.float16,
+          "half": torch.float16, "bfloat16": torch.bfloat16}
 KERNEL_BACKENDS = tuple(BACKENDS)  # "triton", and "reference": the PyTorch references, for side-by-side runs
 DEVICES = ("cuda", "cpu")
 LOAD_FORMATS = ("auto", "dummy")  # safetensors of the checkpoint folder; random weights
@@ -28,7 +30,7 @@ class EngineConfig:
     model: str  # a checkpoint folder, or a preset name: that shape with random weights
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1  # engine replicas, each tensor_parallel_size ranks wide (LLM.generate splits prompts)
-    dtype: str | torch.dtype | None = None  # None: the checkpoint's dtype (bfloat16 for presets; float32 on CPU)
+    dtype: str | torch.dtype | None = None  # None or "auto": the checkpoint's (presets bfloat16; float32 on CPU)
     device: str | None = None  # None: "cuda" when available, else "cpu" (Triton's interpreter)
     max_model_len: int | None = None  # None: the positions the model's rotary table covers
     max_num_seqs: int = 256

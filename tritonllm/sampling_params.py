@@ -2,19 +2,20 @@ from dataclasses import dataclass
 from functools import partial
 
 from tritonllm.kernels.logprobs import MAX_TOP_LOGPROBS
-from tritonllm.validation import check_field, check_list
+from tritonllm.validation import as_int, check, check_field, check_list
 
 
 @dataclass
 class SamplingParams:
     """How to sample one request's completion; validated on construction.
 
-    temperature 0 is greedy. top_k 0 and top_p 1 and min_p 0 turn those filters off. Generation
+    temperature 0 is greedy. top_k 0 (or vLLM's -1) and top_p 1 and min_p 0 turn those filters off. Generation
     stops at max_tokens, at any EOS id of the model (unless ignore_eos), at stop_token_ids or at a
     stop string (cut from the text); none of these before min_tokens (EOS and the stop tokens are
     not drawn, their logits masked; a stop string counts past their text). seed makes the request's
     draws reproducible whatever else runs beside it. logprobs returns each chosen token's
-    log-probability under the model's raw distribution.
+    log-probability under the model's raw distribution; as an int k (vLLM's form) it also sets
+    top_logprobs = k, the k most likely tokens a step.
     """
 
     temperature: float = 1.0
@@ -42,19 +43,28 @@ class SamplingParams:
         runs it again when a request is added, as fields may change after construction; idempotent."""
         field = partial(check_field, self, prefix="SamplingParams.")
         field("temperature", float, lambda t: t >= 0, ">= 0 (0 = greedy)")
-        field("top_k", int, lambda k: k >= 0, ">= 0 (0 = off)")
+        field("top_k", int, lambda k: k >= -1, ">= 0 (0 = off; vLLM's -1 too)")
+        self.top_k = max(self.top_k, 0)
         field("top_p", float, lambda p: 0 < p <= 1, "in (0, 1] (1 = off)")
         field("min_p", float, lambda p: 0 <= p <= 1, "in [0, 1] (0 = off)")
         field("max_tokens", int, lambda n: n >= 1, ">= 1")
         field("min_tokens", int, lambda n: 0 <= n <= self.max_tokens, f"in [0, max_tokens={self.max_tokens}]")
         field("ignore_eos", bool)
         field("seed", int, optional=True)  # any int: the engine mixes it into 62 bits
+        field("top_logprobs", int, lambda k: 0 <= k <= MAX_TOP_LOGPROBS, f"in [0, {MAX_TOP_LOGPROBS}] (0 = off)")
+        top = as_int(self.logprobs)  # vLLM's logprobs=k: the chosen token's logprob and the k most likely
+        if top is not None:
+            check("SamplingParams.logprobs", top, int, lambda k: 0 <= k <= MAX_TOP_LOGPROBS,
+                  f"a bool, or an int k in [0, {MAX_TOP_LOGPROBS}] (vLLM's: top_logprobs = k)")
+            if self.top_logprobs not in (0, top):
+                raise ValueError(f"SamplingParams.logprobs={top} and top_logprobs={self.top_logprobs} disagree: "
+                                 "give one")
+            self.logprobs, self.top_logprobs = True, top
         field("logprobs", bool)
         field("n", int, lambda n: 1 <= n <= 128, "in [1, 128]")
         field("presence_penalty", float, lambda p: -2 <= p <= 2, "in [-2, 2] (0 = off)")
         field("frequency_penalty", float, lambda p: -2 <= p <= 2, "in [-2, 2] (0 = off)")
         field("repetition_penalty", float, lambda p: p > 0, "> 0 (1 = off)")
-        field("top_logprobs", int, lambda k: 0 <= k <= MAX_TOP_LOGPROBS, f"in [0, {MAX_TOP_LOGPROBS}] (0 = off)")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = check_list("SamplingParams.stop", self.stop, str, bool, "a non-empty string")

@@ -41,6 +41,11 @@ def test_options_are_normalized():
     assert config.model == BUNDLED and type(config.max_model_len) is int and config.num_kv_blocks == 4
     assert config.gpu_memory_utilization == 1.0 and config.dtype is torch.bfloat16
     assert EngineConfig.from_options(BUNDLED, dtype="float16").dtype is torch.float16
+    # vLLM's names: "auto" is the checkpoint's dtype (resolved later), "half" and "float" torch's aliases
+    assert EngineConfig.from_options(BUNDLED, dtype="auto").dtype is None
+    assert EngineConfig.from_options(BUNDLED, dtype="half").dtype is torch.float16
+    assert EngineConfig.from_options(BUNDLED, dtype="float").dtype is torch.float32
+    assert EngineConfig.from_options(BUNDLED, dtype=torch.float32).dtype is torch.float32
 
 
 def test_a_preset_name_means_random_weights(capsys):

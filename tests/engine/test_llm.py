@@ -228,7 +228,7 @@ def test_unknown_option_and_bad_requests(tiny_qwen3):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1), ("min_p", 2.0), ("max_tokens", 0), ("min_tokens", 99),
+    ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 2.0), ("max_tokens", 0), ("min_tokens", 99),
 ])
 def test_sampling_params_are_validated(field, value):
     with pytest.raises(ValueError, match=field):

@@ -123,8 +123,6 @@ def sampling_params(body: dict, default_max_tokens: int | None, top_logprobs: in
               "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
               "seed": None, "ignore_eos": False, "stop_token_ids": None}
     kwargs = {name: default if body.get(name) is None else body[name] for name, default in fields.items()}
-    if kwargs["top_k"] == -1:  # vLLM's "off"
-        kwargs["top_k"] = 0
     kwargs["max_tokens"] = body.get(max_name)
     if kwargs["max_tokens"] is None:  # chat: a stand-in, replaced by the room the prompt leaves
         kwargs["max_tokens"] = default_max_tokens or max(1, as_int(kwargs["min_tokens"]) or 0)
