@@ -183,7 +183,7 @@ def _prompt_list(prompts) -> list:
     """prompts as a list of prompts: one string or one token-id list counts as a single prompt."""
     if isinstance(prompts, str):
         return [prompts]
-    if not isinstance(prompts, (list, tuple, np.ndarray, torch.Tensor)):
+    if not isinstance(prompts, (list, tuple, np.ndarray, torch.Tensor)) or getattr(prompts, "ndim", 1) == 0:
         raise TypeError(f"prompts must be a string, a list of token ids, or a list of those; got {type(prompts).__name__}")
     if len(prompts) and as_int(prompts[0]) is not None:  # one prompt of token ids
         return [prompts]

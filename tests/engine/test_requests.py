@@ -17,7 +17,8 @@ def llm(tiny_qwen3):
         yield engine
 
 
-@pytest.mark.parametrize("prompts", [None, 123, [None], [1.5], [[1, None]], [[1, True]], [[1, torch.tensor(True)]], {"a": 1}])
+@pytest.mark.parametrize("prompts", [None, 123, [None], [1.5], [[1, None]], [[1, True]], [[1, torch.tensor(True)]], {"a": 1},
+                                     torch.tensor(5), np.array(5)])
 def test_prompts_of_the_wrong_type_are_type_errors(llm, prompts):
     with pytest.raises(TypeError, match="prompt"):
         llm.generate(prompts, GREEDY, use_tqdm=False)
