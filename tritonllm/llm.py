@@ -103,8 +103,12 @@ class LLM(LLMEngine):
                     self.abort(request_id)
 
     def stream(self, prompts, sampling_params=None) -> Iterator[StreamOutput]:
-        """Yield each request's new tokens and text as they are generated; the last yield has the output."""
-        requests, queue = self._add(self._sequences(prompts, sampling_params), stream=True)
+        """Yield each request's new tokens and text as they are generated; the last yield has the output.
+        Bad prompts or params raise at the call; the requests are queued when the iteration starts."""
+        return self._stream(self._sequences(prompts, sampling_params))
+
+    def _stream(self, seqs: list[Sequence]) -> Iterator[StreamOutput]:
+        requests, queue = self._add(seqs, stream=True)
         for out in self._follow(requests, queue):
             yield StreamOutput(requests[out.request_id][0] + out.index, out.new_token_ids, out.text_delta, out.finished,
                                out.output, out.new_logprobs, out.new_top_logprobs)

@@ -25,6 +25,14 @@ def test_prompts_of_the_wrong_type_are_type_errors(llm, prompts):
     assert not llm.has_unfinished()
 
 
+def test_a_bad_stream_raises_at_the_call(llm):
+    with pytest.raises(ValueError, match="max_tokens"):
+        llm.stream([[5, 6]], SamplingParams(max_tokens=10**6))
+    with pytest.raises(TypeError, match="prompt"):
+        llm.stream([[5, None]])
+    assert not llm.has_unfinished()
+
+
 def test_numpy_and_torch_token_ids_are_prompts(llm):
     want = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].token_ids
     for prompt in ([np.int64(5), np.int32(6), 7], np.array([5, 6, 7]), torch.tensor([5, 6, 7])):
