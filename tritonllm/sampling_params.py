@@ -1,3 +1,4 @@
+import math
 from dataclasses import dataclass
 from functools import partial
 
@@ -22,7 +23,7 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: as many as the model's length and the KV cache leave (vLLM's None)
     min_tokens: int = 0
     ignore_eos: bool = False
     stop: str | list[str] | None = None
@@ -47,8 +48,9 @@ class SamplingParams:
         self.top_k = max(self.top_k, 0)
         field("top_p", float, lambda p: 0 < p <= 1, "in (0, 1] (1 = off)")
         field("min_p", float, lambda p: 0 <= p <= 1, "in [0, 1] (0 = off)")
-        field("max_tokens", int, lambda n: n >= 1, ">= 1")
-        field("min_tokens", int, lambda n: 0 <= n <= self.max_tokens, f"in [0, max_tokens={self.max_tokens}]")
+        field("max_tokens", int, lambda n: n >= 1, ">= 1", optional=True)
+        most = math.inf if self.max_tokens is None else self.max_tokens
+        field("min_tokens", int, lambda n: 0 <= n <= most, f"in [0, max_tokens={self.max_tokens}]")
         field("ignore_eos", bool)
         field("seed", int, optional=True)  # any int: the engine mixes it into 62 bits
         field("top_logprobs", int, lambda k: 0 <= k <= MAX_TOP_LOGPROBS, f"in [0, {MAX_TOP_LOGPROBS}] (0 = off)")

@@ -110,3 +110,12 @@ def test_a_request_fits_when_its_computed_tokens_fit(tiny_qwen3):
         while small.has_unfinished():
             small.step()
         assert small.block_manager.num_free_blocks == 2
+        # max_tokens=None (vLLM's): as many as the cache leaves, here those 23
+        unbounded = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+        out = small.generate([prompts[0]], unbounded, use_tqdm=False)[0]
+        assert out.token_ids == hf_greedy(tiny_qwen3, prompts[0], 23) and out.finish_reason == "length"
+        with pytest.raises(ValueError, match=r"min_tokens=24 .*max_tokens=23"):
+            small.generate([prompts[0]], SamplingParams(max_tokens=None, min_tokens=24), use_tqdm=False)
+        with pytest.raises(ValueError, match="leaves no room"):
+            small.generate([list(range(1, 34))], unbounded, use_tqdm=False)
+        assert small.block_manager.num_free_blocks == 2 and not small.has_unfinished()

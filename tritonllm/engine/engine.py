@@ -151,11 +151,18 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise ValueError("SamplingParams.stop needs a tokenizer, and this model has none: use stop_token_ids")
         token_ids = self.encode(prompt)
+        num_blocks, block_size = len(self.block_manager.blocks), self.config.kv_block_size
+        if params.max_tokens is None:  # as many as fit: the model's length, and the K/V of all but the last token
+            room = min(self.config.max_model_len, num_blocks * block_size + 1) - len(token_ids)
+            if room < 1:
+                raise ValueError(f"prompt ({len(token_ids)} tokens) leaves no room for max_tokens: max_model_len="
+                                 f"{self.config.max_model_len}, KV cache {num_blocks} blocks of {block_size}")
+            params.max_tokens = room
+            params.validate()  # min_tokens against it
         total = len(token_ids) + params.max_tokens
         if total > self.config.max_model_len:
             raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                              f"max_model_len={self.config.max_model_len}")
-        num_blocks, block_size = len(self.block_manager.blocks), self.config.kv_block_size
         if -(-(total - 1) // block_size) > num_blocks:  # the last token's K/V is never computed
             raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) can never fit the "
                              f"KV cache of {num_blocks} blocks of {block_size} ({total - 1} tokens' K/V)")

@@ -1,6 +1,5 @@
 """The engine's process: load the model, then take the server's commands between steps and send
 each step's outputs as one message (the messages: engine_loop.py)."""
-import dataclasses
 import gc
 import os
 import signal
@@ -75,7 +74,7 @@ class EngineWorker:
             return False
         return True
 
-    def add(self, key: int, prompts: list, params, chat: bool, fill_max_tokens: bool, stream: bool) -> None:
+    def add(self, key: int, prompts: list, params, chat: bool, stream: bool) -> None:
         """Queue every prompt of one API request, or none of them: a bad one is reported for all."""
         samples = len(prompts) * params.n
         if samples > self.max_waiting:  # never fits, however long the client waits: not a 503
@@ -92,10 +91,6 @@ class EngineWorker:
         try:
             for i, prompt in enumerate(prompts):
                 token_ids = self.encode(prompt, chat)
-                if fill_max_tokens:  # chat without max_tokens: as far as the model's length allows
-                    config = self.engine.config
-                    room = min(config.max_model_len, self.engine.stats()["num_kv_blocks"] * config.kv_block_size)
-                    params = dataclasses.replace(params, max_tokens=max(1, room - len(token_ids)))
                 request_id = self.engine.add_request(token_ids, params, stream=stream)
                 self.keys[key].append(request_id)
                 self.requests[request_id] = [key, i * params.n, params.n, stream]

@@ -8,7 +8,6 @@ import re
 from dataclasses import dataclass
 
 from tritonllm.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
-from tritonllm.validation import as_int
 
 
 # Field -> the values that leave the output as it is (anything else is refused by name).
@@ -56,7 +55,6 @@ class GenerateRequest:
     logprobs: int | None  # None: no logprobs; else how many top alternatives per token (0..20)
     return_token_ids: bool  # each choice (and stream delta) also carries its token ids
     tokens_as_ids: bool  # logprob tokens as "token_id:N" instead of their text
-    fill_max_tokens: bool  # chat without max_tokens: up to the model's length
     names: dict[str, str]  # engine field -> the body's field for it, where they differ (refused)
 
     @property
@@ -123,9 +121,8 @@ def sampling_params(body: dict, default_max_tokens: int | None, top_logprobs: in
               "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
               "seed": None, "ignore_eos": False, "stop_token_ids": None}
     kwargs = {name: default if body.get(name) is None else body[name] for name, default in fields.items()}
-    kwargs["max_tokens"] = body.get(max_name)
-    if kwargs["max_tokens"] is None:  # chat: a stand-in, replaced by the room the prompt leaves
-        kwargs["max_tokens"] = default_max_tokens or max(1, as_int(kwargs["min_tokens"]) or 0)
+    # Without one: completions 16 (OpenAI's default), chat None (the engine fills the room the prompt leaves).
+    kwargs["max_tokens"] = default_max_tokens if body.get(max_name) is None else body[max_name]
     kwargs["stop"] = _stop(body)
     kwargs["logprobs"] = top_logprobs is not None
     kwargs["top_logprobs"] = top_logprobs or 0
@@ -184,9 +181,7 @@ def parse_chat(body: dict, tokenizer) -> GenerateRequest:
     if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
         raise bad(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}", "top_logprobs")
     logprobs = (top or 0) if wants else None
-    request = _request(body, True, [text], sampling_params(body, None, logprobs), logprobs, True)
-    request.fill_max_tokens = body.get("max_completion_tokens") is None and body.get("max_tokens") is None
-    return request
+    return _request(body, True, [text], sampling_params(body, None, logprobs), logprobs, True)
 
 
 def _messages(body: dict) -> list[dict]:
@@ -215,5 +210,5 @@ def _request(body: dict, chat: bool, prompts: list, params: SamplingParams, logp
     stream = _typed(body, "stream", bool, False)
     return GenerateRequest(chat, prompts, params, stream, _usage_options(body, stream), logprobs,
                            _typed(body, "return_token_ids", bool, False) or not has_tokenizer,
-                           _typed(body, "return_tokens_as_token_ids", bool, False) or not has_tokenizer, False,
+                           _typed(body, "return_tokens_as_token_ids", bool, False) or not has_tokenizer,
                            field_names(body))
