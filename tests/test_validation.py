@@ -6,6 +6,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from tritonllm import LLM, SamplingParams
 from tritonllm.loader import build_model, load_config, load_weights
@@ -86,3 +87,64 @@ def test_a_quantized_checkpoint_is_named_before_loading(tiny_qwen3, tmp_path):
     (tmp_path / "model.safetensors").symlink_to(tiny_qwen3 / "model.safetensors")
     with pytest.raises(ValueError, match=r"quantized checkpoint \(quantization_config\.quant_method 'fp8'\)"):
         LLM(str(tmp_path))
+
+
+def _damaged(source, tmp_path, edit):
+    """A copy of the checkpoint at `source` whose tensors `edit` changed (in place)."""
+    tensors = load_file(source / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text((source / "config.json").read_text())
+    return tmp_path
+
+
+LAYER = "model.layers.0."
+
+
+def _replace(key, change):
+    return lambda tensors: tensors.__setitem__(key, change(tensors[key]).contiguous())
+
+
+DAMAGE = {  # damage -> (a MoE checkpoint?, edit, the error)
+    "a packed part missing (k of qkv)": (False, lambda t: t.pop(LAYER + "self_attn.k_proj.weight"),
+                                         r"lacks 1 weights, e.g. \['model.layers.0.self_attn.qkv_proj.weight part k'\]"),
+    "up of gate/up missing": (False, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"), r"gate_up_proj.weight part 1"),
+    "one expert's up missing": (True, lambda t: t.pop(LAYER + "mlp.experts.3.up_proj.weight"),
+                                r"experts.w13 part \(3, 'up'\)"),
+    "a q_proj of one row (would broadcast)": (False, _replace(LAYER + "self_attn.q_proj.weight", lambda w: w[:1]),
+                                              r"q_proj.weight': its shape \(1, 64\) is not the \(128, 64\)"),
+    "an o_proj too wide (would be cut)": (False, _replace(LAYER + "self_attn.o_proj.weight", lambda w: w.repeat(1, 2)),
+                                          r"o_proj.weight': its shape \(64, 256\) is not the \(64, 128\)"),
+    "an embedding of extra rows": (False, _replace("model.embed_tokens.weight", lambda w: w.repeat(2, 1)),
+                                   r"embed_tokens.weight': its shape"),
+    "an expert past num_experts": (True, lambda t: t.update(
+        {LAYER + "mlp.experts.99.up_proj.weight": t[LAYER + "mlp.experts.0.up_proj.weight"].clone()}),
+        r"experts.99.up_proj.weight' matches no part of model.layers.0.mlp.experts.w13"),
+    "q, k and v already packed": (False, lambda t: t.update(
+        {LAYER + "self_attn.qkv_proj.weight": torch.cat([t.pop(LAYER + f"self_attn.{p}_proj.weight") for p in "qkv"])}),
+        r"qkv_proj.weight' matches no part of .*\['q', 'k', 'v'\]"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_a_damaged_checkpoint_names_the_tensor(tiny_qwen3, tiny_qwen3_moe, tmp_path, damage):
+    """A tensor missing, of the wrong shape or of no parameter is an error before any token: packed
+    parameters (qkv, gate/up, stacked experts) used to count as loaded from one of their parts."""
+    moe, edit, error = DAMAGE[damage]
+    path = _damaged(tiny_qwen3_moe if moe else tiny_qwen3, tmp_path, edit)
+    model = build_model(load_config(str(path)), torch.float32, torch.device("cpu"))
+    with pytest.raises(ValueError, match=error):
+        load_weights(model, path)
+
+
+@pytest.mark.parametrize("text, error", [("{not json", "JSONDecodeError"), ('{"metadata": {}}', "weight_map")])
+def test_an_unreadable_index_or_config_is_named(tiny_qwen3, tmp_path, text, error):
+    (tmp_path / "config.json").write_text((tiny_qwen3 / "config.json").read_text())
+    (tmp_path / "model.safetensors").symlink_to(tiny_qwen3 / "model.safetensors")
+    (tmp_path / "model.safetensors.index.json").write_text(text)
+    model = build_model(load_config(str(tmp_path)), torch.float32, torch.device("cpu"))
+    with pytest.raises(ValueError, match=rf"model\.safetensors\.index\.json' is unreadable: .*{error}"):
+        load_weights(model, tmp_path)
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ValueError, match="config.json is unreadable"):
+        load_config(str(tmp_path))

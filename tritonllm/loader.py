@@ -22,7 +22,10 @@ def load_config(model: str):
         return preset_config(model)
     if not Path(model, "config.json").exists():
         raise ValueError(f"model folder {model!r} has no config.json")
-    config = AutoConfig.from_pretrained(model, trust_remote_code=False)
+    try:
+        config = AutoConfig.from_pretrained(model, trust_remote_code=False)
+    except (OSError, ValueError) as error:  # truncated or not JSON, an unknown model_type
+        raise ValueError(f"model folder {model!r}: config.json is unreadable: {error}") from None
     # A quantized checkpoint (Qwen3-*-FP8, AWQ, GPTQ) stores codes plus scale tensors; read as plain
     # weights it would fail on the first scale tensor, after loading gigabytes.
     quantization = getattr(config, "quantization_config", None)
@@ -50,7 +53,10 @@ def build_model(config, dtype: torch.dtype, device: torch.device, kernels: str =
 def safetensors_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.exists():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as error:  # not JSON, or no {"weight_map": {...}}
+            raise ValueError(f"{str(index)!r} is unreadable: {type(error).__name__}: {error}") from None
         missing = [name for name in names if not (path / name).exists()]
         if missing:
             raise ValueError(f"model folder {str(path)!r} lacks {', '.join(missing)}, named by model.safetensors.index.json")
@@ -73,7 +79,7 @@ def load_weights(model: nn.Module, path: str | Path) -> None:
     """Read the checkpoint's safetensors into the model, each rank only its shard of each tensor."""
     params = dict(model.named_parameters(remove_duplicate=False))
     tied = getattr(model.config, "tie_word_embeddings", False)
-    loaded = set()
+    loaded = set()  # (parameter, part): a packed parameter (qkv, gate/up, stacked experts) takes several tensors
     for file in safetensors_files(Path(path)):
         with open_safetensors(file) as f:
             for name in f.keys():
@@ -83,15 +89,24 @@ def load_weights(model: nn.Module, path: str | Path) -> None:
                 if target not in params:
                     raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(model).__name__}")
                 param = params[target]
+                parts = getattr(param, "shard_ids", (None,))
+                if shard_id not in parts:
+                    raise ValueError(f"checkpoint tensor {name!r} matches no part of {target} ({len(parts)} parts, "
+                                     f"e.g. {list(parts[:3])})")
                 loader = getattr(param, "weight_loader", None)
-                if loader is None:
-                    copy_weight(param, f.get_slice(name))
-                else:
-                    loader(param, f.get_slice(name), shard_id)
-                loaded.add(target)
-    missing = {name for name in params if name not in loaded and not (tied and name == "lm_head.weight")}
+                try:
+                    if loader is None:
+                        copy_weight(param, f.get_slice(name))
+                    else:
+                        loader(param, f.get_slice(name), shard_id)
+                except ValueError as error:
+                    raise ValueError(f"checkpoint tensor {name!r}: {error}") from None
+                loaded.add((target, shard_id))
+    missing = [name if part is None else f"{name} part {part}" for name, param in params.items()
+               if not (tied and name == "lm_head.weight")
+               for part in getattr(param, "shard_ids", (None,)) if (name, part) not in loaded]
     if missing:
-        raise ValueError(f"checkpoint {str(path)!r} lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}")
+        raise ValueError(f"checkpoint {str(path)!r} lacks {len(missing)} weights, e.g. {missing[:3]}")
 
 
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:

@@ -4,7 +4,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tritonllm.distributed import all_reduce, gather_last_dim, tp_rank, tp_size
-from tritonllm.layers.linear import narrow
+from tritonllm.layers.linear import check_shape, narrow
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -17,6 +17,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None):
+        check_shape(loaded, (self.vocab_size, param.shape[1]))
         size = max(0, min(self.rows, self.vocab_size - self.start))
         param.data[:size].copy_(narrow(loaded, 0, self.start, size))
 

@@ -28,26 +28,34 @@ def full(loaded) -> torch.Tensor:
     return loaded if isinstance(loaded, torch.Tensor) else loaded[:]
 
 
+def check_shape(loaded, shape) -> None:
+    """A checkpoint tensor must have the whole (unsharded) shape its parameter takes: a loader that
+    narrows or broadcasts a wrong one would load garbage without a word."""
+    got = tuple(loaded.shape) if isinstance(loaded, torch.Tensor) else tuple(loaded.get_shape())
+    if got != tuple(shape):
+        raise ValueError(f"its shape {got} is not the {tuple(shape)} the model takes")
+
+
 def copy_weight(param: nn.Parameter, loaded) -> None:
     """The default loader: the whole tensor, replicated on every rank."""
-    tensor = full(loaded)
-    if tensor.shape != param.shape:
-        raise ValueError(f"checkpoint tensor of shape {tuple(tensor.shape)} does not fit parameter {tuple(param.shape)}")
-    param.data.copy_(tensor)
+    check_shape(loaded, param.shape)
+    param.data.copy_(full(loaded))
 
 
 class LinearBase(nn.Module):
+    shard_ids = (None,)  # the checkpoint tensors a parameter is packed from (the loader checks all came)
+
     def __init__(self, input_size: int, output_size: int, bias: bool, ops: ModuleType):
         super().__init__()
         self.ops = ops
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
         self.register_buffer("split_counts", linear_counts(output_size), persistent=False)
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader
+        for param in (self.weight, self.bias) if bias else (self.weight,):
+            param.weight_loader, param.shard_ids = self.weight_loader, self.shard_ids
 
     def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return self.ops.linear(x, self.weight, bias, counts=self.split_counts)
@@ -76,6 +84,7 @@ class ColumnParallelLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None):
         size = param.shape[0]
+        check_shape(loaded, (size * self.tp_size, *param.shape[1:]))
         param.data.copy_(narrow(loaded, 0, self.tp_rank * size, size))
 
 
@@ -84,16 +93,20 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, *, ops: ModuleType):
         self.output_sizes = output_sizes
+        self.shard_ids = tuple(range(len(output_sizes)))
         super().__init__(input_size, sum(output_sizes), bias, ops=ops)
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id: int):
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         size = self.output_sizes[shard_id] // self.tp_size
+        check_shape(loaded, (self.output_sizes[shard_id], *param.shape[1:]))
         param.data.narrow(0, offset, size).copy_(narrow(loaded, 0, self.tp_rank * size, size))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
     """Packed q, k, v projections; each rank holds its query heads and its KV heads."""
+
+    shard_ids = ("q", "k", "v")
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False, *,
                  ops: ModuleType):
@@ -107,6 +120,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded, shard_id: str):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
+        check_shape(loaded, (size * self.tp_size, *param.shape[1:]))
         param.data.narrow(0, offset, size).copy_(narrow(loaded, 0, self.tp_rank * size, size))
 
 
@@ -123,6 +137,7 @@ class RowParallelLinear(LinearBase):
             copy_weight(param, loaded)
             return
         size = param.shape[1]
+        check_shape(loaded, (param.shape[0], size * self.tp_size))
         param.data.copy_(narrow(loaded, 1, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from tritonllm.distributed import all_reduce, tp_rank, tp_size
-from tritonllm.layers.linear import ReplicatedLinear, copy_weight, narrow
+from tritonllm.layers.linear import ReplicatedLinear, check_shape, copy_weight, narrow
 
 
 class FusedMoE(nn.Module):
@@ -25,6 +25,8 @@ class FusedMoE(nn.Module):
         self.width = width // tp_size()
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.width, hidden_size), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.width), requires_grad=False)
+        self.w13.shard_ids = tuple((e, proj) for e in range(num_experts) for proj in ("gate", "up"))
+        self.w2.shard_ids = tuple((e, "down") for e in range(num_experts))
         for param in (self.w13, self.w2):
             param.weight_loader = self.weight_loader
 
@@ -32,6 +34,8 @@ class FusedMoE(nn.Module):
         """One expert's gate_proj / up_proj [N, H] or down_proj [H, N]: this rank's slice of N."""
         expert, proj = shard_id
         start, n = tp_rank() * self.width, self.width
+        hidden = param.shape[1] if proj == "down" else param.shape[2]
+        check_shape(loaded, (hidden, n * tp_size()) if proj == "down" else (n * tp_size(), hidden))
         if proj == "down":
             copy_weight(param[expert], narrow(loaded, 1, start, n))
         else:
