@@ -72,13 +72,23 @@ def test_bundled_chat_template_gives_the_model_its_problem():
     assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text  # every character known
 
 
+class StubTokenizer:
+    """A token per character of the messages' contents."""
+
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+        return "".join(m["content"] for m in messages)
+
+    def encode(self, text, add_special_tokens):
+        return list(text)
+
+
 class StubLLM:
     """LLM for the chat loop: replies with the message reversed, and rejects "?" as the engine rejects
     characters the tokenizer lacks."""
     calls = []
 
     def __init__(self, model, **options):
-        self.tokenizer = object()
+        self.tokenizer = StubTokenizer()
         self.config = SimpleNamespace(max_model_len=64)
 
     def chat(self, messages, params, stream=False):
@@ -99,3 +109,32 @@ def test_chat_streams_replies_and_goes_on_after_a_bad_message(monkeypatch, capsy
     assert history == [{"role": "user", "content": "abc"}, {"role": "assistant", "content": "cba"},
                        {"role": "user", "content": "xy"}]
     assert max_tokens == 8 and stream  # an eighth of the 64 positions
+
+
+def test_chat_drops_the_oldest_exchanges_to_fit(monkeypatch, capsys):
+    """64 positions, 8 for the reply: a third message of 20 characters would not fit after two exchanges of 40."""
+    monkeypatch.setattr("tritonllm.LLM", StubLLM)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("a" * 20 + "\n" + "b" * 20 + "\n" + "c" * 20 + "\n"))
+    cli.main(["chat"])
+    out, err = capsys.readouterr()
+    assert out.splitlines()[1:] == ["a" * 20, "b" * 20, "c" * 20]
+    assert [call[0] for call in StubLLM.calls[-3:]] == [
+        [{"role": "user", "content": "a" * 20}],
+        [{"role": "user", "content": "b" * 20}],  # a's exchange (40) + b (20) + 8 > 64
+        [{"role": "user", "content": "c" * 20}]]
+    assert err.count("exchange(s) dropped to fit max_model_len=64") == 2
+
+
+def test_serve_arguments_are_checked_before_loading(capsys):
+    for args, error in ((["--port", "70000"], "argument --port: must be in [0, 65535], got 70000"),
+                        (["--shutdown-timeout", "nan"], "argument --shutdown-timeout: must be >= 0.0, got nan"),
+                        (["--shutdown-timeout", "-5"], "argument --shutdown-timeout: must be >= 0.0, got -5.0")):
+        with pytest.raises(SystemExit) as exited:
+            cli.main(["serve", *args])
+        assert exited.value.code == 2 and error in capsys.readouterr().err
+
+
+def test_a_text_prompt_for_a_model_without_a_tokenizer_is_named():
+    with pytest.raises(ValueError, match=r"--prompt 'hello': this model has no tokenizer, give token ids"):
+        cli.token_ids("hello")
+    assert cli.token_ids(" 5 6  7 ") == [5, 6, 7]

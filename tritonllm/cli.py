@@ -1,5 +1,6 @@
 """The `tritonllm` command: generate, chat, serve, bench."""
 import argparse
+import math
 import subprocess
 import sys
 import time
@@ -14,16 +15,22 @@ SERVE_ENGINE_OPTIONS = ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks
                         "gpu_memory_utilization", "enforce_eager")
 
 
-def int_at_least(low: int):
-    """An argparse type: an int >= low, else argparse's usage error naming the option."""
-    def parse(text: str) -> int:
-        value = int(text)  # not an int: argparse says "invalid int value"
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+def number_in(kind: type, low, high=math.inf):
+    """An argparse type: a `kind` (int or float) in [low, high], else argparse's usage error naming the option."""
+    def parse(text: str):
+        value = kind(text)  # not a number: argparse says "invalid int value"
+        if not low <= value <= high:  # NaN fails too
+            raise argparse.ArgumentTypeError(f"must be in [{low}, {high}], got {value}" if high < math.inf
+                                             else f"must be >= {low}, got {value}")
         return value
 
-    parse.__name__ = "int"
+    parse.__name__ = kind.__name__
     return parse
+
+
+def int_at_least(low: int):
+    """An argparse type: an int >= low."""
+    return number_in(int, low)
 
 
 def engine_options(args) -> dict:
@@ -71,9 +78,32 @@ def generate(args) -> None:
     if not args.prompt:
         run_task_set(llm, params, args.num_problems)
         return
-    prompts = args.prompt if llm.tokenizer is not None else [[int(t) for t in p.split()] for p in args.prompt]
+    prompts = args.prompt if llm.tokenizer is not None else [token_ids(p) for p in args.prompt]
     for prompt, out in zip(args.prompt, llm.generate(prompts, params, use_tqdm=False)):
         print(f"{prompt}{out.text if out.text is not None else ' ' + ' '.join(map(str, out.token_ids))}")
+
+
+def token_ids(prompt: str) -> list[int]:
+    """A --prompt for a model without a tokenizer: token ids separated by spaces."""
+    try:
+        return [int(t) for t in prompt.split()]
+    except ValueError:
+        raise ValueError(f"--prompt {prompt!r}: this model has no tokenizer, give token ids separated by spaces") from None
+
+
+def fit_history(llm, history: list[dict], max_tokens: int) -> None:
+    """Drop the oldest exchanges until the conversation and a reply fit max_model_len (the last message stays)."""
+    def length():
+        text = llm.tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+        return len(llm.tokenizer.encode(text, add_special_tokens=False))
+
+    dropped = 0
+    while len(history) > 2 and length() + max_tokens > llm.config.max_model_len:
+        del history[:2]
+        dropped += 1
+    if dropped:
+        print(f"(the oldest {dropped} exchange(s) dropped to fit max_model_len={llm.config.max_model_len})",
+              file=sys.stderr, flush=True)
 
 
 def chat(args) -> None:
@@ -91,6 +121,7 @@ def chat(args) -> None:
         if not line.strip():
             break
         history.append({"role": "user", "content": line.rstrip("\n")})
+        fit_history(llm, history, params.max_tokens)
         reply = ""
         try:
             for event in llm.chat(history, params, stream=True):
@@ -163,11 +194,11 @@ def parser() -> argparse.ArgumentParser:
                                  description="Serve the model over the OpenAI API (/v1/completions, /v1/chat/completions, "
                                              "/v1/models, /health, /stats, /metrics) until SIGINT or SIGTERM.")
     server.add_argument("--host", default="127.0.0.1")
-    server.add_argument("--port", type=int, default=8000)
+    server.add_argument("--port", type=number_in(int, 0, 65535), default=8000)
     server.add_argument("--served-model-name", help="the model's name in the API (default: the folder's or preset's name)")
     server.add_argument("--max-waiting", type=int_at_least(1), default=4096,
                         help="requests waiting for a batch slot before new ones get 503 (default 4096)")
-    server.add_argument("--shutdown-timeout", type=float, default=5.0,
+    server.add_argument("--shutdown-timeout", type=number_in(float, 0.0), default=5.0,
                         help="seconds running requests get to finish after SIGTERM before they are aborted (default 5)")
     server.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_engine_options(server)
@@ -193,6 +224,8 @@ def main(argv=None) -> None:
         args.run(args)
     except ValueError as error:
         top.exit(2, f"tritonllm {args.command}: error: {error}\n")
+    except KeyboardInterrupt:  # Ctrl-C: no traceback
+        top.exit(130, "\n")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
 """The offline API: LLM(model).generate / stream / chat, thin loops over the engine's steps."""
+import threading
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -46,6 +47,7 @@ class LLM(LLMEngine):
     def __init__(self, model: str, **options):
         super().__init__(model, **options)
         self._owners: dict[int, deque] = {}  # request id -> the output queue of the loop that follows it
+        self._dealing = threading.Lock()  # one data-parallel generate at a time: its scatter and gather pair up
         if getattr(self, "dp_rank", 0) > 0:
             self._serve_replica()
 
@@ -123,11 +125,12 @@ class LLM(LLMEngine):
         params = _params_list(sampling_params, len(prompts))
         seqs = self._sequences(prompts, params)  # every error here, before any replica starts
         dealt = self.dp_size
-        hand_out([None] + [(prompts[r::dealt], params[r::dealt]) for r in range(1, dealt)])
-        try:
-            mine = self._generate(seqs[::dealt], use_tqdm)
-        finally:
-            results = collect(None)
+        with self._dealing:
+            hand_out([None] + [(prompts[r::dealt], params[r::dealt]) for r in range(1, dealt)])
+            try:
+                mine = self._generate(seqs[::dealt], use_tqdm)
+            finally:
+                results = collect(None)
         results[0] = mine
         for result in results:
             if isinstance(result, Exception):

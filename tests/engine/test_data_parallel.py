@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -51,6 +52,18 @@ def test_two_replicas_equal_hf_in_input_order(tiny_qwen3, expected):
         with pytest.raises(ValueError, match="empty"):
             llm.generate(["hello world", ""], use_tqdm=False)
         assert [o.token_ids for o in llm.generate(PROMPTS[3:], params[3:], use_tqdm=False)] == tokens[3:]
+        # Two threads at once: each deal and its gather stay paired (they interleaved and hung).
+        results = [None, None]
+
+        def work(k):
+            results[k] = [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+        threads = [threading.Thread(target=work, args=(k,)) for k in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert results == [tokens, tokens]
         workers = llm._workers
     assert len(workers) == 1 and not any(running(p.pid) for p in workers)
     assert not torch.distributed.is_initialized()
