@@ -12,6 +12,7 @@ from transformers.models.qwen3 import Qwen3ForCausalLM as HFQwen3
 import tritonllm.engine.engine
 from tritonllm import LLM, SamplingParams
 from tritonllm.distributed import free_port
+from tritonllm.kernels import reference
 
 PROMPTS = ["hello world", "12 + 34 = 46, 100 + 7 =", [5], list(range(40, 80))]  # 2..40 tokens
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -60,6 +61,7 @@ def test_preemption_gives_the_same_tokens(tiny_qwen3):
 
 def test_reference_kernels_give_the_same_tokens(tiny_qwen3, expected):
     llm = LLM(str(tiny_qwen3), **SMALL, num_kv_blocks=64, kernels="reference")
+    assert llm.runner.model.model.layers[0].self_attn.attn.ops is reference  # the layers', not only the sampler's
     assert completions(llm) == expected[1]
 
 
@@ -73,8 +75,10 @@ def test_stream_yields_what_generate_returns(tiny_qwen3, expected):
         texts[event.index] += event.text_delta
         if event.finished:
             finals[event.index] = event.output
-    assert [tokens[i] for i in range(len(PROMPTS))] == expected[1]
-    assert all(texts[i] == finals[i].text for i in finals)
+    assert [tokens[i] for i in range(len(PROMPTS))] == expected[1] and sorted(finals) == list(range(len(PROMPTS)))
+    assert [texts[i] for i in finals] == [finals[i].text for i in finals]
+    assert [texts[i] for i in range(len(PROMPTS))] == [llm.tokenizer.decode(t, skip_special_tokens=True)
+                                                       for t in expected[1]]
 
 
 def test_sampling_params_per_request_and_seeds(tiny_qwen3):
@@ -116,7 +120,7 @@ def test_chat_uses_the_template(tiny_qwen3):
     out = llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False)[0]
     template = llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert out.prompt_token_ids == llm.tokenizer.encode(template, add_special_tokens=False)
-    assert len(out.token_ids) == 6
+    assert out.token_ids == hf_greedy(tiny_qwen3, out.prompt_token_ids, 6)
 
 
 @two_ranks

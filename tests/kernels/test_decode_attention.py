@@ -29,8 +29,9 @@ FP8 = pytest.mark.parametrize("fp8", [False, True], ids=["model-cache", "fp8-cac
 
 
 def run_decode(q, k_cache, v_cache, seq_lens, tables, scales, **kwargs):
-    out = decode_attention(q, k_cache, v_cache, seq_lens, tables, out=poisoned(*q.shape, dtype=q.dtype),
-                           **scales, **kwargs)
+    buffer = poisoned(*q.shape, dtype=q.dtype)
+    out = decode_attention(q, k_cache, v_cache, seq_lens, tables, out=buffer, **scales, **kwargs)
+    assert out is buffer  # written in place: the engine's CUDA graphs read it there
     ref = reference.decode_attention(q.double(), exact(k_cache), exact(v_cache), seq_lens, tables,
                                      kwargs.get("scale"), **scales)
     return out, ref
@@ -145,14 +146,16 @@ def fp8_space_tiles():
 
 
 # The e4m3 tuning space (one-warp tiles of 16 and 32 keys, four-warp tiles of 128) over a key-major V.
+# float32 q as well: its tolerance sees a key dropped from a long row, which bf16's would not.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("config", fp8_space_tiles(), ids=str)
-def test_decode_fp8_space_configs(config):
+def test_decode_fp8_space_configs(config, dtype):
     seq_lens = [1, 130, 300]
-    k_cache, v_cache, tables, scales = paged_caches(seq_lens, 2, 64, 16, torch.bfloat16, True, v_layout="key_major")
-    q = randn(len(seq_lens), 4, 64, dtype=torch.bfloat16, scale=2.0)
+    k_cache, v_cache, tables, scales = paged_caches(seq_lens, 2, 64, 16, dtype, True, v_layout="key_major")
+    q = randn(len(seq_lens), 4, 64, dtype=dtype, scale=2.0)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     out, ref = run_decode(q, k_cache, v_cache, lens, tables, scales, config=config)
-    assert_close(out, ref, torch.bfloat16, ATTN)
+    assert_close(out, ref, dtype, ATTN)
 
 
 def test_bf16_space_offers_one_warp_tiles_at_few_rows_only():
@@ -166,26 +169,28 @@ def test_bf16_space_offers_one_warp_tiles_at_few_rows_only():
 # The bf16 space's one-warp tiles over a bf16 cache, lengths across their 64-key splits.
 @pytest.mark.parametrize("config", [c for c in decode_module.DECODE_TUNABLE.space("bfloat16", 64, 2, 2, 16, 4, 4096)
                                     if c["num_warps"] == 1], ids=str)
-def test_decode_bf16_one_warp_configs(config):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_bf16_one_warp_configs(config, dtype):
     seq_lens = [1, 63, 65, 300]
-    k_cache, v_cache, tables, scales = paged_caches(seq_lens, 2, 64, 16, torch.bfloat16, False)
-    q = randn(len(seq_lens), 4, 64, dtype=torch.bfloat16, scale=2.0)
+    k_cache, v_cache, tables, scales = paged_caches(seq_lens, 2, 64, 16, dtype, False)
+    q = randn(len(seq_lens), 4, 64, dtype=dtype, scale=2.0)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     out, ref = run_decode(q, k_cache, v_cache, lens, tables, scales, config=config)
-    assert_close(out, ref, torch.bfloat16, ATTN)
+    assert_close(out, ref, dtype, ATTN)
 
 
 # What the engine runs: lengths around SPLIT_MIN (128..512) and BLOCK_N (64, 128) boundaries.
 @FP8
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("config", shipped_decode_configs(),
                          ids=lambda c: f"splits{c['NUM_SPLITS']}-min{c['SPLIT_MIN']}-n{c['BLOCK_N']}")
-def test_decode_shipped_configs(config, fp8):
+def test_decode_shipped_configs(config, fp8, dtype):
     seq_lens = [1, 127, 129, 513, 1100]
-    k_cache, v_cache, tables, scales = paged_caches(seq_lens, 2, 64, 16, torch.bfloat16, fp8)
-    q = randn(len(seq_lens), 4, 64, dtype=torch.bfloat16, scale=2.0)
+    k_cache, v_cache, tables, scales = paged_caches(seq_lens, 2, 64, 16, dtype, fp8)
+    q = randn(len(seq_lens), 4, 64, dtype=dtype, scale=2.0)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     out, ref = run_decode(q, k_cache, v_cache, lens, tables, scales, config=config)
-    assert_close(out, ref, torch.bfloat16, ATTN)
+    assert_close(out, ref, dtype, ATTN)
 
 
 @FP8

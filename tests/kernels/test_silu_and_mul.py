@@ -10,6 +10,7 @@ def test_silu_and_mul(rows, inter, dtype):
     x = randn(rows, 2 * inter, dtype=dtype, scale=4.0)
     out = poisoned(rows, inter, dtype=dtype)
     y = silu_and_mul(x, out=out)
+    assert y is out
     assert_close(y, reference.silu_and_mul(x), dtype)
 
 
