@@ -17,6 +17,9 @@ def token_ids(choice) -> list[int]:
 
 def test_models_health_and_stats(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("gpt-4")
     assert server.request("GET", "/health") == (200, {"status": "ok"})
     stats = server.stats()
     assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"] > 0

@@ -1,6 +1,6 @@
 """The HTTP server: FastAPI routes of the OpenAI API over the engine process (engine_loop.py).
 
-    GET  /v1/models            the served model
+    GET  /v1/models            the served model (/v1/models/{name}: the one, under any name it answers to)
     POST /v1/completions       prompt: text, texts, token ids or lists of them
     POST /v1/chat/completions  messages, through the tokenizer's chat template
     GET  /health               200 while the engine runs
@@ -170,12 +170,18 @@ def create_app(engine: EngineClient, names: tuple[str, ...], tokenizer=None) -> 
             raise ApiError(503, engine.dead, code="engine_dead")
         return {"status": "ok"}
 
+    def model_card() -> dict:
+        return {"id": names[0], "object": "model", "created": state.created, "owned_by": "tritonllm",
+                "root": engine.info["model"], "max_model_len": engine.info["max_model_len"]}
+
     @app.get("/v1/models")
     async def models():
-        info = engine.info
-        return {"object": "list", "data": [{"id": names[0], "object": "model", "created": state.created,
-                                            "owned_by": "tritonllm", "root": info["model"],
-                                            "max_model_len": info["max_model_len"]}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):
+        check_model({"model": model}, names)
+        return model_card()
 
     async def all_stats() -> dict:
         return {**await engine.stats(), **state.counters}
