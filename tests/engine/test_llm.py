@@ -156,6 +156,18 @@ def test_a_worker_killed_during_generate_is_an_error(tiny_qwen3):
     assert not torch.distributed.is_initialized()
 
 
+def test_a_closed_llm_says_so(tiny_qwen3):
+    """After close() (twice is fine) every call that would run the model is one clear error, whatever the
+    parallelism (TP 1 used to go on working, TP 2 named an exited worker, DP 2 a missing process group)."""
+    llm = LLM(str(tiny_qwen3), **SMALL, num_kv_blocks=16)
+    llm.close()
+    llm.close()
+    for call in (lambda: llm.generate(PROMPTS, GREEDY, use_tqdm=False), llm.step, lambda: llm.add_request([5, 6]),
+                 lambda: next(llm.stream(PROMPTS))):
+        with pytest.raises(RuntimeError, match="this LLM is closed"):
+            call()
+
+
 def running(pid: int) -> bool:
     stat = Path(f"/proc/{pid}/stat")
     return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited

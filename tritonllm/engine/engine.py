@@ -143,6 +143,7 @@ class LLMEngine:
     def make_sequence(self, prompt, params: SamplingParams | None = None) -> Sequence:
         """The checked, not yet queued, request: its prompt encoded, its params validated and copied
         (fields may have changed since construction) and its length checked."""
+        self._check_open()
         if params is None:
             params = SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -221,6 +222,7 @@ class LLMEngine:
         token (streamed ones each time, the others when they finish) and of those aborted since."""
         with self._lock:
             start = time.perf_counter()
+            self._check_open()
             self._check_workers()
             batch = self.scheduler.schedule()
             if batch is None and self._in_flight is None and not self.scheduler.is_finished():
@@ -282,6 +284,10 @@ class LLMEngine:
         return [(row, token) for row, seq in enumerate(seqs)
                 if seq.params.min_tokens and seq.num_completion_tokens < seq.params.min_tokens
                 for token in seq.params.stop_token_ids + ([] if seq.params.ignore_eos else sorted(self.eos_ids))]
+
+    def _check_open(self) -> None:
+        if not self._finalizer.alive:  # its workers and process group are gone
+            raise RuntimeError("this LLM is closed (close(), or the end of its with block): make a new one")
 
     def _check_workers(self, wait: float = 0.0) -> None:
         check_ranks(self._workers, wait)
