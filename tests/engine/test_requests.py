@@ -119,3 +119,13 @@ def test_a_request_fits_when_its_computed_tokens_fit(tiny_qwen3):
         with pytest.raises(ValueError, match="leaves no room"):
             small.generate([list(range(1, 34))], unbounded, use_tqdm=False)
         assert small.block_manager.num_free_blocks == 2 and not small.has_unfinished()
+
+
+def test_sampling_params_per_prompt_are_checked(llm):
+    with pytest.raises(ValueError, match="sampling_params has 1 entries for 2 prompts"):
+        llm.generate([[5], [6]], [GREEDY], use_tqdm=False)
+    with pytest.raises(TypeError, match="sampling_params must be SamplingParams, got dict"):
+        llm.generate([[5]], [{"max_tokens": 2}], use_tqdm=False)
+    two = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    assert [len(o.token_ids) for o in llm.generate([[5], [6]], [GREEDY, two], use_tqdm=False)] == [4, 2]
+    assert not llm.has_unfinished()

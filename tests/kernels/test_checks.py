@@ -1,5 +1,5 @@
 """Public wrappers refuse, before any launch, arguments a kernel would read out of place (kernels/checks.py):
-the error is a TypeError or ValueError that names the argument."""
+the error is a TypeError or ValueError that names the argument. And empty inputs give empty results."""
 import pytest
 import torch
 
@@ -132,3 +132,41 @@ def test_bad_argument_is_named(case):
     with pytest.raises(error, match=rf"\b{name}\b"):
         call()
 
+
+
+EMPTY = {  # call on inputs of no rows / tokens -> the expected result's shape (the contract: no launch, empty result)
+    "rms_norm": (lambda: K.rms_norm(torch.empty(0, D), torch.ones(D), 1e-6), (0, D)),
+    "silu_and_mul": (lambda: K.silu_and_mul(torch.empty(0, 8)), (0, 4)),
+    "decode_attention": (lambda: _decode(q=torch.empty(0, 4, D), seq_lens=torch.empty(0, dtype=torch.int32),
+                                         block_tables=torch.empty(0, 2, dtype=torch.int32))(), (0, 4, D)),
+    "prefill_attention": (lambda: _prefill(q=torch.empty(0, 4, D), cu_seqlens_q=torch.zeros(1, dtype=torch.int32),
+                                           seq_lens=torch.empty(0, dtype=torch.int32),
+                                           block_tables=torch.empty(0, 1, dtype=torch.int32))(), (0, 4, D)),
+    "sample": (lambda: K.sample(torch.empty(0, V), torch.empty(0), torch.empty(0, dtype=torch.int64), torch.empty(0),
+                                torch.empty(0)), (0,)),
+    "compute_logprobs": (lambda: K.compute_logprobs(torch.empty(0, V), torch.empty(0, dtype=torch.int64)), (0,)),
+    "apply_penalties": (lambda: _penalties(logits=torch.empty(0, V), rows=torch.empty(0, dtype=torch.int32),
+                                           presence=torch.empty(0), frequency=torch.empty(0),
+                                           repetition=torch.empty(0))(), (0, V)),
+    "fused_moe": (lambda: _fused_moe(x=torch.empty(0, D), topk_weights=torch.empty(0, 2),
+                                     topk_ids=torch.empty(0, 2, dtype=torch.int32))(), (0, D)),
+}
+
+
+@pytest.mark.parametrize("name", EMPTY)
+def test_empty_inputs_give_empty_results(name):
+    call, shape = EMPTY[name]
+    assert tuple(call().shape) == shape
+
+
+def test_empty_in_place_calls_change_nothing():
+    k_cache, v_cache = _caches()
+    _store(k=torch.empty(0, 2, D), v=torch.empty(0, 2, D), k_cache=k_cache, v_cache=v_cache,
+           slot_mapping=torch.empty(0, dtype=torch.int64))()
+    assert not k_cache.any() and not v_cache.any()
+    q, k = torch.empty(0, 4, D), torch.empty(0, 2, D)
+    rotated = K.rotary_embedding(torch.empty(0, dtype=torch.int64), q, k, torch.randn(64, D))
+    assert rotated[0] is q and rotated[1] is k
+    counts = torch.zeros(2, V, dtype=torch.int32)
+    K.count_tokens(counts, torch.empty(0, dtype=torch.int32), torch.empty(0, dtype=torch.int32))
+    assert not counts.any()
