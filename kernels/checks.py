@@ -7,19 +7,17 @@ the argument and what it must be. Shapes and dtypes only: nothing here reads GPU
 """
 import torch
 
+from tritonllm.kernels.tuning import dtype_name
+
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)  # activations and logits
 ROW_FLOATS = FLOATS + (torch.float64,)  # per-row parameters (temperature, penalties, ...)
 INDICES = (torch.int32, torch.int64)
 
 
-def _names(dtypes) -> str:
-    return "/".join(str(dtype).removeprefix("torch.") for dtype in dtypes)
-
-
 def check_dtype(name: str, tensor: torch.Tensor, dtypes) -> None:
     """TypeError naming `name` unless `tensor`'s dtype is one of `dtypes`."""
     if tensor.dtype not in dtypes:
-        raise TypeError(f"{name} must be {_names(dtypes)}, got {tensor.dtype}")
+        raise TypeError(f"{name} must be {'/'.join(map(dtype_name, dtypes))}, got {tensor.dtype}")
 
 
 def check_rows(length: int, dtypes, **tensors: torch.Tensor) -> None:

@@ -116,7 +116,8 @@ def refused(message: str, names: dict[str, str]) -> ApiError:
 
 def sampling_params(body: dict, default_max_tokens: int | None, top_logprobs: int | None) -> SamplingParams:
     """The body's sampling fields as checked SamplingParams; a bad one is a 400 naming its field."""
-    max_name = field_names(body)["max_tokens"]
+    names = field_names(body)
+    max_name = names["max_tokens"]
     fields = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "min_tokens": 0, "n": 1,
               "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
               "seed": None, "ignore_eos": False, "stop_token_ids": None}
@@ -129,7 +130,7 @@ def sampling_params(body: dict, default_max_tokens: int | None, top_logprobs: in
     try:
         return SamplingParams(**kwargs)
     except (TypeError, ValueError) as error:
-        raise refused(str(error), field_names(body)) from None
+        raise refused(str(error), names) from None
 
 
 def _prompts(body: dict) -> list:
