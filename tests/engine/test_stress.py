@@ -36,13 +36,14 @@ def test_stress_preemption_eviction_no_leaks(tiny_qwen3):
     prompts, params = requests(llm.hf_config.vocab_size)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     alone = LLM(str(tiny_qwen3), num_kv_blocks=64, **OPTIONS)
-    greedy = [i for i, p in enumerate(params) if p.temperature == 0]
-    mismatches = [i for i in greedy
-                  if alone.generate([prompts[i]], params[i], use_tqdm=False)[0].token_ids != outputs[i].token_ids]
+    # Greedy and seeded requests alike draw what they draw alone: preemption, prefix hits and the
+    # batch beside them change nothing.
+    mismatches = [i for i, p in enumerate(params)
+                  if alone.generate([prompts[i]], p, use_tqdm=False)[0].token_ids != outputs[i].token_ids]
     leaked = NUM_KV_BLOCKS - llm.block_manager.num_free_blocks
     print(f"\nstress: {len(outputs)} requests, {llm.scheduler.num_preemptions} preemptions, "
           f"{llm.block_manager.num_evictions} evictions, {sum(o.num_cached_tokens for o in outputs)} cached tokens, "
-          f"{len(mismatches)} greedy mismatches of {len(greedy)}, {leaked} leaked blocks")
+          f"{len(mismatches)} mismatches against lone runs, {leaked} leaked blocks")
     assert [len(o.token_ids) for o in outputs] == [p.max_tokens for p in params]
     assert llm.scheduler.num_preemptions > 0 and llm.block_manager.num_evictions > 0
     assert sum(o.num_cached_tokens for o in outputs) > 0
