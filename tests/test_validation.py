@@ -123,6 +123,11 @@ DAMAGE = {  # damage -> (a MoE checkpoint?, edit, the error)
     "q, k and v already packed": (False, lambda t: t.update(
         {LAYER + "self_attn.qkv_proj.weight": torch.cat([t.pop(LAYER + f"self_attn.{p}_proj.weight") for p in "qkv"])}),
         r"qkv_proj.weight' matches no part of .*\['q', 'k', 'v'\]"),
+    "an int8 weight (would be cast)": (False, _replace(LAYER + "mlp.down_proj.weight", lambda w: w.to(torch.int8)),
+                                       r"down_proj.weight' is I8; weights load from F16, BF16, F32, F64"),
+    "an fp8 expert without its scale": (True, _replace(LAYER + "mlp.experts.1.gate_proj.weight",
+                                                       lambda w: w.to(torch.float8_e4m3fn)),
+                                        r"experts.1.gate_proj.weight' is F8_E4M3; .*quantized checkpoints"),
 }
 
 

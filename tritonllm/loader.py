@@ -50,6 +50,9 @@ def build_model(config, dtype: torch.dtype, device: torch.device, kernels: str =
         torch.set_default_dtype(default_dtype)
 
 
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names of the dtypes a weight may be stored in
+
+
 def safetensors_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.exists():
@@ -93,6 +96,11 @@ def load_weights(model: nn.Module, path: str | Path) -> None:
                 if shard_id not in parts:
                     raise ValueError(f"checkpoint tensor {name!r} matches no part of {target} ({len(parts)} parts, "
                                      f"e.g. {list(parts[:3])})")
+                stored = f.get_slice(name).get_dtype()
+                if stored not in FLOAT_DTYPES:
+                    # An integer or fp8 tensor is a quantized weight: cast, it would load as garbage.
+                    raise ValueError(f"checkpoint tensor {name!r} is {stored}; weights load from "
+                                     f"{', '.join(FLOAT_DTYPES)} (quantized checkpoints are not supported)")
                 loader = getattr(param, "weight_loader", None)
                 try:
                     if loader is None:
