@@ -44,7 +44,10 @@ def to_e4m3(x, scale, INTERPRET: tl.constexpr):
     division a row instead of one an element. Where the correction is 0 (x = +-0) or NaN (x = +-inf)
     the product stands, so -0 stays -0 and inf saturates; the conversion saturates by itself."""
     if INTERPRET:
-        return _round_e4m3(tl.minimum(tl.maximum(tl.div_rn(x, scale), -E4M3_MAX), E4M3_MAX)).to(tl.float8e4nv)
+        y = tl.div_rn(x, scale)
+        codes = _round_e4m3(tl.minimum(tl.maximum(y, -E4M3_MAX), E4M3_MAX)).to(tl.float8e4nv)
+        # NaN stays NaN (0x7F), as in the GPU's conversion: the interpreter's turns it into +-384.
+        return tl.where(y == y, codes, tl.full(y.shape, 0x7F, tl.uint8).to(tl.float8e4nv, bitcast=True))
     r = tl.div_rn(1.0, scale)
     y = x * r
     e = tl.fma(-y, scale, x)

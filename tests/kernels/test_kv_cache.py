@@ -83,6 +83,18 @@ def test_store_kv_cache_fp8(tokens, heads, head_dim, block_size, dtype, slot_dty
     check_fp8(k, v, slots, block_size)
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered")  # inf / inf, in the interpreter
+def test_store_kv_cache_fp8_stores_nonfinite_values_as_nan():
+    # A +-inf or NaN element is stored as NaN, as the GPU's conversion and the reference give; the
+    # interpreter's own float32 -> e4m3 cast made it +-384 (a finite value, or -inf once scaled).
+    k = randn(3, 1, 16, dtype=torch.float32)
+    k[0, 0, 3], k[1, 0, 3], k[2, 0, 3] = float("inf"), float("nan"), float("-inf")
+    k_cache, v_cache, k_scale, v_scale = fp8_caches(1, 16, 1, 16)
+    store_kv_cache(k, k.clone(), k_cache, v_cache, torch.arange(3, device=DEVICE), k_scale=k_scale, v_scale=v_scale)
+    for cache in (k_cache, v_cache):
+        assert cache[0, :3, 0, 3].float().isnan().all()
+
+
 @pytest.mark.parametrize("v_layout", V_LAYOUTS)
 def test_store_kv_cache_fp8_strided_rows(v_layout):
     # k with a head stride past D (a view of wider rows), v from a packed qkv row.
