@@ -7,6 +7,7 @@ the points HF transformers' Qwen3 does and computes in at least float32 in betwe
 import torch
 
 from tritonllm.kernels.fp8 import check_kv_scales
+from tritonllm.kernels.sampler import MIN_TEMPERATURE
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -236,7 +237,7 @@ def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale=None, *,
 def sampling_probs(logits, temperature, top_k, top_p, min_p):
     """The exact distribution `sample` draws from, [B, V] float64, zero outside the allowed set.
 
-    Rows with temperature 0 put all mass on the argmax (lowest index on ties), and so do rows
+    Rows with a temperature below MIN_TEMPERATURE (1e-5) put all mass on the argmax (lowest index on ties), and so do rows
     holding +inf (their mass sits on the +inf logits; the first wins, as greedy). The filters are
     thresholds: top-k keeps tokens at or above the k-th largest probability; top-p keeps, on the
     top-k set renormalized, tokens at or above the probability where the most-likely-first
@@ -247,7 +248,7 @@ def sampling_probs(logits, temperature, top_k, top_p, min_p):
     for b in range(batch):
         row = logits[b].double()
         t = float(temperature[b])
-        if t == 0 or bool((row == float("inf")).any()):
+        if t < MIN_TEMPERATURE or bool((row == float("inf")).any()):
             out[b, int(torch.argmax(row))] = 1.0
             continue
         probs = torch.softmax(row / t, dim=-1)
@@ -291,7 +292,7 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds=None):
     has_inf = (x == float("inf")).any(-1)
     no_mass = has_inf | (x == float("-inf")).all(-1)
     # A row holding +inf returns its first +inf logit, an all -inf row token 0: both argmax.
-    greedy = (temperature <= 0) | no_mass
+    greedy = (temperature < MIN_TEMPERATURE) | no_mass
     t = torch.where(greedy, torch.ones_like(temperature), temperature).to(x.dtype)
     finite = x.masked_fill(no_mass[:, None], 0.0)  # keeps softmax a number on those rows (unused there)
     probs, order = torch.softmax(finite / t[:, None], dim=-1).sort(dim=-1, descending=True, stable=True)

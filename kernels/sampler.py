@@ -13,8 +13,8 @@ row's reads and Philox work spread over many SMs, and the row's program takes th
 
 Conventions: NaN logits count as -inf, and -inf logits are never drawn (a filtered row's T is
 finite); a row holding +inf puts all its mass on its +inf logits and returns the first of them,
-as greedy does (T = +inf); a row whose logits are all -inf returns token 0; temperature <= 0 is
-greedy; top_p <= 0 keeps the most likely token(s) only; min_p > 1 acts as 1. The two launches
+as greedy does (T = +inf); a row whose logits are all -inf returns token 0; a temperature below
+MIN_TEMPERATURE is greedy (1 / t would overflow the race's scores); top_p <= 0 keeps the most likely token(s) only; min_p > 1 acts as 1. The two launches
 have grids fixed by (B, V, BLOCK) and never sync the host.
 """
 import torch
@@ -29,6 +29,8 @@ from tritonllm.kernels.tuning import Tunable, dtype_name, pow2
 E_MIN = tl.constexpr(5e-8)
 G_MAX = tl.constexpr(17.0)
 RACE_CHUNK_TILES = 4  # tiles of a row one _race_chunks_kernel program races (8192 tokens at BLOCK 2048)
+MIN_TEMPERATURE = 1e-5  # below it, greedy (vLLM's threshold too)
+_MIN_T = tl.constexpr(MIN_TEMPERATURE)  # kernels read globals only as constexprs
 
 
 @triton.jit
@@ -101,7 +103,7 @@ def _row_params(row, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, V):
     k = tl.load(top_k_ptr + row).to(tl.int64)
     p = tl.maximum(tl.load(top_p_ptr + row).to(tl.float32), 0.0)
     min_p = tl.minimum(tl.load(min_p_ptr + row).to(tl.float32), 1.0)
-    sampled = t > 0
+    sampled = t >= _MIN_T
     inv_t = 1.0 / tl.where(sampled, t, 1.0)
     return t, k, p, min_p, inv_t, sampled, (k > 0) & (k < V), p < 1.0, min_p > 0.0
 
@@ -112,7 +114,7 @@ _ROW_PARAMS = ["temperature_ptr", "top_k_ptr", "top_p_ptr", "min_p_ptr", "seeds_
 
 @triton.jit(do_not_specialize_on_alignment=_ROW_PARAMS)
 def _race_chunks_kernel(
-    logits_ptr, stride, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seeds_ptr, score_ptr, token_ptr,
+    logits_ptr, stride, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seeds_ptr, ref_ptr, best_ptr, token_ptr,
     V, num_chunks, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
 ):
     """Rows without filters: the race over one CHUNK of the row per program, so that a row's reads
@@ -127,14 +129,15 @@ def _race_chunks_kernel(
         token, ref, best = _race_row(row_ptr, first, tl.minimum(first + CHUNK, V), NEG_INF, inv_t,
                                      tl.load(seeds_ptr + row), BLOCK)
         slot = row.to(tl.int64) * num_chunks + chunk
-        tl.store(score_ptr + slot, ref * inv_t + best)  # +inf for a chunk holding +inf
+        tl.store(ref_ptr + slot, ref)  # the winner's score is ref * inv_t + best, kept apart for
+        tl.store(best_ptr + slot, best)  # the merge to compare relative to the row's top ref
         tl.store(token_ptr + slot, token)
 
 
 @triton.jit(do_not_specialize_on_alignment=_ROW_PARAMS)
 def _sample_kernel(
     logits_ptr, stride, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seeds_ptr,
-    out_ptr, thr_ptr, vals_ptr, idx_ptr, chunk_score_ptr, chunk_token_ptr, V, num_chunks,
+    out_ptr, thr_ptr, vals_ptr, idx_ptr, chunk_ref_ptr, chunk_best_ptr, chunk_token_ptr, V, num_chunks,
     CAP: tl.constexpr, BLOCK: tl.constexpr, CHUNKS_POW2: tl.constexpr,
 ):
     row = tl.program_id(0)
@@ -146,14 +149,20 @@ def _sample_kernel(
         _, thr, _, token = _row_stats(row_ptr, V, inv_t, BLOCK, False)
     elif ~(k_on | p_on | min_p_on):
         # The best of _race_chunks_kernel's chunks, the lowest token on ties: the first +inf if any,
-        # token 0 if all are -inf.
+        # token 0 if all are -inf. Scores relative to the top ref: absolute ones (ref / t, large at
+        # small t) would round the noise away and break ties toward the lower chunk.
         offs = tl.arange(0, CHUNKS_POW2)
         slots = row.to(tl.int64) * num_chunks + offs
-        scores = tl.load(chunk_score_ptr + slots, mask=offs < num_chunks, other=NEG_INF)
+        refs = tl.load(chunk_ref_ptr + slots, mask=offs < num_chunks, other=0.0)
+        bests = tl.load(chunk_best_ptr + slots, mask=offs < num_chunks, other=NEG_INF)
         tokens = tl.load(chunk_token_ptr + slots, mask=offs < num_chunks, other=INT_MAX)
+        valid = bests > NEG_INF
+        top_ref = tl.max(tl.where(valid, refs, NEG_INF), 0)
+        relative = tl.where(refs == top_ref, 0.0, (refs - top_ref) * inv_t)  # no inf - inf at a +inf top
+        scores = tl.where(valid, relative + bests, NEG_INF)
         top = tl.max(scores, 0)
         token = tl.min(tl.where(scores == top, tokens, INT_MAX), 0)
-        thr = tl.where(top == POS_INF, POS_INF, NEG_INF)
+        thr = tl.where(top_ref == POS_INF, POS_INF, NEG_INF)
     else:
         lanes, m, z, token = _row_stats(row_ptr, V, inv_t, BLOCK, True)
         thr = m
@@ -217,15 +226,15 @@ def sample_with_threshold(logits, temperature, top_k, top_p, min_p, seeds=None, 
         idx = torch.empty(batch, config["CAP"], dtype=torch.int32, device=logits.device)
         chunk = RACE_CHUNK_TILES * config["BLOCK"]
         num_chunks = triton.cdiv(vocab, chunk)
-        chunk_scores = torch.empty(batch, num_chunks, dtype=torch.float32, device=logits.device)
+        chunk_refs, chunk_bests = torch.empty(2, batch, num_chunks, dtype=torch.float32, device=logits.device)
         chunk_tokens = torch.empty(batch, num_chunks, dtype=torch.int32, device=logits.device)
         _race_chunks_kernel[(batch, num_chunks)](
-            logits, logits.stride(0), temperature, top_k, top_p, min_p, seeds, chunk_scores, chunk_tokens,
+            logits, logits.stride(0), temperature, top_k, top_p, min_p, seeds, chunk_refs, chunk_bests, chunk_tokens,
             vocab, num_chunks, BLOCK=config["BLOCK"], CHUNK=chunk, num_warps=config["num_warps"],
         )
         _sample_kernel[(batch,)](
             logits, logits.stride(0), temperature, top_k, top_p, min_p, seeds, out, thr, vals, idx,
-            chunk_scores, chunk_tokens, vocab, num_chunks, CHUNKS_POW2=triton.next_power_of_2(num_chunks), **config,
+            chunk_refs, chunk_bests, chunk_tokens, vocab, num_chunks, CHUNKS_POW2=triton.next_power_of_2(num_chunks), **config,
         )
 
     launch(config or _TUNING.config(sample_bucket(logits.dtype, batch, vocab), launch))
@@ -236,8 +245,8 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
            min_p: torch.Tensor, seeds: torch.Tensor | None = None) -> torch.Tensor:
     """Draw one token per row from softmax(logits / t) under top-k, then top-p, then min-p.
 
-    logits [B, V] float32/float16/bfloat16 (computed in float32); temperature [B] float (<= 0:
-    greedy argmax, lowest index on ties); top_k [B] int (0 or >= V: off); top_p [B] float (1: off);
+    logits [B, V] float32/float16/bfloat16 (computed in float32); temperature [B] float (below
+    MIN_TEMPERATURE = 1e-5: greedy argmax, lowest index on ties); top_k [B] int (0 or >= V: off); top_p [B] float (1: off);
     min_p [B] float (0: off); seeds [B] int64, or None to draw them with torch.randint on the
     device. A row's token depends only on its logits, parameters and seed, not on the rest of the
     batch: same seed, same token. Returns int64 ids [B]; nothing is modified in place.

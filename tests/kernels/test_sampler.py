@@ -77,6 +77,34 @@ def test_mixed_batch():
         assert int(ids[b]) == replica(xs, float(thr[b]), float(temperature[b]), [int(seeds[b])])[0]
 
 
+def test_temperatures_below_min_temperature_are_greedy():
+    # 1 / t overflowed the race at t = 1e-40 (subnormal: id 2**31 - 1 came back) and at 1e-37 (a
+    # token of probability 0 won). Below 1e-5 a row is greedy, filtered or not, as in the references.
+    x = flat_row(20000, scale=3.0)
+    x[15000] = 45.0
+    x[100] = 40.0
+    rows = [(t, k) for t in (1e-40, 1e-37, 9.9e-6) for k in (0, 50)]
+    temperature = torch.tensor([t for t, _ in rows], device=DEVICE)
+    top_k = torch.tensor([k for _, k in rows], device=DEVICE)
+    top_p, min_p = torch.ones(len(rows), device=DEVICE), torch.zeros(len(rows), device=DEVICE)
+    logits = x.expand(len(rows), -1).contiguous()
+    seeds = torch.arange(len(rows), device=DEVICE)
+    assert sample(logits, temperature, top_k, top_p, min_p, seeds).tolist() == [15000] * len(rows)
+    assert reference.sample(logits, temperature, top_k, top_p, min_p, seeds).tolist() == [15000] * len(rows)
+    assert (reference.sampling_probs(logits, temperature, top_k, top_p, min_p)[:, 15000] == 1).all()
+
+
+def test_a_tie_across_race_chunks_at_a_small_temperature():
+    # Two equal logits in different 8192-token chunks of the race: each is drawn half the time. The
+    # chunks' winners used to be compared as absolute scores x / t + noise, about 1.5e7 here, where
+    # float32 rounds the noise to whole units and ties went to the lower chunk.
+    x = flat_row(16389, scale=1.0)
+    x[100] = x[12000] = 300.0
+    probs = reference.sampling_probs(x[None], *params(1, 2e-5))[0]
+    assert probs[100] == probs[12000] == 0.5
+    assert_frequencies(draws(x, 2e-5, n=1000), probs)  # the kernel's draws equal the replica's exact race
+
+
 @pytest.mark.filterwarnings("ignore:invalid value encountered")  # inf - inf, computed and then discarded
 @pytest.mark.parametrize("config", [None, {"BLOCK": 128, "CAP": 128, "num_warps": 4}])
 def test_infinite_logits(config):
