@@ -181,6 +181,11 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def supported_head_dim(head_dim: int) -> bool:
+    """Head sizes the attention kernels take: tl.arange spans need powers of two, wgmma K >= 16."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
 def check_paged_inputs(q, k_cache, v_cache, seq_lens, block_tables, out, k_scale=None, v_scale=None):
     """Cheap shape checks shared by the attention wrappers; returns (group, block_size, fp8, v_key_major).
 
@@ -199,7 +204,7 @@ def check_paged_inputs(q, k_cache, v_cache, seq_lens, block_tables, out, k_scale
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     if q.shape[2] != head_dim:
         raise ValueError(f"q head_dim {q.shape[2]} differs from k_cache head_dim {head_dim}")
-    if head_dim < 16 or head_dim & (head_dim - 1):
+    if not supported_head_dim(head_dim):
         raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
     if q.shape[1] % num_kv_heads:
         raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of k_cache heads ({num_kv_heads})")

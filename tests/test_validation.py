@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from tiny_qwen3 import hf_greedy
 
 from tritonllm import LLM, SamplingParams
 from tritonllm.loader import build_model, load_config, load_weights
@@ -89,6 +90,47 @@ def test_a_quantized_checkpoint_is_named_before_loading(tiny_qwen3, tmp_path):
         LLM(str(tmp_path))
 
 
+def _with_config(source, tmp_path, **fields):
+    """The checkpoint at `source` (its weights linked) with config.json fields set anew (None: removed)."""
+    config = json.loads((source / "config.json").read_text())
+    config.update(fields)
+    config = {key: value for key, value in config.items() if value is not None}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").symlink_to(source / "model.safetensors")
+    return tmp_path
+
+
+UNSUPPORTED = {  # a config field these models do not implement -> the error naming it, raised by LLM()
+    "gelu": ({"hidden_act": "gelu"}, r"hidden_act='gelu' is not supported"),
+    "llama": ({"model_type": "llama"}, r"model_type='llama' is not supported: supported are qwen3, qwen3_moe"),
+    "MoE label": ({"architectures": ["Qwen3MoeForCausalLM"]},
+                  r"architectures=\['Qwen3MoeForCausalLM'\] disagrees with model_type='qwen3'"),
+    "sliding": ({"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1, "layer_types": None},
+                r"use_sliding_window is true \(sliding_window=8, layers 1-1\).*max_model_len=512 must be <= 8"),
+    "head_dim 48": ({"head_dim": 48}, r"head_dim=48 is invalid for kernels='triton'"),
+    "linear rope": ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}},
+                    r"rope_parameters rope_type 'linear' is not supported"),
+}
+
+
+@pytest.mark.parametrize("case", UNSUPPORTED)
+def test_an_unsupported_config_is_named_before_loading(tiny_qwen3, tmp_path, case):
+    # Each ran as plain Qwen3 with no word (other tokens than HF's), or failed later on a tensor or in a kernel.
+    fields, error = UNSUPPORTED[case]
+    with pytest.raises(ValueError, match=error):
+        LLM(str(_with_config(tiny_qwen3, tmp_path, **fields)))
+
+
+def test_sliding_window_runs_where_it_cannot_slide(tiny_qwen3, tmp_path):
+    # Sequences no longer than the window see their whole context in HF too.
+    path = _with_config(tiny_qwen3, tmp_path, use_sliding_window=True, sliding_window=8, max_window_layers=1,
+                        layer_types=None)  # as released Qwen3 configs: transformers derives them
+    prompt = [11, 12, 13]
+    with LLM(str(path), max_model_len=8) as llm:
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    assert out[0].token_ids == hf_greedy(path, prompt, 5)
+
+
 def _damaged(source, tmp_path, edit):
     """A copy of the checkpoint at `source` whose tensors `edit` changed (in place)."""
     tensors = load_file(source / "model.safetensors")
@@ -120,6 +162,8 @@ DAMAGE = {  # damage -> (a MoE checkpoint?, edit, the error)
     "an expert past num_experts": (True, lambda t: t.update(
         {LAYER + "mlp.experts.99.up_proj.weight": t[LAYER + "mlp.experts.0.up_proj.weight"].clone()}),
         r"experts.99.up_proj.weight' matches no part of model.layers.0.mlp.experts.w13"),
+    "a tied checkpoint's own lm_head.weight, not the embedding": (False, lambda t: t.update(
+        {"lm_head.weight": t["model.embed_tokens.weight"] + 0.01}), r"sets tie_word_embeddings, but its lm_head"),
     "q, k and v already packed": (False, lambda t: t.update(
         {LAYER + "self_attn.qkv_proj.weight": torch.cat([t.pop(LAYER + f"self_attn.{p}_proj.weight") for p in "qkv"])}),
         r"qkv_proj.weight' matches no part of .*\['q', 'k', 'v'\]"),

@@ -48,8 +48,8 @@ def _save(path: Path, model_class, config_class, dtype, seed: int, **shapes) -> 
     model = model_class(config).to(dtype)
     # Larger than HF's init (std 0.02) so that logits differ clearly between tokens.
     with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() > 1:
+        for name, param in model.named_parameters():
+            if param.dim() > 1 or name.endswith(".bias"):  # HF starts biases at zero
                 param.normal_(0.0, 0.2)
     model.generation_config = GenerationConfig(eos_token_id=eos_ids, pad_token_id=eos_ids[1])
     model.save_pretrained(path, safe_serialization=True)
@@ -57,10 +57,12 @@ def _save(path: Path, model_class, config_class, dtype, seed: int, **shapes) -> 
     return path
 
 
-def build_tiny_qwen3(path: Path, *, tie_word_embeddings: bool = True, dtype=torch.float32, seed: int = 0) -> Path:
-    """Write a 2-layer random Qwen3 (GQA 4/2 heads, head_dim 32) with its tokenizer to `path`."""
+def build_tiny_qwen3(path: Path, *, tie_word_embeddings: bool = True, dtype=torch.float32, seed: int = 0,
+                     **config) -> Path:
+    """Write a 2-layer random Qwen3 (GQA 4/2 heads, head_dim 32) with its tokenizer to `path`; `config`
+    sets other Qwen3Config fields."""
     return _save(path, Qwen3ForCausalLM, Qwen3Config, dtype, seed, intermediate_size=96, num_hidden_layers=2,
-                 tie_word_embeddings=tie_word_embeddings)
+                 tie_word_embeddings=tie_word_embeddings, **config)
 
 
 def build_tiny_qwen3_moe(path: Path, *, top_k: int = 2, norm_topk_prob: bool = True, dtype=torch.float32,

@@ -82,12 +82,12 @@ def load_weights(model: nn.Module, path: str | Path) -> None:
     """Read the checkpoint's safetensors into the model, each rank only its shard of each tensor."""
     params = dict(model.named_parameters(remove_duplicate=False))
     tied = getattr(model.config, "tie_word_embeddings", False)
+    embedding = params["model.embed_tokens.weight"]
+    stored_head = None  # a tied checkpoint's own lm_head.weight, as this rank's embedding shard
     loaded = set()  # (parameter, part): a packed parameter (qkv, gate/up, stacked experts) takes several tensors
     for file in safetensors_files(Path(path)):
         with open_safetensors(file) as f:
             for name in f.keys():
-                if tied and name == "lm_head.weight":
-                    continue
                 target, shard_id = model.checkpoint_target(name)
                 if target not in params:
                     raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(model).__name__}")
@@ -102,6 +102,8 @@ def load_weights(model: nn.Module, path: str | Path) -> None:
                     raise ValueError(f"checkpoint tensor {name!r} is {stored}; weights load from "
                                      f"{', '.join(FLOAT_DTYPES)} (quantized checkpoints are not supported)")
                 loader = getattr(param, "weight_loader", None)
+                if tied and name == "lm_head.weight":  # the embedding's alias: compared with it once all is read
+                    param = stored_head = torch.zeros_like(param)
                 try:
                     if loader is None:
                         copy_weight(param, f.get_slice(name))
@@ -115,6 +117,10 @@ def load_weights(model: nn.Module, path: str | Path) -> None:
                for part in getattr(param, "shard_ids", (None,)) if (name, part) not in loaded]
     if missing:
         raise ValueError(f"checkpoint {str(path)!r} lacks {len(missing)} weights, e.g. {missing[:3]}")
+    if stored_head is not None and not torch.equal(stored_head, embedding):
+        # transformers 5 would then use the stored head; tied, the model would compute other logits.
+        raise ValueError(f"checkpoint {str(path)!r}: config.json sets tie_word_embeddings, but its lm_head.weight "
+                         f"differs from model.embed_tokens.weight; set tie_word_embeddings to false to use it")
 
 
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:

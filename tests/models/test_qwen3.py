@@ -6,6 +6,7 @@ import torch
 from model_utils import (DEVICE, SEQ_LENS, hf_logits, load, prefill_then_decode, random_sequences,
                          tensor_parallel_2_error)
 from numerics import rel_err
+from tiny_qwen3 import build_tiny_qwen3
 from transformers.models.qwen3 import Qwen3ForCausalLM as HFQwen3
 
 from tritonllm.kernels import tuning
@@ -26,6 +27,20 @@ def test_logits_equal_hf_float32(fixture, request):
         assert rel_err(prefill[offsets[b]:offsets[b + 1]], expected[b][:n]) < 1e-4
         assert rel_err(decode[b], expected[b][n]) < 1e-4
         assert torch.equal(prefill[offsets[b]:offsets[b + 1]].argmax(-1), expected[b][:n].argmax(-1))
+
+
+def test_attention_biases_equal_hf_float32(tmp_path):
+    # attention_bias puts a bias on q, k, v and o alike (HF's Qwen3); random here, as HF starts them at zero.
+    path = build_tiny_qwen3(tmp_path, attention_bias=True)
+    model = load(path)
+    assert model.model.layers[0].self_attn.o_proj.bias is not None
+    sequences = random_sequences(model.config.vocab_size, SEQ_LENS)
+    prefill, longer, decode = prefill_then_decode(model, sequences, torch.float32)
+    expected = hf_logits(path, longer)
+    offsets = [0] + torch.tensor(SEQ_LENS).cumsum(0).tolist()
+    for b, n in enumerate(SEQ_LENS):
+        assert rel_err(prefill[offsets[b]:offsets[b + 1]], expected[b][:n]) < 1e-4
+        assert rel_err(decode[b], expected[b][n]) < 1e-4
 
 
 def test_logits_close_to_hf_bfloat16(tiny_qwen3):

@@ -16,8 +16,9 @@ def rope_parameters(config) -> dict:
     params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
     params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
     if params["rope_type"] not in SUPPORTED_ROPE_TYPES:
-        raise NotImplementedError(f"rope type {params['rope_type']!r} is not supported, "
-                                  f"only {' and '.join(map(repr, SUPPORTED_ROPE_TYPES))}")
+        field = "rope_parameters" if getattr(config, "rope_parameters", None) else "rope_scaling"
+        raise ValueError(f"{field} rope_type {params['rope_type']!r} is not supported: "
+                         f"only {' and '.join(map(repr, SUPPORTED_ROPE_TYPES))}")
     if params.get("rope_theta") is None:
         params["rope_theta"] = config.rope_theta
     if params["rope_type"] == "yarn":

@@ -17,10 +17,10 @@ class Qwen3Attention(nn.Module):
     def __init__(self, config, rotary: RotaryEmbedding, ops: ModuleType):
         super().__init__()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        bias = getattr(config, "attention_bias", False)  # HF's Qwen3 gives q, k, v and o the same bias flag
         self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
-                                          config.num_key_value_heads, bias=getattr(config, "attention_bias", False),
-                                          ops=ops)
-        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, ops=ops)
+                                          config.num_key_value_heads, bias=bias, ops=ops)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, bias, ops=ops)
         self.attn = Attention(self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim, config.rms_norm_eps,
                               rotary, ops)
 
