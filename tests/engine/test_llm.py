@@ -77,7 +77,8 @@ def test_stream_yields_what_generate_returns(tiny_qwen3, expected):
             finals[event.index] = event.output
     assert [tokens[i] for i in range(len(PROMPTS))] == expected[1] and sorted(finals) == list(range(len(PROMPTS)))
     assert [texts[i] for i in finals] == [finals[i].text for i in finals]
-    assert [texts[i] for i in range(len(PROMPTS))] == [llm.tokenizer.decode(t, skip_special_tokens=True)
+    # The whole decode, less a character the last token left incomplete (vLLM's detokenizer never shows one).
+    assert [texts[i] for i in range(len(PROMPTS))] == [llm.tokenizer.decode(t, skip_special_tokens=True).rstrip("\ufffd")
                                                        for t in expected[1]]
 
 

@@ -48,8 +48,10 @@ def check_stop(llm, full, stop, min_tokens=0):
         assert text.startswith("".join(deltas[:i + 1]))
     if cut is None:
         assert final.text == text and final.finish_reason == "length" and got_tokens == tokens
+        assert final.stop_reason is None
     else:
         assert final.text == text[:cut] and final.finish_reason == "stop"
+        assert final.stop_reason in stop and text.find(final.stop_reason, cut) == cut  # vLLM's stop_reason
         last = next(i for i, end in enumerate(ends) if end >= cut + min(len(s) for s in stop if text.find(s, cut) == cut))
         assert got_tokens == tokens[:max(last + 1, min_tokens)]  # through the token that completed the stop
     generated = llm.generate([PROMPT], params, use_tqdm=False)[0]
@@ -93,8 +95,14 @@ def test_eos_or_stop_token_as_the_last_allowed_token_is_a_stop(llm, full):
     tokens = full[0]
     k = next(i for i in range(1, N) if tokens[i] not in tokens[:i])  # its first appearance is the last token
     last = SamplingParams(temperature=0, max_tokens=k + 1, stop_token_ids=[tokens[k]])
-    out = llm.generate([PROMPT], last, use_tqdm=False)[0]
-    assert out.token_ids == tokens[:k + 1] and out.finish_reason == "stop"
+    before = llm.tokenizer.decode(tokens[:k], skip_special_tokens=True).rstrip("\ufffd")
+    assert llm.tokenizer.decode(tokens[:k + 1], skip_special_tokens=True) != before  # the stop token has text
+    for out in (llm.generate([PROMPT], last, use_tqdm=False)[0], streamed(llm, last)[2]):
+        # As in vLLM: the stop token ends token_ids, its text is left out, stop_reason names it.
+        assert out.token_ids == tokens[:k + 1] and out.finish_reason == "stop"
+        assert out.text == before and out.stop_reason == tokens[k]
+    deltas, _, _ = streamed(llm, last)
+    assert "".join(deltas) == before
     saved, llm.eos_ids = llm.eos_ids, {tokens[k]}
     try:
         out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=k + 1), use_tqdm=False)[0]
@@ -103,6 +111,7 @@ def test_eos_or_stop_token_as_the_last_allowed_token_is_a_stop(llm, full):
     finally:
         llm.eos_ids = saved
     assert out.token_ids == tokens[:k + 1] and out.finish_reason == "stop"
+    assert out.text == before and out.stop_reason is None  # EOS: no stop_reason, and no text either
     # Within min_tokens EOS is not drawn (vLLM's rule): the greedy choice there is the next best token.
     assert eos_within_min.finish_reason == "length" and eos_within_min.token_ids[:k] == tokens[:k]
     assert eos_within_min.token_ids[k] != tokens[k]
@@ -151,7 +160,7 @@ def test_incremental_text_holds_back_a_possible_stop_and_partial_characters():
     for token in [ord(c) for c in "egxyg"] + [-1, -2, ord("!")]:
         ids.append(token)
         found = text.update(ids)
-        shown.append(text.delta(found))
+        shown.append(text.delta(found is not None))
     # "g" could start "gd", "x" and "xy" "xyz"; the lone first byte waits; "\u00e9" could start "\u00e9!", which then stops.
     assert shown == ["e", "", "g", "", "xy", "", "g", ""]
-    assert found and text.text == "egxyg" == "".join(shown)
+    assert found == "\u00e9!" and text.text == "egxyg" == "".join(shown)

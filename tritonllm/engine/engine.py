@@ -22,7 +22,7 @@ from tritonllm.engine.block_manager import BlockManager
 from tritonllm.engine.model_runner import ModelRunner, SampledTokens
 from tritonllm.engine.output import RequestOutput
 from tritonllm.engine.ranks import check_ranks, shut_down, start_ranks
-from tritonllm.engine.requests import Request, Sample, make_request, step_output
+from tritonllm.engine.requests import Request, Sample, make_request, step_output, text_token_ids
 from tritonllm.engine.scheduler import ScheduledBatch, Scheduler
 from tritonllm.engine.sequence import Sequence, SequenceStatus
 from tritonllm.engine.step_inputs import build_step_inputs
@@ -317,13 +317,15 @@ class LLMEngine:
         """The one place a sample finishes: EOS or a stop token, a stop string, max_tokens."""
         seq, params = sample.seq, sample.seq.params
         num_completion, token = seq.num_known_completion_tokens, seq.token_ids[-1]
-        reason = None
-        if num_completion > params.min_tokens and (token in params.stop_token_ids
-                                                   or (not params.ignore_eos and token in self.eos_ids)):
-            reason = "stop"
-        last = reason is not None or num_completion >= params.max_tokens
-        if sample.text is not None and sample.text.update(seq.completion_token_ids, final=last):
-            reason = "stop"
+        by_token = num_completion > params.min_tokens and (token in params.stop_token_ids
+                                                           or (not params.ignore_eos and token in self.eos_ids))
+        reason = "stop" if by_token else None
+        if by_token and token in params.stop_token_ids:
+            seq.stop_reason = token
+        last = by_token or num_completion >= params.max_tokens
+        matched = sample.text.update(text_token_ids(seq, by_token), final=last) if sample.text is not None else None
+        if matched is not None:
+            reason, seq.stop_reason = "stop", matched
         if reason is None and last:
             reason = "length"
         if reason is not None:

@@ -12,6 +12,7 @@ class GenerationOutput:
     logprobs: list[float] | None = None  # the chosen tokens' (with params.logprobs or top_logprobs > 0)
     top_logprobs: list[dict[int, float]] | None = None  # per token, the top_logprobs likeliest: id -> logprob
     index: int = 0  # which of the request's n samples
+    stop_reason: int | str | None = None  # the stop_token_ids entry or stop string that ended it; None for EOS
 
     def __getitem__(self, key: str):
         """out["text"], out["token_ids"]: the dict access of nano-vllm's outputs."""
@@ -36,7 +37,7 @@ class IncrementalText:
 
     Each update decodes only the tokens since the last clean cut (a full decode each step would
     cost the whole length per token); a piece ending in a partial UTF-8 character waits for the
-    next token. A stop string counts where it ends in text of tokens past the first `min_tokens`
+    next token, and is left out if none completes it (as vLLM leaves it). A stop string counts where it ends in text of tokens past the first `min_tokens`
     (earlier text is never checked, as in vLLM).
     """
 
@@ -52,27 +53,29 @@ class IncrementalText:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def update(self, ids: list[int], final: bool = False) -> bool:
+    def update(self, ids: list[int], final: bool = False) -> str | None:
         """Decode the completion `ids` past what is decoded already (all of it when final). Returns
-        True when a stop string was found; the text is then cut before it."""
+        the stop string found, if any; the text is then cut before it."""
         before = self._decode(ids[self.prefix:self.read])
         after = self._decode(ids[self.prefix:])
+        if final:
+            after = after.rstrip("\ufffd")
         if len(after) > len(before) and (final or not after.endswith("\ufffd")):
             self.text += after[len(before):]
             self.prefix, self.read = self.read, len(ids)
         if self.stop_from is None and len(ids) >= self.min_tokens:
             self.stop_from = len(self.text)
         if self.stop_from is None or not self.stop:
-            return False
-        cut = -1
+            return None
+        cut, matched = -1, None
         for stop in self.stop:
             i = self.text.find(stop, max(0, max(self.stop_from, self.searched) - len(stop) + 1))
             if i >= 0 and i + len(stop) > self.stop_from and (cut < 0 or i < cut):
-                cut = i
+                cut, matched = i, stop
         self.searched = len(self.text)
         if cut >= 0:
             self.text = self.text[:cut]
-        return cut >= 0
+        return matched
 
     def delta(self, finished: bool) -> str:
         """The text not handed out yet; until finished it stops short of any tail that could still be

@@ -50,15 +50,25 @@ def make_request(seq: Sequence, stream: bool, tokenizer) -> Request:
     return Request(seq.seq_id, samples, stream)
 
 
+def text_token_ids(seq: Sequence, stopped_by_token: bool) -> list[int]:
+    """The completion tokens its text is decoded from: as vLLM, the EOS or stop token that ended it
+    stays in token_ids but not in the text."""
+    ids = seq.completion_token_ids
+    return ids[:-1] if stopped_by_token else ids
+
+
 def final_output(sample: Sample, tokenizer) -> GenerationOutput:
     seq, params = sample.seq, sample.seq.params
     if sample.text is not None:
         text = sample.text.text
+    elif tokenizer is not None:
+        by_token = seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str)
+        text = tokenizer.decode(text_token_ids(seq, by_token), skip_special_tokens=True).rstrip("\ufffd")
     else:
-        text = tokenizer.decode(seq.completion_token_ids, skip_special_tokens=True) if tokenizer else None
+        text = None
     return GenerationOutput(seq.token_ids[:seq.num_prompt_tokens], seq.completion_token_ids, text, seq.finish_reason,
                             seq.num_cached_tokens or 0, seq.logprobs if params.wants_logprobs else None,
-                            seq.top_logprobs if params.top_logprobs else None, sample.index)
+                            seq.top_logprobs if params.top_logprobs else None, sample.index, seq.stop_reason)
 
 
 def step_output(request: Request, sample: Sample, finished: bool, tokenizer) -> RequestOutput:

@@ -36,6 +36,7 @@ class Sequence:
         self.logprobs: list[float] = []
         self.top_logprobs: list[dict[int, float]] = []
         self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it (vLLM's)
 
     def __len__(self) -> int:
         return len(self.token_ids) + self.num_pending
