@@ -8,6 +8,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from tritonllm.chat import chat_prompt
 from tritonllm.distributed import collect, hand_out
 from tritonllm.engine.engine import LLMEngine
 from tritonllm.engine.output import GenerationOutput, RequestOutput
@@ -154,13 +155,16 @@ class LLM(LLMEngine):
                 bar.set_postfix(prefill=f"{rates[True]:.0f}tok/s", decode=f"{rates[False]:.0f}tok/s")
         return [outputs[i] for i in range(total)]
 
-    def chat(self, messages, sampling_params=None, use_tqdm: bool = True, stream: bool = False):
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True, stream: bool = False, *,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None):
         """Replies to one conversation (a list of {"role", "content"}) or a list of them, through the
-        tokenizer's chat template: GenerationOutputs, or with stream=True the StreamOutputs of stream()."""
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template")
+        tokenizer's chat template: GenerationOutputs, or with stream=True the StreamOutputs of stream().
+        The keywords are vLLM's (tritonllm.chat.chat_prompt), e.g. chat_template_kwargs={"enable_thinking": False}."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
+        prompts = [chat_prompt(self.tokenizer, c, add_generation_prompt=add_generation_prompt,
+                               continue_final_message=continue_final_message, chat_template=chat_template,
+                               chat_template_kwargs=chat_template_kwargs) for c in conversations]
         encoded = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
         for prompt, token_ids in zip(prompts, encoded):
             self.check_known_characters(prompt, token_ids)

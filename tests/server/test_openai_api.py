@@ -97,6 +97,7 @@ def test_stop_strings_and_tokens(client, llm):
     assert client.completions.create(**request).choices[0].text == "dcba"
     stopped = client.completions.create(**request, stop=["cb", "xyz"])
     assert (stopped.choices[0].text, stopped.choices[0].finish_reason) == ("d", "stop")
+    assert stopped.choices[0].model_extra["stop_reason"] == "cb"  # vLLM's field: what ended it
     # Streamed, the "c" that could start "cb" is held back until it is known not to be shown.
     deltas = [c.choices[0].text for c in client.completions.create(**request, stop="cb", stream=True)]
     assert "".join(deltas) == "d" and not any("c" in d for d in deltas)
@@ -105,6 +106,37 @@ def test_stop_strings_and_tokens(client, llm):
     out = llm.generate(["rev abcd="], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[14]), use_tqdm=False)[0]
     assert (response.choices[0].text, token_ids(response.choices[0])) == (out.text, out.token_ids)
     assert token_ids(response.choices[0])[-1] == 14 and response.choices[0].finish_reason == "stop"
+    assert response.choices[0].text == "dc" and response.choices[0].model_extra["stop_reason"] == 14  # b not in text
+
+
+# Renders the messages' contents one after another, and "=" for a generation prompt: the bundled
+# model answers "12+34=" and "rev abcd=" (its own template takes the last user message alone).
+CONCAT = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}={% endif %}"
+
+
+@pytest.mark.parametrize("messages, options, reply", [
+    ([{"role": "user", "content": "12+"}, {"role": "user", "content": "34"}], {}, "46"),
+    ([{"role": "user", "content": "12+3"}, {"role": "user", "content": "4="}], {"add_generation_prompt": False}, "46"),
+    ([{"role": "user", "content": "12+34="}], {"chat_template_kwargs": {"add_generation_prompt": False}}, "46"),
+    ([{"role": "user", "content": "rev ab"}, {"role": "assistant", "content": "cd="}],
+     {"add_generation_prompt": False, "continue_final_message": True}, "dcba"),
+])
+def test_chat_template_options(client, llm, messages, options, reply):
+    # vLLM's chat options, offline and served: they used to be ignored (or a 400 for the kwargs).
+    params = SamplingParams(temperature=0, max_tokens=8)
+    assert llm.chat(messages, params, use_tqdm=False, chat_template=CONCAT, **options)[0].text == reply
+    served = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=8,
+                                            extra_body={"chat_template": CONCAT, **options})
+    assert served.choices[0].message.content == reply
+
+
+def test_chat_options_that_cannot_be_served_are_400(client):
+    request = dict(model=MODEL, messages=[{"role": "user", "content": "1+1"}], max_tokens=2)
+    error = error_of(lambda: client.chat.completions.create(**request, extra_body={"continue_final_message": True}))
+    assert error.status_code == 400 and error.param == "continue_final_message"
+    error = error_of(lambda: client.chat.completions.create(
+        **request, stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    assert error.status_code == 400 and error.param == "stream_options"
 
 
 def test_logprobs(client, llm):

@@ -9,7 +9,7 @@ from tritonllm.server.protocol import ApiError
 
 
 def output(choice: int, final: bool) -> tuple:
-    return (0, choice, [7], "x", None, None, ("length", 0) if final else None)
+    return (0, choice, [7], "x", None, None, ("length", 0, None) if final else None)
 
 
 async def read_all(stream: RequestStream) -> list[tuple]:

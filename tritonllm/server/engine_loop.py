@@ -17,7 +17,7 @@ The messages are tuples. Server to engine: ("add", key, prompts, params, chat, s
 once; ("added", key, error, prompt_lengths) with error None or (kind, text), kind "invalid",
 "queue_full" or "failed"; ("stats", key, dict); ("out", items) with items
 (key, choice, token_ids, text, logprobs, top_logprobs, final), final None or (finish_reason,
-cached_tokens); ("error", keys, text) when a step failed (those requests are aborted). A request
+cached_tokens, stop_reason); ("error", keys, text) when a step failed (those requests are aborted). A request
 not streamed gives one item per choice, when it finishes, with all its tokens and text.
 """
 

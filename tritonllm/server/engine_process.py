@@ -140,7 +140,7 @@ class EngineWorker:
                 continue
             final, text = None, out.text_delta
             if out.finished:
-                final = (out.output.finish_reason, out.output.num_cached_tokens)
+                final = (out.output.finish_reason, out.output.num_cached_tokens, out.output.stop_reason)
                 if not entry[3]:  # not streamed: the whole completion in this one output
                     text = out.output.text or ""
                 entry[2] -= 1

@@ -7,6 +7,7 @@ implement (echo, logit_bias, tools, ...) is an error unless it holds its neutral
 import re
 from dataclasses import dataclass
 
+from tritonllm.chat import chat_prompt
 from tritonllm.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 
 
@@ -153,6 +154,9 @@ def _usage_options(body: dict, stream: bool) -> bool:
     options = _typed(body, "stream_options", dict, {})
     if options and not stream:
         raise bad("stream_options is only allowed with stream=true", "stream_options")
+    if _typed(options, "continuous_usage_stats", bool, False):
+        raise bad("stream_options.continuous_usage_stats is not supported: usage comes in the last chunk",
+                  "stream_options")
     return bool(_typed(options, "include_usage", bool, False))
 
 
@@ -168,11 +172,17 @@ def parse_completion(body: dict, has_tokenizer: bool) -> GenerateRequest:
 def parse_chat(body: dict, tokenizer) -> GenerateRequest:
     """A chat request; `tokenizer` renders its messages through the model's chat template."""
     _check_unsupported(body)
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise bad("this model has no chat template: use /v1/completions", "messages")
-    messages, extra = _messages(body), _typed(body, "chat_template_kwargs", dict, {})
+    template = _typed(body, "chat_template", str)
+    if tokenizer is None or not (template or getattr(tokenizer, "chat_template", None)):
+        raise bad("this model has no chat template: use /v1/completions or give chat_template", "messages")
+    messages = _messages(body)
+    options = {name: _typed(body, name, bool, default)
+               for name, default in (("add_generation_prompt", True), ("continue_final_message", False))}
+    extra = _typed(body, "chat_template_kwargs", dict, {})
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
+        text = chat_prompt(tokenizer, messages, chat_template=template, chat_template_kwargs=extra, **options)
+    except ValueError as error:  # both options true
+        raise bad(str(error), "continue_final_message") from None
     except Exception as error:  # the template's own checks (roles, order), or bad chat_template_kwargs
         raise bad(f"the chat template refused these messages: {error}", "messages") from None
     wants = _typed(body, "logprobs", bool, False)

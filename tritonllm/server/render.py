@@ -1,7 +1,7 @@
 """OpenAI responses and stream chunks made from the engine's outputs.
 
 An output item is (key, choice, token_ids, text, logprobs, top_logprobs, final) as engine_loop
-sends it; final is None or (finish_reason, cached_tokens). The items of one choice that arrive
+sends it; final is None or (finish_reason, cached_tokens, stop_reason). The items of one choice that arrive
 together are merged into one chunk, so a reader that fell behind catches up in one write.
 """
 import json
@@ -15,11 +15,11 @@ FLOOR = -9999.0  # JSON has no -inf: a logprob below this is sent as this
 
 class Piece:
     """The merged outputs of one choice: a stream chunk's worth, or the whole completion."""
-    __slots__ = ("text", "token_ids", "logprobs", "top_logprobs", "finish_reason")
+    __slots__ = ("text", "token_ids", "logprobs", "top_logprobs", "finish_reason", "stop_reason")
 
     def __init__(self):
         self.text, self.token_ids, self.logprobs, self.top_logprobs = [], [], [], []
-        self.finish_reason = None
+        self.finish_reason = self.stop_reason = None
 
 
 def merge(items: list[tuple]) -> dict[int, Piece]:
@@ -35,7 +35,7 @@ def merge(items: list[tuple]) -> dict[int, Piece]:
         if top_logprobs:
             piece.top_logprobs += top_logprobs
         if final is not None:
-            piece.finish_reason = final[0]
+            piece.finish_reason, piece.stop_reason = final[0], final[2]
     return pieces
 
 
@@ -109,6 +109,7 @@ class Renderer:
         else:
             choice = {"index": index, "delta": {"content": text} if text else {}, "logprobs": logprobs,
                       "finish_reason": piece.finish_reason}
+        choice["stop_reason"] = piece.stop_reason  # vLLM's: the stop token id or string that ended it
         if self.request.return_token_ids:
             choice["token_ids"] = piece.token_ids
         return choice

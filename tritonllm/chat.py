@@ -1,0 +1,27 @@
+"""Conversations as prompt text through the model's chat template, with vLLM's chat options."""
+
+
+def chat_prompt(tokenizer, messages: list[dict], *, add_generation_prompt: bool = True,
+                continue_final_message: bool = False, chat_template: str | None = None,
+                chat_template_kwargs: dict | None = None) -> str:
+    """The prompt text of `messages` ({"role", "content"} dicts) as the tokenizer's chat template (or
+    the Jinja `chat_template` given) renders it. add_generation_prompt opens the assistant's turn;
+    continue_final_message leaves the last message open for the model to go on with (the two
+    exclude each other); chat_template_kwargs go to the template (Qwen3's: enable_thinking) and
+    override the options above, as in vLLM."""
+    for name, value in (("add_generation_prompt", add_generation_prompt),
+                        ("continue_final_message", continue_final_message)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    if chat_template is not None and not isinstance(chat_template, str):
+        raise TypeError(f"chat_template must be a string (Jinja), got {type(chat_template).__name__}")
+    if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+        raise TypeError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
+    if tokenizer is None or not (chat_template or getattr(tokenizer, "chat_template", None)):
+        raise ValueError("this model's tokenizer has no chat template: give chat_template")
+    options = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
+               **(chat_template_kwargs or {})}
+    if options["add_generation_prompt"] and options["continue_final_message"]:
+        raise ValueError("add_generation_prompt and continue_final_message cannot both be true: continuing the "
+                         "last message adds no new turn (set add_generation_prompt=False)")
+    return tokenizer.apply_chat_template(messages, tokenize=False, chat_template=chat_template, **options)
