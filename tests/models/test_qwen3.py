@@ -15,10 +15,8 @@ from tritonllm.loader import build_model, init_dummy_weights, load_config
 from tritonllm.models.presets import preset_config
 
 
-@pytest.mark.parametrize("fixture", ["tiny_qwen3", "tiny_qwen3_untied"])
-def test_logits_equal_hf_float32(fixture, request):
-    path = request.getfixturevalue(fixture)
-    model = load(path)
+def assert_logits_equal_hf_float32(path, model):
+    """Prefill and one decode step of random sequences through `model` give HF's float32 logits."""
     sequences = random_sequences(model.config.vocab_size, SEQ_LENS)
     prefill, longer, decode = prefill_then_decode(model, sequences, torch.float32)
     expected = hf_logits(path, longer)
@@ -29,18 +27,18 @@ def test_logits_equal_hf_float32(fixture, request):
         assert torch.equal(prefill[offsets[b]:offsets[b + 1]].argmax(-1), expected[b][:n].argmax(-1))
 
 
+@pytest.mark.parametrize("fixture", ["tiny_qwen3", "tiny_qwen3_untied"])
+def test_logits_equal_hf_float32(fixture, request):
+    path = request.getfixturevalue(fixture)
+    assert_logits_equal_hf_float32(path, load(path))
+
+
 def test_attention_biases_equal_hf_float32(tmp_path):
     # attention_bias puts a bias on q, k, v and o alike (HF's Qwen3); random here, as HF starts them at zero.
     path = build_tiny_qwen3(tmp_path, attention_bias=True)
     model = load(path)
     assert model.model.layers[0].self_attn.o_proj.bias is not None
-    sequences = random_sequences(model.config.vocab_size, SEQ_LENS)
-    prefill, longer, decode = prefill_then_decode(model, sequences, torch.float32)
-    expected = hf_logits(path, longer)
-    offsets = [0] + torch.tensor(SEQ_LENS).cumsum(0).tolist()
-    for b, n in enumerate(SEQ_LENS):
-        assert rel_err(prefill[offsets[b]:offsets[b + 1]], expected[b][:n]) < 1e-4
-        assert rel_err(decode[b], expected[b][n]) < 1e-4
+    assert_logits_equal_hf_float32(path, model)
 
 
 def test_logits_close_to_hf_bfloat16(tiny_qwen3):
