@@ -29,7 +29,7 @@ from tritonllm.kernels.tuning import Tunable, dtype_name, pow2
 E_MIN = tl.constexpr(5e-8)
 G_MAX = tl.constexpr(17.0)
 RACE_CHUNK_TILES = 4  # tiles of a row one _race_chunks_kernel program races (8192 tokens at BLOCK 2048)
-MIN_TEMPERATURE = 1e-5  # below it, greedy (vLLM's threshold too)
+MIN_TEMPERATURE = 1e-5  # below it, greedy (vLLM's _SAMPLING_EPS)
 _MIN_T = tl.constexpr(MIN_TEMPERATURE)  # kernels read globals only as constexprs
 
 

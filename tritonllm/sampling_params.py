@@ -10,7 +10,7 @@ from tritonllm.validation import as_int, check, check_field, check_list
 class SamplingParams:
     """How to sample one request's completion; validated on construction.
 
-    temperature 0 (or any below 1e-5, as in vLLM) is greedy. top_k 0 (or vLLM's -1) and top_p 1 and
+    temperature 0 (or any below 1e-5, vLLM's _SAMPLING_EPS) is greedy. top_k 0 (or vLLM's -1) and top_p 1 and
     min_p 0 turn those filters off. Generation stops at max_tokens, at any EOS id of the model
     (unless ignore_eos), at stop_token_ids or at a stop string (cut from the text); none of these
     before min_tokens (EOS and the stop tokens are not drawn, their logits masked; a stop string
