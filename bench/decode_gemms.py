@@ -24,11 +24,12 @@ from timing import BF16_FLOPS_PER_S, COPY_BYTES_PER_S, graph_time_ms, input_sets
 from tritonllm.kernels import tuning
 from tritonllm.kernels.linear import LINEAR_TUNABLE, MAX_ROWS, linear, linear_bucket, linear_counts
 from tritonllm.loader import load_config
+from tritonllm.models.qwen3 import head_dim_of
 
 
 def layer_shapes(config) -> dict[str, tuple[int, int]]:
     """(N, K) of each projection: out features, in features (TP 1)."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim = head_dim_of(config)
     q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
     shapes = {"qkv": (q + 2 * kv, config.hidden_size), "o": (config.hidden_size, q)}
     if getattr(config, "num_experts", None):

@@ -237,8 +237,8 @@ def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale=None, *,
 def sampling_probs(logits, temperature, top_k, top_p, min_p):
     """The exact distribution `sample` draws from, [B, V] float64, zero outside the allowed set.
 
-    Rows with a temperature below MIN_TEMPERATURE (1e-5) put all mass on the argmax (lowest index on ties), and so do rows
-    holding +inf (their mass sits on the +inf logits; the first wins, as greedy). The filters are
+    Rows with a temperature below MIN_TEMPERATURE (1e-5) put all mass on the argmax (lowest index
+    on ties), and so do rows holding +inf (their mass sits on the +inf logits; the first wins, as greedy). The filters are
     thresholds: top-k keeps tokens at or above the k-th largest probability; top-p keeps, on the
     top-k set renormalized, tokens at or above the probability where the most-likely-first
     cumulative mass reaches top_p; min-p keeps tokens with p >= min_p * p_max.

@@ -14,8 +14,9 @@ row's reads and Philox work spread over many SMs, and the row's program takes th
 Conventions: NaN logits count as -inf, and -inf logits are never drawn (a filtered row's T is
 finite); a row holding +inf puts all its mass on its +inf logits and returns the first of them,
 as greedy does (T = +inf); a row whose logits are all -inf returns token 0; a temperature below
-MIN_TEMPERATURE is greedy (1 / t would overflow the race's scores); top_p <= 0 keeps the most likely token(s) only; min_p > 1 acts as 1. The two launches
-have grids fixed by (B, V, BLOCK) and never sync the host.
+MIN_TEMPERATURE is greedy (1 / t would overflow the race's scores); top_p <= 0 keeps the most
+likely token(s) only; min_p > 1 acts as 1. The two launches have grids fixed by (B, V, BLOCK)
+and never sync the host.
 """
 import torch
 import triton
@@ -234,7 +235,8 @@ def sample_with_threshold(logits, temperature, top_k, top_p, min_p, seeds=None, 
         )
         _sample_kernel[(batch,)](
             logits, logits.stride(0), temperature, top_k, top_p, min_p, seeds, out, thr, vals, idx,
-            chunk_refs, chunk_bests, chunk_tokens, vocab, num_chunks, CHUNKS_POW2=triton.next_power_of_2(num_chunks), **config,
+            chunk_refs, chunk_bests, chunk_tokens, vocab, num_chunks,
+            CHUNKS_POW2=triton.next_power_of_2(num_chunks), **config,
         )
 
     launch(config or _TUNING.config(sample_bucket(logits.dtype, batch, vocab), launch))
@@ -246,9 +248,9 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     """Draw one token per row from softmax(logits / t) under top-k, then top-p, then min-p.
 
     logits [B, V] float32/float16/bfloat16 (computed in float32); temperature [B] float (below
-    MIN_TEMPERATURE = 1e-5: greedy argmax, lowest index on ties); top_k [B] int (0 or >= V: off); top_p [B] float (1: off);
-    min_p [B] float (0: off); seeds [B] int64, or None to draw them with torch.randint on the
-    device. A row's token depends only on its logits, parameters and seed, not on the rest of the
+    MIN_TEMPERATURE = 1e-5: greedy argmax, lowest index on ties); top_k [B] int (0 or >= V: off);
+    top_p [B] float (1: off); min_p [B] float (0: off); seeds [B] int64, or None to draw them with
+    torch.randint on the device. A row's token depends only on its logits, parameters and seed, not on the rest of the
     batch: same seed, same token. Returns int64 ids [B]; nothing is modified in place.
     Semantics are kernels.reference.sampling_probs'; NaN logits count as -inf, an all -inf row
     returns 0, a row holding +inf returns its first +inf (greedy or not). No host sync; two launches

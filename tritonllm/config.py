@@ -8,7 +8,6 @@ from pathlib import Path
 import torch
 
 from tritonllm.kernels.decode_attention import MAX_BATCH
-from tritonllm.kernels.paged import supported_head_dim
 from tritonllm.layers.ops import BACKENDS
 from tritonllm.layers.rotary import max_positions
 from tritonllm.loader import safetensors_files
@@ -136,11 +135,7 @@ class EngineConfig:
             default = default or torch.bfloat16
             default = DTYPES[default] if isinstance(default, str) else default
             self.dtype = torch.float32 if self.device == "cpu" else default
-        check_model_config(hf_config, self.max_model_len)
-        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-        if self.kernels == "triton" and not supported_head_dim(head_dim):
-            raise ValueError(f"head_dim={head_dim} is invalid for kernels='triton': the attention kernels take a "
-                             f"power of two >= 16 (kernels='reference' runs any)")
+        check_model_config(hf_config, self.max_model_len, self.kernels)
         for name in ("num_attention_heads", "num_key_value_heads"):
             heads = getattr(hf_config, name)
             if heads % self.tensor_parallel_size:

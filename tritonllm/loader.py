@@ -96,7 +96,8 @@ def load_weights(model: nn.Module, path: str | Path) -> None:
                 if shard_id not in parts:
                     raise ValueError(f"checkpoint tensor {name!r} matches no part of {target} ({len(parts)} parts, "
                                      f"e.g. {list(parts[:3])})")
-                stored = f.get_slice(name).get_dtype()
+                tensor = f.get_slice(name)
+                stored = tensor.get_dtype()
                 if stored not in FLOAT_DTYPES:
                     # An integer or fp8 tensor is a quantized weight: cast, it would load as garbage.
                     raise ValueError(f"checkpoint tensor {name!r} is {stored}; weights load from "
@@ -106,9 +107,9 @@ def load_weights(model: nn.Module, path: str | Path) -> None:
                     param = stored_head = torch.zeros_like(param)
                 try:
                     if loader is None:
-                        copy_weight(param, f.get_slice(name))
+                        copy_weight(param, tensor)
                     else:
-                        loader(param, f.get_slice(name), shard_id)
+                        loader(param, tensor, shard_id)
                 except ValueError as error:
                     raise ValueError(f"checkpoint tensor {name!r}: {error}") from None
                 loaded.add((target, shard_id))

@@ -78,8 +78,8 @@ def test_stream_yields_what_generate_returns(tiny_qwen3, expected):
     assert [tokens[i] for i in range(len(PROMPTS))] == expected[1] and sorted(finals) == list(range(len(PROMPTS)))
     assert [texts[i] for i in finals] == [finals[i].text for i in finals]
     # The whole decode, less a character the last token left incomplete (vLLM's detokenizer never shows one).
-    assert [texts[i] for i in range(len(PROMPTS))] == [llm.tokenizer.decode(t, skip_special_tokens=True).rstrip("\ufffd")
-                                                       for t in expected[1]]
+    assert [texts[i] for i in range(len(PROMPTS))] == [
+        llm.tokenizer.decode(t, skip_special_tokens=True).rstrip("\ufffd") for t in expected[1]]
 
 
 def test_sampling_params_per_request_and_seeds(tiny_qwen3):

@@ -37,8 +37,9 @@ class IncrementalText:
 
     Each update decodes only the tokens since the last clean cut (a full decode each step would
     cost the whole length per token); a piece ending in a partial UTF-8 character waits for the
-    next token, and is left out if none completes it (as vLLM leaves it). A stop string counts where it ends in text of tokens past the first `min_tokens`
-    (earlier text is never checked, as in vLLM).
+    next token, and is left out if none completes it (as vLLM leaves it). A stop string counts
+    where it ends in text of tokens past the first `min_tokens` (earlier text is never checked, as
+    in vLLM).
     """
 
     def __init__(self, tokenizer, stop: list[str], min_tokens: int):

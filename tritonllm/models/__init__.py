@@ -1,5 +1,6 @@
 """Model classes by an HF config's `model_type`, and the checks of what the models implement."""
-from tritonllm.models.qwen3 import Qwen3ForCausalLM
+from tritonllm.kernels.paged import supported_head_dim
+from tritonllm.models.qwen3 import Qwen3ForCausalLM, head_dim_of
 from tritonllm.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODELS = {"qwen3": Qwen3ForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM}
@@ -32,9 +33,14 @@ def sliding_layers(config) -> list[int]:
     return [i for i in layers if (types[i] == "sliding_attention" if types else i >= config.max_window_layers)]
 
 
-def check_model_config(config, max_model_len: int) -> None:
-    """What a config asks for and these models do not implement is a ValueError naming the field."""
+def check_model_config(config, max_model_len: int, kernels: str) -> None:
+    """What a config asks for and these models (or the `kernels` backend) do not implement is a
+    ValueError naming the field."""
     model_class(config)
+    head_dim = head_dim_of(config)
+    if kernels == "triton" and not supported_head_dim(head_dim):
+        raise ValueError(f"head_dim={head_dim} is invalid for kernels='triton': the attention kernels take a "
+                         f"power of two >= 16 (kernels='reference' runs any)")
     activation = getattr(config, "hidden_act", "silu")
     if activation not in ("silu", "swish"):
         raise ValueError(f"hidden_act={activation!r} is not supported: the MLP is SiLU-and-mul ('silu')")

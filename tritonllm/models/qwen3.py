@@ -13,10 +13,15 @@ from tritonllm.layers.norm import RMSNorm
 from tritonllm.layers.rotary import RotaryEmbedding
 
 
+def head_dim_of(config) -> int:
+    """The config's head_dim, or hidden_size / num_attention_heads where it has none (as HF takes it)."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 class Qwen3Attention(nn.Module):
     def __init__(self, config, rotary: RotaryEmbedding, ops: ModuleType):
         super().__init__()
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        head_dim = head_dim_of(config)
         bias = getattr(config, "attention_bias", False)  # HF's Qwen3 gives q, k, v and o the same bias flag
         self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
                                           config.num_key_value_heads, bias=bias, ops=ops)
@@ -60,8 +65,7 @@ class Qwen3DecoderLayer(nn.Module):
 class Qwen3Model(nn.Module):
     def __init__(self, config, ops: ModuleType, make_mlp):
         super().__init__()
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        rotary = RotaryEmbedding(config, head_dim)
+        rotary = RotaryEmbedding(config, head_dim_of(config))
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Qwen3DecoderLayer(config, rotary, ops, make_mlp(i))
                                     for i in range(config.num_hidden_layers))
