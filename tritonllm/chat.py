@@ -1,6 +1,11 @@
 """Conversations as prompt text through the model's chat template, with vLLM's chat options."""
 
 
+def has_chat_template(tokenizer, chat_template: str | None = None) -> bool:
+    """Whether messages can be rendered: a tokenizer, and a template given or its own."""
+    return tokenizer is not None and bool(chat_template or getattr(tokenizer, "chat_template", None))
+
+
 def chat_prompt(tokenizer, messages: list[dict], *, add_generation_prompt: bool = True,
                 continue_final_message: bool = False, chat_template: str | None = None,
                 chat_template_kwargs: dict | None = None) -> str:
@@ -17,7 +22,7 @@ def chat_prompt(tokenizer, messages: list[dict], *, add_generation_prompt: bool 
         raise TypeError(f"chat_template must be a string (Jinja), got {type(chat_template).__name__}")
     if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
         raise TypeError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
-    if tokenizer is None or not (chat_template or getattr(tokenizer, "chat_template", None)):
+    if not has_chat_template(tokenizer, chat_template):
         raise ValueError("this model's tokenizer has no chat template: give chat_template")
     options = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
                **(chat_template_kwargs or {})}

@@ -16,7 +16,9 @@ class SamplingParams:
     before min_tokens (EOS and the stop tokens are not drawn, their logits masked; a stop string
     counts past their text). seed makes the request's draws reproducible whatever else runs beside
     it. logprobs returns each chosen token's log-probability under the model's raw distribution; as
-    an int k (vLLM's form) it also sets top_logprobs = k, the k most likely tokens a step.
+    an int k (vLLM's form) it also sets top_logprobs = k, the k most likely tokens a step. The text
+    leaves out special tokens unless skip_special_tokens is false, and the stop string, or the EOS or
+    stop token's text, that ended it unless include_stop_str_in_output (vLLM's two flags).
     """
 
     temperature: float = 1.0
@@ -35,6 +37,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     top_logprobs: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self):
         self.validate()
@@ -67,6 +71,8 @@ class SamplingParams:
         field("presence_penalty", float, lambda p: -2 <= p <= 2, "in [-2, 2] (0 = off)")
         field("frequency_penalty", float, lambda p: -2 <= p <= 2, "in [-2, 2] (0 = off)")
         field("repetition_penalty", float, lambda p: p > 0, "> 0 (1 = off)")
+        field("skip_special_tokens", bool)
+        field("include_stop_str_in_output", bool)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = check_list("SamplingParams.stop", self.stop, str, bool, "a non-empty string")

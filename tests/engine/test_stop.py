@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from tritonllm import LLM, SamplingParams
+from tritonllm import BUNDLED_MODEL, LLM, SamplingParams
 from tritonllm.engine.output import IncrementalText
 
 PROMPT = "the quick brown"
@@ -35,9 +35,10 @@ def streamed(llm, params):
     return deltas, tokens, final
 
 
-def check_stop(llm, full, stop, min_tokens=0):
+def check_stop(llm, full, stop, min_tokens=0, include=False):
     tokens, text, ends = full
-    params = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True, stop=stop, min_tokens=min_tokens)
+    params = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True, stop=stop, min_tokens=min_tokens,
+                            include_stop_str_in_output=include)
     # Stop strings count where they end past the text of the first min_tokens tokens.
     start = ends[min_tokens - 1] if min_tokens else 0
     hits = [i for s in stop for i in [text.find(s, max(0, start - len(s) + 1))] if i >= 0]
@@ -50,8 +51,8 @@ def check_stop(llm, full, stop, min_tokens=0):
         assert final.text == text and final.finish_reason == "length" and got_tokens == tokens
         assert final.stop_reason is None
     else:
-        assert final.text == text[:cut] and final.finish_reason == "stop"
         assert final.stop_reason in stop and text.find(final.stop_reason, cut) == cut  # vLLM's stop_reason
+        assert final.text == text[:cut + (len(final.stop_reason) if include else 0)] and final.finish_reason == "stop"
         last = next(i for i, end in enumerate(ends) if end >= cut + min(len(s) for s in stop if text.find(s, cut) == cut))
         assert got_tokens == tokens[:max(last + 1, min_tokens)]  # through the token that completed the stop
     generated = llm.generate([PROMPT], params, use_tqdm=False)[0]
@@ -75,6 +76,14 @@ def test_stops_sharing_a_prefix_and_one_never_seen(llm, full):
     text = full[1]
     check_stop(llm, full, [text[8:12], text[8:10], "\x00never"])
     check_stop(llm, full, ["\x00never"])
+
+
+@pytest.mark.parametrize("length", [1, 3])
+def test_stop_string_kept_with_include_stop_str_in_output(llm, full, length):
+    tokens, text, ends = full
+    boundary = ends[clean_boundaries(text, ends)[1]]
+    check_stop(llm, full, [text[boundary - 1:boundary - 1 + length], "\x00never"], include=True)
+    check_stop(llm, full, [text[8:12], text[8:10]], include=True)  # the first to end is kept whole
 
 
 def clean_boundaries(text, ends):
@@ -103,6 +112,10 @@ def test_eos_or_stop_token_as_the_last_allowed_token_is_a_stop(llm, full):
         assert out.text == before and out.stop_reason == tokens[k]
     deltas, _, _ = streamed(llm, last)
     assert "".join(deltas) == before
+    kept = dataclasses.replace(last, include_stop_str_in_output=True)  # vLLM's flag keeps the stop token's text
+    for out in (llm.generate([PROMPT], kept, use_tqdm=False)[0], streamed(llm, kept)[2]):
+        assert out.text == llm.tokenizer.decode(tokens[:k + 1], skip_special_tokens=True).rstrip("\ufffd")
+    assert "".join(streamed(llm, kept)[0]) == out.text
     saved, llm.eos_ids = llm.eos_ids, {tokens[k]}
     try:
         out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=k + 1), use_tqdm=False)[0]
@@ -142,12 +155,15 @@ def test_an_abort_hands_out_the_text_a_stop_string_held_back(llm, full, abort_af
 
 
 class CharTokenizer:
-    """One character per token; ids -1, -2 are the two bytes of "\u00e9" (a lone -1 decodes to U+FFFD)."""
+    """One character per token; ids -1, -2 are the two bytes of "\u00e9" (a lone -1 decodes to U+FFFD);
+    id 0 is a special token, "<0>"."""
 
     def decode(self, ids, skip_special_tokens=True):
         chars = []
         for i in ids:
-            if i == -2 and chars and chars[-1] == "\ufffd":
+            if i == 0:
+                chars += [] if skip_special_tokens else ["<0>"]
+            elif i == -2 and chars and chars[-1] == "\ufffd":
                 chars[-1] = "\u00e9"
             else:
                 chars.append("\ufffd" if i < 0 else chr(i))
@@ -164,3 +180,32 @@ def test_incremental_text_holds_back_a_possible_stop_and_partial_characters():
     # "g" could start "gd", "x" and "xy" "xyz"; the lone first byte waits; "\u00e9" could start "\u00e9!", which then stops.
     assert shown == ["e", "", "g", "", "xy", "", "g", ""]
     assert found == "\u00e9!" and text.text == "egxyg" == "".join(shown)
+
+
+def test_incremental_text_keeps_the_stop_string_and_special_tokens_when_asked():
+    ids, shown = [], []
+    text = IncrementalText(CharTokenizer(), ["gd"], 0, include_stop=True, skip_special_tokens=False)
+    for token in [ord("e"), 0, ord("g"), ord("d"), ord("x")]:
+        ids.append(token)
+        found = text.update(ids)
+        shown.append(text.delta(found is not None))
+        if found:
+            break
+    # Nothing is held back when the stop string stays in the text; the special token shows.
+    assert shown == ["e", "<0>", "g", "d"] and found == "gd" and text.text == "e<0>gd"
+    plain = IncrementalText(CharTokenizer(), [], 0)
+    plain.update([ord("e"), 0, ord("g")], final=True)
+    assert plain.text == "eg"
+
+
+def test_special_tokens_and_the_eos_text_as_asked():
+    """The bundled model ends an answer with its EOS, <|im_end|>, a special token: vLLM shows its text
+    only with skip_special_tokens=False and include_stop_str_in_output=True."""
+    with LLM(str(BUNDLED_MODEL), max_num_seqs=2, num_kv_blocks=16) as llm:
+        for skip, include, want in [(True, False, "dcba"), (False, False, "dcba"), (True, True, "dcba"),
+                                    (False, True, "dcba<|im_end|>")]:
+            params = SamplingParams(temperature=0, max_tokens=8, skip_special_tokens=skip, include_stop_str_in_output=include)
+            out = llm.generate(["rev abcd="], params, use_tqdm=False)[0]
+            deltas = [event.text_delta for event in llm.stream(["rev abcd="], params)]
+            assert out.token_ids[-1] in llm.eos_ids and out.finish_reason == "stop" and out.stop_reason is None
+            assert out.text == "".join(deltas) == want

@@ -107,6 +107,14 @@ def test_stop_strings_and_tokens(client, llm):
     assert (response.choices[0].text, token_ids(response.choices[0])) == (out.text, out.token_ids)
     assert token_ids(response.choices[0])[-1] == 14 and response.choices[0].finish_reason == "stop"
     assert response.choices[0].text == "dc" and response.choices[0].model_extra["stop_reason"] == 14  # b not in text
+    # vLLM's flags: the stop string or token kept in the text; the EOS's text shown too without skipping specials.
+    kept = {"include_stop_str_in_output": True}
+    assert client.completions.create(**request, stop="cb", extra_body=kept).choices[0].text == "dcb"
+    assert "".join(c.choices[0].text for c in client.completions.create(**request, stop="cb", stream=True,
+                                                                          extra_body=kept)) == "dcb"
+    assert client.completions.create(**request, extra_body={"stop_token_ids": [14], **kept}).choices[0].text == "dcb"
+    both = client.completions.create(**request, extra_body={"skip_special_tokens": False, **kept})
+    assert both.choices[0].text == "dcba<|im_end|>" and both.choices[0].finish_reason == "stop"
 
 
 # Renders the messages' contents one after another, and "=" for a generation prompt: the bundled
@@ -202,7 +210,8 @@ def error_of(call) -> openai.APIStatusError:
     ({"logprobs": 21}, "logprobs"), ({"stop": 5}, "stop"), ({"seed": "x"}, "seed"), ({"echo": True}, "echo"),
     ({"max_tokens": 100}, "max_tokens"), ({"prompt": "hello?"}, "prompt"), ({"prompt": []}, "prompt"),
     ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"), ({"presence_penalty": 3}, "presence_penalty"),
-    ({"stream": True, "temperature": -1}, "temperature")])
+    ({"stream": True, "temperature": -1}, "temperature"),
+    ({"extra_body": {"include_stop_str_in_output": 1}}, "include_stop_str_in_output")])
 def test_bad_completion_fields_are_400_naming_the_field(client, fields, param):
     request = {"model": MODEL, "prompt": "1+1=", "max_tokens": 2, **fields}
     error = error_of(lambda: client.completions.create(**request))

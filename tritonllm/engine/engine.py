@@ -322,8 +322,9 @@ class LLMEngine:
         reason = "stop" if by_token else None
         if by_token and token in params.stop_token_ids:
             seq.stop_reason = token
+        sample.stopped_by_token = by_token
         last = by_token or num_completion >= params.max_tokens
-        matched = sample.text.update(text_token_ids(seq, by_token), final=last) if sample.text is not None else None
+        matched = sample.text.update(text_token_ids(sample), final=last) if sample.text is not None else None
         if matched is not None:
             reason, seq.stop_reason = "stop", matched
         if reason is None and last:

@@ -39,11 +39,13 @@ class IncrementalText:
     cost the whole length per token); a piece ending in a partial UTF-8 character waits for the
     next token, and is left out if none completes it (as vLLM leaves it). A stop string counts
     where it ends in text of tokens past the first `min_tokens` (earlier text is never checked, as
-    in vLLM).
+    in vLLM); `include_stop` keeps the stop string at the end of the text instead of cutting it.
     """
 
-    def __init__(self, tokenizer, stop: list[str], min_tokens: int):
+    def __init__(self, tokenizer, stop: list[str], min_tokens: int, include_stop: bool = False,
+                 skip_special_tokens: bool = True):
         self.tokenizer, self.stop = tokenizer, stop
+        self.include_stop, self.skip_special_tokens = include_stop, skip_special_tokens
         self.text = ""
         self.prefix = self.read = 0  # ids[prefix:read] decode to the tail of `text`
         self.min_tokens = min_tokens
@@ -52,11 +54,11 @@ class IncrementalText:
         self.emitted = 0  # characters handed out as deltas
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def update(self, ids: list[int], final: bool = False) -> str | None:
         """Decode the completion `ids` past what is decoded already (all of it when final). Returns
-        the stop string found, if any; the text is then cut before it."""
+        the stop string found, if any; the text is then cut before it (after it with include_stop)."""
         before = self._decode(ids[self.prefix:self.read])
         after = self._decode(ids[self.prefix:])
         if final:
@@ -75,7 +77,7 @@ class IncrementalText:
                 cut, matched = i, stop
         self.searched = len(self.text)
         if cut >= 0:
-            self.text = self.text[:cut]
+            self.text = self.text[:cut + len(matched) if self.include_stop else cut]
         return matched
 
     def delta(self, finished: bool) -> str:
@@ -89,7 +91,10 @@ class IncrementalText:
         return piece
 
     def _held(self) -> int:
-        """The length of the longest tail of the text that begins some stop string."""
+        """The length of the longest tail of the text that begins some stop string (none is held
+        when the stop string stays in the text)."""
+        if self.include_stop:
+            return 0
         for k in range(min(len(self.text), max(map(len, self.stop), default=1) - 1), 0, -1):
             tail = self.text[-k:]
             if any(stop.startswith(tail) for stop in self.stop):

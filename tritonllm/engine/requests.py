@@ -15,6 +15,7 @@ class Sample:
     index: int  # among the request's n samples
     text: IncrementalText | None  # decoded as tokens arrive (streamed, or checked for stop strings)
     num_emitted: int = 0  # completion tokens reported so far
+    stopped_by_token: bool = False  # ended by EOS or a stop token (set by the engine where it finishes)
 
 
 @dataclass
@@ -45,16 +46,17 @@ def make_request(seq: Sequence, stream: bool, tokenizer) -> Request:
     params = seq.params
     seqs = [seq] + [Sequence(seq.token_ids, sample_params(params, i), seq.block_size) for i in range(1, params.n)]
     with_text = tokenizer is not None and (stream or params.stop)
-    samples = [Sample(s, i, IncrementalText(tokenizer, params.stop, params.min_tokens) if with_text else None)
+    samples = [Sample(s, i, IncrementalText(tokenizer, params.stop, params.min_tokens, params.include_stop_str_in_output,
+                                            params.skip_special_tokens) if with_text else None)
                for i, s in enumerate(seqs)]
     return Request(seq.seq_id, samples, stream)
 
 
-def text_token_ids(seq: Sequence, stopped_by_token: bool) -> list[int]:
+def text_token_ids(sample: Sample) -> list[int]:
     """The completion tokens its text is decoded from: as vLLM, the EOS or stop token that ended it
-    stays in token_ids but not in the text."""
-    ids = seq.completion_token_ids
-    return ids[:-1] if stopped_by_token else ids
+    stays in token_ids but not in the text, unless include_stop_str_in_output."""
+    ids = sample.seq.completion_token_ids
+    return ids[:-1] if sample.stopped_by_token and not sample.seq.params.include_stop_str_in_output else ids
 
 
 def final_output(sample: Sample, tokenizer) -> GenerationOutput:
@@ -62,8 +64,7 @@ def final_output(sample: Sample, tokenizer) -> GenerationOutput:
     if sample.text is not None:
         text = sample.text.text
     elif tokenizer is not None:
-        by_token = seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str)
-        text = tokenizer.decode(text_token_ids(seq, by_token), skip_special_tokens=True).rstrip("\ufffd")
+        text = tokenizer.decode(text_token_ids(sample), skip_special_tokens=params.skip_special_tokens).rstrip("\ufffd")
     else:
         text = None
     return GenerationOutput(seq.token_ids[:seq.num_prompt_tokens], seq.completion_token_ids, text, seq.finish_reason,

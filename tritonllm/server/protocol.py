@@ -7,7 +7,7 @@ implement (echo, logit_bias, tools, ...) is an error unless it holds its neutral
 import re
 from dataclasses import dataclass
 
-from tritonllm.chat import chat_prompt
+from tritonllm.chat import chat_prompt, has_chat_template
 from tritonllm.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 
 
@@ -18,8 +18,7 @@ NEUTRAL = {
     "function_call": (None, "none", "auto"), "response_format": (None, {"type": "text"}),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,),
     # vLLM's extras
-    "use_beam_search": (None, False), "prompt_logprobs": (None, 0), "include_stop_str_in_output": (None, False),
-    "skip_special_tokens": (None, True), "allowed_token_ids": (None,), "bad_words": (None, []),
+    "use_beam_search": (None, False), "prompt_logprobs": (None, 0), "allowed_token_ids": (None,), "bad_words": (None, []),
     "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
     "structured_outputs": (None,), "truncate_prompt_tokens": (None,),
 }
@@ -121,7 +120,8 @@ def sampling_params(body: dict, default_max_tokens: int | None, top_logprobs: in
     max_name = names["max_tokens"]
     fields = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "min_tokens": 0, "n": 1,
               "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
-              "seed": None, "ignore_eos": False, "stop_token_ids": None}
+              "seed": None, "ignore_eos": False, "stop_token_ids": None, "skip_special_tokens": True,
+              "include_stop_str_in_output": False}
     kwargs = {name: default if body.get(name) is None else body[name] for name, default in fields.items()}
     # Without one: completions 16 (OpenAI's default), chat None (the engine fills the room the prompt leaves).
     kwargs["max_tokens"] = default_max_tokens if body.get(max_name) is None else body[max_name]
@@ -173,7 +173,7 @@ def parse_chat(body: dict, tokenizer) -> GenerateRequest:
     """A chat request; `tokenizer` renders its messages through the model's chat template."""
     _check_unsupported(body)
     template = _typed(body, "chat_template", str)
-    if tokenizer is None or not (template or getattr(tokenizer, "chat_template", None)):
+    if not has_chat_template(tokenizer, template):
         raise bad("this model has no chat template: use /v1/completions or give chat_template", "messages")
     messages = _messages(body)
     options = {name: _typed(body, name, bool, default)
