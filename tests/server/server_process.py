@@ -35,7 +35,8 @@ class ServerProcess:
             time.sleep(0.5)
 
     def log_text(self) -> str:
-        self.log.flush()
+        if not self.log.closed:  # stop() closes it: the text is still there
+            self.log.flush()
         return open(self.log_path).read()
 
     def request(self, method: str, path: str, body: bytes | dict | None = None, timeout: float = 120) -> tuple[int, dict | str]:
