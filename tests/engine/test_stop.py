@@ -121,6 +121,10 @@ def test_eos_or_stop_token_as_the_last_allowed_token_is_a_stop(llm, full):
         out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=k + 1), use_tqdm=False)[0]
         within_min = SamplingParams(temperature=0, max_tokens=k + 1, min_tokens=k + 1)
         eos_within_min = llm.generate([PROMPT], within_min, use_tqdm=False)[0]
+        # vLLM masks EOS within min_tokens with ignore_eos too; past them EOS is drawn and does not stop.
+        ignored_within_min = llm.generate([PROMPT], dataclasses.replace(within_min, ignore_eos=True), use_tqdm=False)[0]
+        ignored = llm.generate([PROMPT], dataclasses.replace(last, stop_token_ids=[], max_tokens=k + 2, ignore_eos=True),
+                               use_tqdm=False)[0]
     finally:
         llm.eos_ids = saved
     assert out.token_ids == tokens[:k + 1] and out.finish_reason == "stop"
@@ -128,6 +132,8 @@ def test_eos_or_stop_token_as_the_last_allowed_token_is_a_stop(llm, full):
     # Within min_tokens EOS is not drawn (vLLM's rule): the greedy choice there is the next best token.
     assert eos_within_min.finish_reason == "length" and eos_within_min.token_ids[:k] == tokens[:k]
     assert eos_within_min.token_ids[k] != tokens[k]
+    assert ignored_within_min.token_ids == eos_within_min.token_ids
+    assert ignored.token_ids[:k + 1] == tokens[:k + 1] and ignored.finish_reason == "length"
     stop_within_min = llm.generate([PROMPT], dataclasses.replace(within_min, stop_token_ids=[tokens[k]], ignore_eos=True),
                                    use_tqdm=False)[0]
     assert stop_within_min.token_ids == eos_within_min.token_ids

@@ -280,10 +280,10 @@ class LLMEngine:
 
     def _bans(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
         """The (row, token) pairs a step may not draw: a row short of its min_tokens draws neither EOS
-        (unless ignore_eos) nor its stop tokens, whose logits are masked (vLLM's min_tokens)."""
+        (even with ignore_eos) nor its stop tokens, whose logits are masked (vLLM's min_tokens)."""
         return [(row, token) for row, seq in enumerate(seqs)
                 if seq.params.min_tokens and seq.num_completion_tokens < seq.params.min_tokens
-                for token in seq.params.stop_token_ids + ([] if seq.params.ignore_eos else sorted(self.eos_ids))]
+                for token in seq.params.stop_token_ids + sorted(self.eos_ids)]
 
     def _check_open(self) -> None:
         if not self._finalizer.alive:  # its workers and process group are gone
