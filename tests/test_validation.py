@@ -24,7 +24,10 @@ from tritonllm.validation import check
     ("logprobs", "yes", TypeError), ("logprobs", 21, ValueError), ("logprobs", -1, ValueError),
     ("ignore_eos", "no", TypeError), ("top_k", -2, ValueError),
     ("seed", 1.5, TypeError), ("seed", "7", TypeError), ("temperature", 10**400, ValueError),
-    ("presence_penalty", -10**400, ValueError),
+    ("presence_penalty", -10**400, ValueError), ("skip_special_tokens", 0, TypeError),
+    ("include_stop_str_in_output", "yes", TypeError), ("logit_bias", [(5, 1.0)], TypeError),
+    ("logit_bias", {5: 101}, ValueError), ("logit_bias", {5: math.nan}, ValueError), ("logit_bias", {5: True}, TypeError),
+    ("logit_bias", {-1: 1.0}, ValueError), ("logit_bias", {"5": 1.0}, TypeError), ("logit_bias", {1.5: 1.0}, TypeError),
 ])
 def test_bad_sampling_params_name_the_field(field, value, error):
     with pytest.raises(error, match=rf"SamplingParams\.{field}\b"):
@@ -52,6 +55,9 @@ def test_validate_normalizes_and_is_idempotent():
     p.validate()
     assert dataclasses.asdict(p) == before
     assert SamplingParams(stop_token_ids=np.array([1, 2]), seed=2**100).stop_token_ids == [1, 2]
+    bias = SamplingParams(logit_bias={np.int64(3): 2, 4: np.float32(-0.5)}).logit_bias
+    assert bias == {3: 2.0, 4: -0.5} and all(type(t) is int and type(b) is float for t, b in bias.items())
+    assert SamplingParams(logit_bias={}).logit_bias is None
     p.stop, p.max_tokens = "end", 3  # fields changed after construction: the engine validates again
     p.validate()
     assert p.stop == ["end"]

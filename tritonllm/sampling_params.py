@@ -19,6 +19,8 @@ class SamplingParams:
     an int k (vLLM's form) it also sets top_logprobs = k, the k most likely tokens a step. The text
     leaves out special tokens unless skip_special_tokens is false, and the stop string, or the EOS or
     stop token's text, that ended it unless include_stop_str_in_output (vLLM's two flags).
+    logit_bias (OpenAI's) adds a bias in [-100, 100] to a token id's logit before the penalties and
+    every filter (logprobs stay those of the raw distribution).
     """
 
     temperature: float = 1.0
@@ -39,6 +41,7 @@ class SamplingParams:
     top_logprobs: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self):
         self.validate()
@@ -73,6 +76,7 @@ class SamplingParams:
         field("repetition_penalty", float, lambda p: p > 0, "> 0 (1 = off)")
         field("skip_special_tokens", bool)
         field("include_stop_str_in_output", bool)
+        self.logit_bias = _checked_bias(self.logit_bias)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = check_list("SamplingParams.stop", self.stop, str, bool, "a non-empty string")
@@ -87,3 +91,15 @@ class SamplingParams:
     def wants_logprobs(self) -> bool:
         """Whether the chosen tokens' logprobs are returned (logprobs, or top_logprobs > 0)."""
         return self.logprobs or self.top_logprobs > 0
+
+
+def _checked_bias(bias) -> dict[int, float] | None:
+    """logit_bias as {token id: float bias} (None when empty); token ids checked against the
+    vocabulary when the request is added."""
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise TypeError(f"SamplingParams.logit_bias must be a dict of token id -> bias, got {type(bias).__name__}")
+    return {check("SamplingParams.logit_bias (a token id)", token, int, lambda t: t >= 0, ">= 0"):
+            check(f"SamplingParams.logit_bias[{token!r}]", value, float, lambda b: -100 <= b <= 100, "in [-100, 100]")
+            for token, value in bias.items()} or None

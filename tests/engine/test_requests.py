@@ -129,3 +129,22 @@ def test_sampling_params_per_prompt_are_checked(llm):
     two = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     assert [len(o.token_ids) for o in llm.generate([[5], [6]], [GREEDY, two], use_tqdm=False)] == [4, 2]
     assert not llm.has_unfinished()
+
+
+def test_logit_bias_moves_the_choice_and_leaves_logprobs_raw(llm):
+    """OpenAI's logit_bias: added to the logits before sampling; the logprobs stay the model's."""
+    asked = dict(temperature=0, max_tokens=3, ignore_eos=True, logprobs=2)
+    plain = llm.generate([[5, 6, 7]], SamplingParams(**asked), use_tqdm=False)[0]
+    top = plain.top_logprobs[0]
+    first, second = sorted(top, key=top.get, reverse=True)
+    gap = top[first] - top[second]  # the logits' gap
+    for bias, chosen in (({first: -100}, second), ({second: gap + 0.05}, second), ({second: gap - 0.05}, first)):
+        out = llm.generate([[5, 6, 7]], SamplingParams(**asked, logit_bias=bias), use_tqdm=False)[0]
+        assert out.token_ids[0] == chosen and out.logprobs[0] == pytest.approx(top[chosen], abs=1e-5)
+        assert out.top_logprobs[0] == pytest.approx(top, abs=1e-5)
+    forced = SamplingParams(temperature=1.0, seed=1, max_tokens=4, ignore_eos=True, logit_bias={9: 100})
+    assert llm.generate([[5, 6, 7]], forced, use_tqdm=False)[0].token_ids == [9] * 4
+    vocab = llm.hf_config.vocab_size
+    with pytest.raises(ValueError, match=rf"logit_bias has token id {vocab}: must be in \[0, {vocab}\)"):
+        llm.generate([[5]], SamplingParams(logit_bias={vocab: 1.0}), use_tqdm=False)
+    assert not llm.has_unfinished()

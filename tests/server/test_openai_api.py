@@ -107,6 +107,10 @@ def test_stop_strings_and_tokens(client, llm):
     assert (response.choices[0].text, token_ids(response.choices[0])) == (out.text, out.token_ids)
     assert token_ids(response.choices[0])[-1] == 14 and response.choices[0].finish_reason == "stop"
     assert response.choices[0].text == "dc" and response.choices[0].model_extra["stop_reason"] == 14  # b not in text
+    # OpenAI's logit_bias: b (id 14) never drawn; then forced.
+    assert client.completions.create(**request, logit_bias={"14": -100}).choices[0].text.startswith("dc")
+    assert "b" not in client.completions.create(**request, logit_bias={"14": -100}).choices[0].text
+    assert client.completions.create(**{**request, "max_tokens": 3}, logit_bias={"14": 100}).choices[0].text == "bbb"
     # vLLM's flags: the stop string or token kept in the text; the EOS's text shown too without skipping specials.
     kept = {"include_stop_str_in_output": True}
     assert client.completions.create(**request, stop="cb", extra_body=kept).choices[0].text == "dcb"
@@ -211,7 +215,9 @@ def error_of(call) -> openai.APIStatusError:
     ({"max_tokens": 100}, "max_tokens"), ({"prompt": "hello?"}, "prompt"), ({"prompt": []}, "prompt"),
     ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"), ({"presence_penalty": 3}, "presence_penalty"),
     ({"stream": True, "temperature": -1}, "temperature"),
-    ({"extra_body": {"include_stop_str_in_output": 1}}, "include_stop_str_in_output")])
+    ({"extra_body": {"include_stop_str_in_output": 1}}, "include_stop_str_in_output"),
+    ({"logit_bias": {"b": 1}}, "logit_bias"), ({"logit_bias": {"14": 101}}, "logit_bias"),
+    ({"logit_bias": {"999999": 1}}, "logit_bias")])
 def test_bad_completion_fields_are_400_naming_the_field(client, fields, param):
     request = {"model": MODEL, "prompt": "1+1=", "max_tokens": 2, **fields}
     error = error_of(lambda: client.completions.create(**request))

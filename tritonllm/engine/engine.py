@@ -151,6 +151,9 @@ class LLMEngine:
         params = dataclasses.replace(params)
         if params.stop and self.tokenizer is None:
             raise ValueError("SamplingParams.stop needs a tokenizer, and this model has none: use stop_token_ids")
+        vocab = self.hf_config.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(f"SamplingParams.logit_bias has token id {max(params.logit_bias)}: must be in [0, {vocab})")
         token_ids = self.encode(prompt)
         num_blocks, block_size = len(self.block_manager.blocks), self.config.kv_block_size
         if params.max_tokens is None:  # as many as fit: the model's length, and the K/V of all but the last token

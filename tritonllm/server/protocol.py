@@ -13,7 +13,7 @@ from tritonllm.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 
 # Field -> the values that leave the output as it is (anything else is refused by name).
 NEUTRAL = {
-    "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1), "logit_bias": (None, {}),
+    "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1),
     "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
     "function_call": (None, "none", "auto"), "response_format": (None, {"type": "text"}),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,),
@@ -94,6 +94,17 @@ def _stop(body: dict):
     return stop
 
 
+def _logit_bias(body: dict) -> dict[int, float] | None:
+    """OpenAI's logit_bias: token ids as JSON object keys (strings) -> numbers; ranges are SamplingParams'."""
+    bias = _typed(body, "logit_bias", dict)
+    if bias is None:
+        return None
+    bad_keys = [key for key in bias if not (key.isascii() and key.isdigit())]
+    if bad_keys:
+        raise bad(f"logit_bias keys must be token ids, got {bad_keys[0]!r:.40}", "logit_bias")
+    return {int(key): value for key, value in bias.items()}
+
+
 def field_names(body: dict) -> dict[str, str]:
     """The body's names of the engine's fields where they differ: the prompt of a chat is its
     messages, max_tokens may come as max_completion_tokens, a completion's top_logprobs is logprobs."""
@@ -126,6 +137,7 @@ def sampling_params(body: dict, default_max_tokens: int | None, top_logprobs: in
     # Without one: completions 16 (OpenAI's default), chat None (the engine fills the room the prompt leaves).
     kwargs["max_tokens"] = default_max_tokens if body.get(max_name) is None else body[max_name]
     kwargs["stop"] = _stop(body)
+    kwargs["logit_bias"] = _logit_bias(body)
     kwargs["logprobs"] = top_logprobs is not None
     kwargs["top_logprobs"] = top_logprobs or 0
     try:
