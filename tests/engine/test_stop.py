@@ -1,6 +1,8 @@
 """How requests finish, on text: stop strings cut from the text (never shown by a stream first),
 min_tokens, EOS and stop tokens on the last allowed token."""
 import dataclasses
+import json
+import shutil
 
 import pytest
 
@@ -116,8 +118,11 @@ def test_eos_or_stop_token_as_the_last_allowed_token_is_a_stop(llm, full):
     for out in (llm.generate([PROMPT], kept, use_tqdm=False)[0], streamed(llm, kept)[2]):
         assert out.text == llm.tokenizer.decode(tokens[:k + 1], skip_special_tokens=True).rstrip("\ufffd")
     assert "".join(streamed(llm, kept)[0]) == out.text
-    saved, llm.eos_ids = llm.eos_ids, {tokens[k]}
+    saved = llm.eos_id, llm.eos_ids
     try:
+        llm.eos_ids = {llm.eos_id, tokens[k]}  # an extra EOS id (generation_config's): vLLM names it in stop_reason
+        extra = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=k + 1), use_tqdm=False)[0]
+        llm.eos_id, llm.eos_ids = tokens[k], {tokens[k]}
         out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=k + 1), use_tqdm=False)[0]
         within_min = SamplingParams(temperature=0, max_tokens=k + 1, min_tokens=k + 1)
         eos_within_min = llm.generate([PROMPT], within_min, use_tqdm=False)[0]
@@ -126,7 +131,8 @@ def test_eos_or_stop_token_as_the_last_allowed_token_is_a_stop(llm, full):
         ignored = llm.generate([PROMPT], dataclasses.replace(last, stop_token_ids=[], max_tokens=k + 2, ignore_eos=True),
                                use_tqdm=False)[0]
     finally:
-        llm.eos_ids = saved
+        llm.eos_id, llm.eos_ids = saved
+    assert extra.token_ids == tokens[:k + 1] and extra.finish_reason == "stop" and extra.stop_reason == tokens[k]
     assert out.token_ids == tokens[:k + 1] and out.finish_reason == "stop"
     assert out.text == before and out.stop_reason is None  # EOS: no stop_reason, and no text either
     # Within min_tokens EOS is not drawn (vLLM's rule): the greedy choice there is the next best token.
@@ -202,6 +208,23 @@ def test_incremental_text_keeps_the_stop_string_and_special_tokens_when_asked():
     plain = IncrementalText(CharTokenizer(), [], 0)
     plain.update([ord("e"), 0, ord("g")], final=True)
     assert plain.text == "eg"
+
+
+def test_eos_ids_are_the_tokenizers_and_the_configs(tiny_qwen3, tmp_path):
+    """A fine-tune that changed only its tokenizer's EOS stops there too (vLLM's model EOS is the
+    tokenizer's); the config's and generation_config's stay stops."""
+    path = tmp_path / "model"
+    shutil.copytree(tiny_qwen3, path)
+    config = json.loads((path / "config.json").read_text())
+    tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "generation_config.json").unlink()
+    with LLM(str(tiny_qwen3), num_kv_blocks=8) as llm:
+        im_end, endoftext = (llm.tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>"))
+        assert (llm.eos_id, llm.eos_ids) == (im_end, {im_end, endoftext})
+        assert config["eos_token_id"] == im_end and tokenizer_config["eos_token"] == "<|im_end|>"
+    (path / "tokenizer_config.json").write_text(json.dumps({**tokenizer_config, "eos_token": "<|endoftext|>"}))
+    with LLM(str(path), num_kv_blocks=8) as llm:
+        assert (llm.eos_id, llm.eos_ids) == (endoftext, {endoftext, im_end})
 
 
 def test_special_tokens_and_the_eos_text_as_asked():

@@ -52,7 +52,7 @@ class LLMEngine:
         self.tokenizer = None
         if Path(config.model).is_dir() and any((Path(config.model) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
             self.tokenizer = AutoTokenizer.from_pretrained(config.model, trust_remote_code=False)
-        self.eos_ids = self._eos_ids()
+        self.eos_id, self.eos_ids = self._eos_ids()
         self._workers = []
         rank, init_method = int(os.environ.get("RANK", 0)), None
         try:
@@ -88,15 +88,19 @@ class LLMEngine:
         self._finalizer = weakref.finalize(self, shut_down, self.runner, self._workers,
                                            self.dp_rank == 0 and self.dp_size > 1)
 
-    def _eos_ids(self) -> set[int]:
-        ids = set()
-        sources = [self.hf_config]
+    def _eos_ids(self) -> tuple[int | None, set[int]]:
+        """The model's EOS id (the tokenizer's, else the config's first) and every id that ends a
+        completion as EOS: it and those of the config and generation_config (vLLM stops on the
+        tokenizer's and generation_config's; the others are stop tokens there, with their id as
+        stop_reason, and here too)."""
+        ids = []
+        sources = [self.tokenizer, self.hf_config]
         if Path(self.config.model, "generation_config.json").exists():
             sources.append(GenerationConfig.from_pretrained(self.config.model))
         for source in sources:
             eos = getattr(source, "eos_token_id", None)
-            ids.update([eos] if isinstance(eos, int) else eos or [])
-        return ids
+            ids += [eos] if isinstance(eos, int) else eos or []
+        return (ids[0] if ids else None), set(ids)
 
     # ---- requests
 
@@ -320,10 +324,10 @@ class LLMEngine:
         """The one place a sample finishes: EOS or a stop token, a stop string, max_tokens."""
         seq, params = sample.seq, sample.seq.params
         num_completion, token = seq.num_known_completion_tokens, seq.token_ids[-1]
-        by_token = num_completion > params.min_tokens and (token in params.stop_token_ids
-                                                           or (not params.ignore_eos and token in self.eos_ids))
+        is_eos = not params.ignore_eos and token in self.eos_ids
+        by_token = num_completion > params.min_tokens and (is_eos or token in params.stop_token_ids)
         reason = "stop" if by_token else None
-        if by_token and token in params.stop_token_ids:
+        if by_token and not (is_eos and token == self.eos_id):  # vLLM checks the model's EOS first
             seq.stop_reason = token
         sample.stopped_by_token = by_token
         last = by_token or num_completion >= params.max_tokens
