@@ -6,6 +6,7 @@ from tiny_qwen3 import hf_greedy
 from transformers.models.qwen3 import Qwen3ForCausalLM as HFQwen3
 
 from tritonllm import LLM, SamplingParams
+from tritonllm.engine.penalties import add_logit_bias
 from tritonllm.kernels import reference
 
 NUM_BLOCKS = 32
@@ -33,16 +34,19 @@ def assert_clean(llm):
     assert llm.block_manager.num_free_blocks == NUM_BLOCKS
 
 
-def hf_penalized(hf, prompt, n, presence=0.0, frequency=0.0, repetition=1.0):
-    """Greedy tokens with the penalties applied by hand to HF's logits (float64), and each chosen
-    token's raw logprob."""
+def hf_penalized(hf, prompt, n, presence=0.0, frequency=0.0, repetition=1.0, bias=None):
+    """Greedy tokens with the logit bias, then the penalties, applied by hand to HF's logits
+    (float64), and each chosen token's raw logprob."""
     ids, logprobs = list(prompt), []
     with torch.no_grad():
         for _ in range(n):
             logits = hf(torch.tensor([ids])).logits[0, -1].double()
+            biased = logits.clone()
+            for token, value in (bias or {}).items():
+                biased[token] += value
             counts = torch.bincount(torch.tensor(ids[len(prompt):], dtype=torch.long), minlength=len(logits))
             seen = (counts > 0) | torch.isin(torch.arange(len(logits)), torch.tensor(prompt))
-            x = torch.where(seen, torch.where(logits > 0, logits / repetition, logits * repetition), logits)
+            x = torch.where(seen, torch.where(biased > 0, biased / repetition, biased * repetition), biased)
             x = x - frequency * counts - presence * (counts > 0)
             ids.append(int(x.argmax()))
             logprobs.append(float(logits.log_softmax(-1)[ids[-1]]))
@@ -167,6 +171,34 @@ def test_presence_and_frequency_penalties(llm, hf):
         changed.append(want != plain)
     assert changed[:3] == [True] * 3
     assert_clean(llm)
+
+
+def test_logit_bias_comes_before_the_penalties(llm, hf):
+    plain = llm.generate([SHORT], greedy(max_tokens=8), use_tqdm=False)[0].token_ids
+    bias = {plain[0]: -1.5, plain[1]: 2.0, 3: 0.75}
+    params = greedy(max_tokens=8, logit_bias=bias, repetition_penalty=1.3, frequency_penalty=0.5, logprobs=True)
+    outputs = llm.generate([SHORT, SHORT], [params, greedy(n=2, max_tokens=8)], use_tqdm=False)
+    want, raw_logprobs = hf_penalized(hf, SHORT, 8, frequency=0.5, repetition=1.3, bias=bias)
+    assert want != hf_penalized(hf, SHORT, 8, frequency=0.5, repetition=1.3)[0]  # the bias changes them
+    assert outputs[0].token_ids == want and outputs[0].logprobs == pytest.approx(raw_logprobs, abs=1e-4)
+    assert outputs[1].token_ids == outputs[2].token_ids == plain  # rows without a bias as they were
+    assert_clean(llm)
+
+
+def test_logit_bias_is_added_in_float32():
+    """bf16 logits 17.0 are 0.125 apart: a bias of 0.05 must still break their tie."""
+    class Seq:
+        def __init__(self, bias):
+            self.params, self.logit_bias_tensors = SamplingParams(logit_bias=bias), None
+    logits = torch.full((3, 10), 17.0, dtype=torch.bfloat16)
+    seqs = [Seq({6: 0.05, 2: -0.5}), Seq(None), Seq({0: 100})]
+    out = add_logit_bias(logits, seqs, lambda t: t)
+    want = torch.full((3, 10), 17.0)
+    want[0, 6], want[0, 2], want[2, 0] = 17.05, 16.5, 117.0
+    assert out.dtype == torch.float32 and torch.equal(out, want) and bool((logits == 17.0).all())
+    assert add_logit_bias(logits, [Seq(None)], lambda t: t) is None
+    logits = torch.zeros(1, 4)  # float32 logits are copied too: the raw ones give the logprobs
+    assert add_logit_bias(logits, [Seq({1: 2.0})], lambda t: t).tolist() == [[0, 2, 0, 0]] and not logits.any()
 
 
 @pytest.mark.parametrize("kernels", ["triton", "reference"])

@@ -43,8 +43,9 @@ def check_stop(llm, full, stop, min_tokens=0, include=False):
                             include_stop_str_in_output=include)
     # Stop strings count where they end past the text of the first min_tokens tokens.
     start = ends[min_tokens - 1] if min_tokens else 0
-    hits = [i for s in stop for i in [text.find(s, max(0, start - len(s) + 1))] if i >= 0]
-    cut = min(hits) if hits else None
+    # The stop that ends first counts, as a stream of one character a token would find it.
+    hits = sorted((i + len(s), i, s) for s in stop for i in [text.find(s, max(0, start - len(s) + 1))] if i >= 0)
+    end, cut, first = hits[0] if hits else (None, None, None)
     deltas, got_tokens, final = streamed(llm, params)
     assert "".join(deltas) == final.text  # nothing shown that the stop later removed
     for i in range(len(deltas)):
@@ -53,9 +54,9 @@ def check_stop(llm, full, stop, min_tokens=0, include=False):
         assert final.text == text and final.finish_reason == "length" and got_tokens == tokens
         assert final.stop_reason is None
     else:
-        assert final.stop_reason in stop and text.find(final.stop_reason, cut) == cut  # vLLM's stop_reason
-        assert final.text == text[:cut + (len(final.stop_reason) if include else 0)] and final.finish_reason == "stop"
-        last = next(i for i, end in enumerate(ends) if end >= cut + min(len(s) for s in stop if text.find(s, cut) == cut))
+        assert final.stop_reason == first  # vLLM's stop_reason
+        assert final.text == text[:end if include else cut] and final.finish_reason == "stop"
+        last = next(i for i, token_end in enumerate(ends) if token_end >= end)
         assert got_tokens == tokens[:max(last + 1, min_tokens)]  # through the token that completed the stop
     generated = llm.generate([PROMPT], params, use_tqdm=False)[0]
     assert (generated.text, generated.token_ids, generated.finish_reason) == (final.text, final.token_ids, final.finish_reason)
@@ -86,6 +87,17 @@ def test_stop_string_kept_with_include_stop_str_in_output(llm, full, length):
     boundary = ends[clean_boundaries(text, ends)[1]]
     check_stop(llm, full, [text[boundary - 1:boundary - 1 + length], "\x00never"], include=True)
     check_stop(llm, full, [text[8:12], text[8:10]], include=True)  # the first to end is kept whole
+    check_stop(llm, full, [text[7:12], text[8:10]])  # starts later, ends first: it counts
+
+
+def test_the_stop_that_ends_first_counts_however_the_text_is_split():
+    """Stops "quick" and "ui" both complete inside one token " quick": "ui" ends first, as it does
+    when the same text comes a character a token."""
+    for pieces in (["the", " quick"], list("the quick")):
+        for include, want in ((False, "the q"), (True, "the qui")):
+            text = IncrementalText(PieceTokenizer(pieces), ["quick", "ui"], 0, include_stop=include)
+            found = next(found for n in range(1, len(pieces) + 1) if (found := text.update(list(range(n)))))
+            assert (found, text.text) == ("ui", want)
 
 
 def clean_boundaries(text, ends):
@@ -182,6 +194,16 @@ class CharTokenizer:
         return "".join(chars)
 
 
+class PieceTokenizer:
+    """Token i is the i-th of a fixed list of text pieces."""
+
+    def __init__(self, pieces):
+        self.pieces = pieces
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.pieces[i] for i in ids)
+
+
 def test_incremental_text_holds_back_a_possible_stop_and_partial_characters():
     text = IncrementalText(CharTokenizer(), ["gd", "xyz", "\u00e9!"], 0)
     ids, shown = [], []
@@ -225,6 +247,10 @@ def test_eos_ids_are_the_tokenizers_and_the_configs(tiny_qwen3, tmp_path):
     (path / "tokenizer_config.json").write_text(json.dumps({**tokenizer_config, "eos_token": "<|endoftext|>"}))
     with LLM(str(path), num_kv_blocks=8) as llm:
         assert (llm.eos_id, llm.eos_ids) == (endoftext, {endoftext, im_end})
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # no tokenizer: every EOS id is named, as in vLLM
+        (path / name).unlink()
+    with LLM(str(path), num_kv_blocks=8) as llm:
+        assert (llm.tokenizer, llm.eos_id, llm.eos_ids) == (None, None, {im_end})
 
 
 def test_special_tokens_and_the_eos_text_as_asked():

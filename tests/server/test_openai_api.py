@@ -217,7 +217,7 @@ def error_of(call) -> openai.APIStatusError:
     ({"stream": True, "temperature": -1}, "temperature"),
     ({"extra_body": {"include_stop_str_in_output": 1}}, "include_stop_str_in_output"),
     ({"logit_bias": {"b": 1}}, "logit_bias"), ({"logit_bias": {"14": 101}}, "logit_bias"),
-    ({"logit_bias": {"999999": 1}}, "logit_bias")])
+    ({"logit_bias": {"999999": 1}}, "logit_bias"), ({"logit_bias": {"9" * 5000: 1}}, "logit_bias")])
 def test_bad_completion_fields_are_400_naming_the_field(client, fields, param):
     request = {"model": MODEL, "prompt": "1+1=", "max_tokens": 2, **fields}
     error = error_of(lambda: client.completions.create(**request))

@@ -89,18 +89,17 @@ class LLMEngine:
                                            self.dp_rank == 0 and self.dp_size > 1)
 
     def _eos_ids(self) -> tuple[int | None, set[int]]:
-        """The model's EOS id (the tokenizer's, else the config's first) and every id that ends a
-        completion as EOS: it and those of the config and generation_config (vLLM stops on the
-        tokenizer's and generation_config's; the others are stop tokens there, with their id as
-        stop_reason, and here too)."""
-        ids = []
+        """The model's EOS id (the tokenizer's; None without one) and every id that ends a completion
+        as EOS: it and those of the config and generation_config (the others are stop tokens in
+        vLLM, with their id as stop_reason, and here too)."""
+        ids = set()
         sources = [self.tokenizer, self.hf_config]
         if Path(self.config.model, "generation_config.json").exists():
             sources.append(GenerationConfig.from_pretrained(self.config.model))
         for source in sources:
             eos = getattr(source, "eos_token_id", None)
-            ids += [eos] if isinstance(eos, int) else eos or []
-        return (ids[0] if ids else None), set(ids)
+            ids.update([eos] if isinstance(eos, int) else eos or [])
+        return getattr(self.tokenizer, "eos_token_id", None), ids
 
     # ---- requests
 

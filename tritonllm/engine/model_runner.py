@@ -14,7 +14,7 @@ from tritonllm.config import EngineConfig
 from tritonllm.context import Context, set_context
 from tritonllm.distributed import (all_reduce, broadcast, broadcast_object, close_distributed, init_distributed,
                                    tp_rank)
-from tritonllm.engine.penalties import PenaltyRows
+from tritonllm.engine.penalties import PenaltyRows, add_logit_bias
 from tritonllm.engine.sequence import Sequence
 from tritonllm.engine.step_inputs import StepInputs
 from tritonllm.kernels.prefill_attention import enough_work_for_hopper
@@ -299,9 +299,8 @@ class ModelRunner:
     def sample(self, logits: torch.Tensor, seqs: list[Sequence], seeds: list[int],
                bans: list[tuple[int, int]]) -> "SampledTokens":
         """Sample each row (no host sync); the ids and, when asked, logprobs head to the host.
-        Each row's logit_bias is added first (in float32, rounded once), then the penalties, when a
-        row has some, modify the logits; the (row, token) pairs of `bans` are never drawn; logprobs
-        are of the raw logits."""
+        Each row's logit_bias is added first (add_logit_bias), then the penalties, when a row has
+        some; the (row, token) pairs of `bans` are never drawn; logprobs are of the raw logits."""
         params = [seq.params for seq in seqs]
         vocab = self.hf_config.vocab_size
         rows = self.penalties.rows(seqs)
@@ -313,13 +312,11 @@ class ModelRunner:
         ints = self._to_device(torch.tensor([[min(p.top_k, vocab) for p in params], seeds, *([] if rows is None else [rows])],
                                             dtype=torch.int64))
         raw, wants_logprobs = logits, any(p.wants_logprobs for p in params)
-        biases = [(row, token, value) for row, p in enumerate(params) if p.logit_bias for token, value in p.logit_bias.items()]
-        if wants_logprobs and (rows is not None or bans or biases):
+        biased = add_logit_bias(logits, seqs, self._to_device)
+        if biased is not None:
+            logits = biased
+        elif wants_logprobs and (rows is not None or bans):
             logits = logits.clone()
-        if biases:  # one (row, token) pair at most once: a plain gather, add and scatter
-            row_ids, token_ids, values = zip(*biases)
-            where = tuple(self._to_device(torch.tensor([row_ids, token_ids])))
-            logits[where] = (logits[where].float() + self._to_device(torch.tensor(values))).to(logits.dtype)
         if bans:
             logits[tuple(self._to_device(torch.tensor(bans).T.contiguous()))] = float("-inf")
         if rows is not None:

@@ -71,9 +71,9 @@ class IncrementalText:
         if self.stop_from is None or not self.stop:
             return None
         cut, matched = -1, None
-        for stop in self.stop:
+        for stop in self.stop:  # the stop that ends first: as a stream of one character a token would find it
             i = self.text.find(stop, max(0, max(self.stop_from, self.searched) - len(stop) + 1))
-            if i >= 0 and i + len(stop) > self.stop_from and (cut < 0 or i < cut):
+            if i >= 0 and i + len(stop) > self.stop_from and (cut < 0 or (i + len(stop), i) < (cut + len(matched), cut)):
                 cut, matched = i, stop
         self.searched = len(self.text)
         if cut >= 0:

@@ -30,6 +30,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.block_table_array = None  # the model runner's int32 copy: (the list it copies, the array)
+        self.logit_bias_tensors = None  # the model runner's device copy of params.logit_bias: (ids, biases)
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_cached_tokens: int | None = None  # prompt tokens the first allocation found in the prefix cache
         self.num_hashed_blocks = 0  # leading blocks registered in the prefix cache

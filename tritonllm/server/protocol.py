@@ -99,7 +99,7 @@ def _logit_bias(body: dict) -> dict[int, float] | None:
     bias = _typed(body, "logit_bias", dict)
     if bias is None:
         return None
-    bad_keys = [key for key in bias if not (key.isascii() and key.isdigit())]
+    bad_keys = [key for key in bias if not (key.isascii() and key.isdigit() and len(key) <= 18)]
     if bad_keys:
         raise bad(f"logit_bias keys must be token ids, got {bad_keys[0]!r:.40}", "logit_bias")
     return {int(key): value for key, value in bias.items()}
