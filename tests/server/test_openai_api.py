@@ -267,6 +267,29 @@ def test_other_errors_and_unknown_fields(server, client):
     assert response.choices[0].text == "2"
 
 
+def test_tokenize_and_detokenize(server, client, llm):
+    """vLLM's /tokenize and /detokenize: the ids the generation routes use, and back."""
+    status, answer = server.request("POST", "/tokenize", {"model": MODEL, "prompt": "rev abcd="})
+    ids = llm.tokenizer.encode("rev abcd=")
+    assert status == 200 and answer == {"count": len(ids), "max_model_len": client.models.retrieve(MODEL).model_extra[
+        "max_model_len"], "tokens": ids, "token_strs": None}
+    completion = client.completions.create(model=MODEL, prompt="rev abcd=", max_tokens=1)
+    assert completion.usage.prompt_tokens == answer["count"]
+    messages = [{"role": "user", "content": "rev abcd"}]
+    status, chat = server.request("POST", "/tokenize", {"messages": messages, "return_token_strs": True})
+    want = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                                add_special_tokens=False)
+    assert status == 200 and chat["tokens"] == want and chat["token_strs"] == llm.tokenizer.convert_ids_to_tokens(want)
+    assert client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1).usage.prompt_tokens == len(want)
+    assert server.request("POST", "/detokenize", {"tokens": ids}) == (200, {"prompt": "rev abcd="})
+    for path, body, param in (("/tokenize", {"prompt": 5}, "prompt"), ("/detokenize", {"tokens": [-1]}, "tokens"),
+                              ("/detokenize", {"tokens": [len(llm.tokenizer)]}, "tokens"),
+                              ("/tokenize", {"messages": []}, "messages")):
+        status, answer = server.request("POST", path, body)
+        assert status == 400 and answer["error"]["param"] == param, answer
+    assert server.request("POST", "/tokenize", {"model": "gpt-4", "prompt": "hi"})[0] == 404
+
+
 def test_concurrent_streams_equal_their_offline_results(client, llm):
     prompts = [prompt for prompt, _ in problems(16, seed=9)]
     params = [SamplingParams(temperature=0, max_tokens=6) if i % 2 else SamplingParams(temperature=0.9, seed=i, max_tokens=6)

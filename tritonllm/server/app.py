@@ -3,6 +3,7 @@
     GET  /v1/models            the served model (/v1/models/{name}: the one, under any name it answers to)
     POST /v1/completions       prompt: text, texts, token ids or lists of them
     POST /v1/chat/completions  messages, through the tokenizer's chat template
+    POST /tokenize, /detokenize  vLLM's: a prompt's or a chat's token ids, and token ids back to text
     GET  /health               200 while the engine runs
     GET  /stats, /metrics      running / waiting requests, KV blocks, token counters (JSON, Prometheus)
 """
@@ -20,7 +21,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException
 
 from tritonllm.server.engine_loop import EngineClient, RequestStream
-from tritonllm.server.protocol import ApiError, GenerateRequest, check_model, parse_chat, parse_completion
+from tritonllm.server.protocol import (ApiError, GenerateRequest, check_model, detokenize, parse_chat, parse_completion,
+                                       tokenize)
 from tritonllm.server.render import Renderer
 
 
@@ -205,6 +207,18 @@ def create_app(engine: EngineClient, names: tuple[str, ...], tokenizer=None) -> 
         body = await read_json(request)
         check_model(body, names)
         return await generate(state, request, parse_chat(body, tokenizer))
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request):
+        body = await read_json(request)
+        check_model(body, names)
+        return tokenize(body, tokenizer, engine.info["max_model_len"])
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request):
+        body = await read_json(request)
+        check_model(body, names)
+        return detokenize(body, tokenizer)
 
     return app
 

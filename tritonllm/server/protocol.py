@@ -184,6 +184,19 @@ def parse_completion(body: dict, has_tokenizer: bool) -> GenerateRequest:
 def parse_chat(body: dict, tokenizer) -> GenerateRequest:
     """A chat request; `tokenizer` renders its messages through the model's chat template."""
     _check_unsupported(body)
+    text = _chat_text(body, tokenizer)
+    wants = _typed(body, "logprobs", bool, False)
+    top = _typed(body, "top_logprobs", int)
+    if top is not None and not wants:
+        raise bad("top_logprobs requires logprobs=true", "top_logprobs")
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise bad(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}", "top_logprobs")
+    logprobs = (top or 0) if wants else None
+    return _request(body, True, [text], sampling_params(body, None, logprobs), logprobs, True)
+
+
+def _chat_text(body: dict, tokenizer) -> str:
+    """The body's messages as the chat template renders them, with the body's chat options."""
     template = _typed(body, "chat_template", str)
     if not has_chat_template(tokenizer, template):
         raise bad("this model has no chat template: use /v1/completions or give chat_template", "messages")
@@ -197,14 +210,33 @@ def parse_chat(body: dict, tokenizer) -> GenerateRequest:
         raise bad(str(error), "continue_final_message") from None
     except Exception as error:  # the template's own checks (roles, order), or bad chat_template_kwargs
         raise bad(f"the chat template refused these messages: {error}", "messages") from None
-    wants = _typed(body, "logprobs", bool, False)
-    top = _typed(body, "top_logprobs", int)
-    if top is not None and not wants:
-        raise bad("top_logprobs requires logprobs=true", "top_logprobs")
-    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
-        raise bad(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}", "top_logprobs")
-    logprobs = (top or 0) if wants else None
-    return _request(body, True, [text], sampling_params(body, None, logprobs), logprobs, True)
+    return text
+
+
+def tokenize(body: dict, tokenizer, max_model_len: int) -> dict:
+    """vLLM's POST /tokenize: the token ids of a prompt (with the tokenizer's special tokens unless
+    add_special_tokens is false) or of a chat's rendered messages (without, unless true), as the
+    completions and chat routes encode them."""
+    if tokenizer is None:
+        raise bad("this model has no tokenizer", "prompt")
+    chat = "messages" in body
+    if chat:
+        prompt = _chat_text(body, tokenizer)
+    elif not isinstance(prompt := body.get("prompt"), str):
+        raise bad(f"prompt must be a string, got {prompt!r:.60}", "prompt")
+    ids = tokenizer.encode(prompt, add_special_tokens=_typed(body, "add_special_tokens", bool, not chat))
+    strs = tokenizer.convert_ids_to_tokens(ids) if _typed(body, "return_token_strs", bool, False) else None
+    return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs}
+
+
+def detokenize(body: dict, tokenizer) -> dict:
+    """vLLM's POST /detokenize: token ids back to text."""
+    if tokenizer is None:
+        raise bad("this model has no tokenizer", "tokens")
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < len(tokenizer) for t in tokens):
+        raise bad(f"tokens must be an array of token ids in [0, {len(tokenizer)}), got {tokens!r:.60}", "tokens")
+    return {"prompt": tokenizer.decode(tokens)}
 
 
 def _messages(body: dict) -> list[dict]:
