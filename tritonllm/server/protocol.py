@@ -1,8 +1,9 @@
-"""OpenAI request bodies parsed into SamplingParams, and the API's error shape.
+"""OpenAI request bodies parsed into SamplingParams, vLLM's /tokenize and /detokenize, and the API's
+error shape.
 
 Fields that change nothing in the output (user, metadata, store, ...) and fields nobody defined
 are accepted and ignored; a field that would change the output and that this server does not
-implement (echo, logit_bias, tools, ...) is an error unless it holds its neutral value.
+implement (echo, tools, ...) is an error unless it holds its neutral value.
 """
 import re
 from dataclasses import dataclass
