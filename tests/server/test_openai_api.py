@@ -267,6 +267,20 @@ def test_other_errors_and_unknown_fields(server, client):
     assert response.choices[0].text == "2"
 
 
+def test_usage_counts_the_prompt_tokens_the_prefix_cache_served(client, llm):
+    """OpenAI's usage.prompt_tokens_details.cached_tokens, as the offline engine counts them; the
+    other samples of a prompt (which hit its blocks) are not counted again."""
+    prompt = "rev " + "hgfedcba" * 5 + "="
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, n=3)
+    offline = [llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0] for _ in range(2)]
+    assert first.usage.prompt_tokens_details.cached_tokens == offline[0].num_cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == offline[1].num_cached_tokens >= 32
+    chat = [{"role": "user", "content": prompt[:-1]}]
+    usages = [client.chat.completions.create(model=MODEL, messages=chat, max_tokens=2).usage for _ in range(2)]
+    assert usages[1].prompt_tokens_details.cached_tokens >= 32 and usages[1].prompt_tokens == usages[0].prompt_tokens
+
+
 def test_tokenize_and_detokenize(server, client, llm):
     """vLLM's /tokenize and /detokenize: the ids the generation routes use, and back."""
     status, answer = server.request("POST", "/tokenize", {"model": MODEL, "prompt": "rev abcd="})

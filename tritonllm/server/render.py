@@ -15,11 +15,12 @@ FLOOR = -9999.0  # JSON has no -inf: a logprob below this is sent as this
 
 class Piece:
     """The merged outputs of one choice: a stream chunk's worth, or the whole completion."""
-    __slots__ = ("text", "token_ids", "logprobs", "top_logprobs", "finish_reason", "stop_reason")
+    __slots__ = ("text", "token_ids", "logprobs", "top_logprobs", "finish_reason", "stop_reason", "cached_tokens")
 
     def __init__(self):
         self.text, self.token_ids, self.logprobs, self.top_logprobs = [], [], [], []
         self.finish_reason = self.stop_reason = None
+        self.cached_tokens = 0
 
 
 def merge(items: list[tuple]) -> dict[int, Piece]:
@@ -35,7 +36,7 @@ def merge(items: list[tuple]) -> dict[int, Piece]:
         if top_logprobs:
             piece.top_logprobs += top_logprobs
         if final is not None:
-            piece.finish_reason, piece.stop_reason = final[0], final[2]
+            piece.finish_reason, piece.cached_tokens, piece.stop_reason = final
     return pieces
 
 
@@ -54,7 +55,7 @@ class Renderer:
         self.tokenizer = tokenizer if not request.tokens_as_ids else None
         self.token_cache = token_cache  # token id -> its text, shared by the requests of one tokenizer
         self.offsets: dict[int, int] = {}  # completions logprobs: text_offset reached, per choice
-        self.completion_tokens = 0
+        self.completion_tokens = self.cached_tokens = 0
         head = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": self.created, "model": model}
         self.chunk_head = "data: " + json.dumps(head, separators=(",", ":"))[:-1] + ',"choices":['
@@ -97,6 +98,8 @@ class Renderer:
     def _choice(self, index: int, piece: Piece, whole: bool, first: bool = False) -> dict:
         """A choice of a response (whole) or of a stream chunk."""
         self.completion_tokens += len(piece.token_ids)
+        if index % self.request.params.n == 0:  # a prompt's first sample: the others hit its blocks
+            self.cached_tokens += piece.cached_tokens
         text = "".join(piece.text)
         logprobs = None
         if self.request.logprobs is not None:
@@ -115,8 +118,10 @@ class Renderer:
         return choice
 
     def usage(self, prompt_tokens: int) -> dict:
+        """OpenAI's usage; prompt_tokens_details.cached_tokens: prompt tokens the prefix cache served."""
         return {"prompt_tokens": prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": prompt_tokens + self.completion_tokens}
+                "total_tokens": prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
     # ---- whole responses
 
