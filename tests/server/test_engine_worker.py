@@ -21,15 +21,15 @@ def test_a_fault_while_adding_fails_that_request_alone(llm, monkeypatch):
     worker = EngineWorker(llm, pipe, max_waiting=16)
     encode = llm.encode
 
-    def faulty(prompt):
+    def faulty(prompt, add_special_tokens=True):
         if prompt == "9+9=":
             raise RuntimeError("injected")
-        return encode(prompt)
+        return encode(prompt, add_special_tokens)
 
     monkeypatch.setattr(llm, "encode", faulty)
-    worker.add(0, ["1+1=", "9+9="], GREEDY, False, False)  # the first is queued, then taken back
+    worker.add(0, ["1+1=", "9+9="], GREEDY, True, False)  # the first is queued, then taken back
     assert pipe.sent == [("added", 0, ("failed", "RuntimeError: injected"), None)] and not worker.keys
-    worker.add(1, ["12+34="], GREEDY, False, False)
+    worker.add(1, ["12+34="], GREEDY, True, False)
     while llm.has_unfinished():
         worker.step()
     outputs = [item for message in pipe.sent[2:] for item in message[1]]

@@ -4,7 +4,11 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
+from test_engine_worker import Pipe
+
 from tritonllm import SamplingParams
+from tritonllm.server.engine_process import EngineWorker
+from tritonllm.server.protocol import ApiError, parse_chat, parse_completion
 from tritonllm.tiny_tasks import problems
 
 MODEL = "bundled"
@@ -169,6 +173,23 @@ def test_logprobs(client, llm):
     for entry in content:
         assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].token == entry.token
         assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob and entry.bytes == list(entry.token.encode())
+        assert entry.top_logprobs[0].logprob == entry.logprob  # one value for the sampled token
+    # OpenAI's completions: each step's dict holds the sampled token too (up to logprobs + 1 entries),
+    # also when it is not among the likeliest (a hot temperature) and when logprobs=0.
+    for k in (0, 1):
+        hot = client.completions.create(model=MODEL, prompt="rev abcd=", max_tokens=8, temperature=30, seed=1, n=3,
+                                        logprobs=k)
+        outside = 0
+        for choice in hot.choices:
+            lp = choice.logprobs
+            for chosen, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+                assert top[chosen] == logprob and len(top) <= k + 1
+                outside += len(top) == k + 1
+        assert outside > 0
+    # Chat's top_logprobs=0 asks for nothing: no need for logprobs=true.
+    plain = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "rev abc"}], max_tokens=4,
+                                           temperature=0, top_logprobs=0)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == "cba"
 
 
 def penalized_choice_ok(ids: list[int], tops: list[dict], presence: float, frequency: float) -> None:
@@ -281,6 +302,27 @@ def test_usage_counts_the_prompt_tokens_the_prefix_cache_served(client, llm):
     assert usages[1].prompt_tokens_details.cached_tokens >= 32 and usages[1].prompt_tokens == usages[0].prompt_tokens
 
 
+def test_add_special_tokens_reaches_the_encoder(llm, monkeypatch):
+    """vLLM's add_special_tokens: a completion's text prompt gets the tokenizer's special tokens (a
+    BOS, for tokenizers that add one) unless false; a chat's rendered text gets them only if true."""
+    cases = [(parse_completion({"prompt": "1+1="}, True), True),
+             (parse_completion({"prompt": "1+1=", "add_special_tokens": False}, True), False),
+             (parse_chat({"messages": [{"role": "user", "content": "1+1"}]}, llm.tokenizer), False),
+             (parse_chat({"messages": [{"role": "user", "content": "1+1"}], "add_special_tokens": True}, llm.tokenizer),
+              True)]
+    seen, encode = [], llm.encode
+    monkeypatch.setattr(llm, "encode", lambda prompt, add_special_tokens=True: isinstance(prompt, str)
+                        and seen.append(add_special_tokens) or encode(prompt, add_special_tokens))
+    worker = EngineWorker(llm, Pipe(), max_waiting=16)
+    for key, (request, _) in enumerate(cases):
+        worker.add(key, request.prompts, request.params, request.add_special_tokens, False)
+        worker.abort(key)
+    assert seen == [want for _, want in cases]
+    with pytest.raises(ApiError) as raised:
+        parse_completion({"prompt": "1+1=", "add_special_tokens": 1}, True)
+    assert raised.value.status == 400 and raised.value.param == "add_special_tokens"
+
+
 def test_tokenize_and_detokenize(server, client, llm):
     """vLLM's /tokenize and /detokenize: the ids the generation routes use, and back."""
     status, answer = server.request("POST", "/tokenize", {"model": MODEL, "prompt": "rev abcd="})
@@ -297,6 +339,7 @@ def test_tokenize_and_detokenize(server, client, llm):
     assert client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1).usage.prompt_tokens == len(want)
     assert server.request("POST", "/detokenize", {"tokens": ids}) == (200, {"prompt": "rev abcd="})
     for path, body, param in (("/tokenize", {"prompt": 5}, "prompt"), ("/detokenize", {"tokens": [-1]}, "tokens"),
+                              ("/tokenize", {"messages": messages, "tools": [{"type": "function"}]}, "tools"),
                               ("/detokenize", {"tokens": [len(llm.tokenizer)]}, "tokens"),
                               ("/tokenize", {"messages": []}, "messages")):
         status, answer = server.request("POST", path, body)

@@ -103,12 +103,14 @@ class LLMEngine:
 
     # ---- requests
 
-    def encode(self, prompt) -> list[int]:
-        """A prompt (a string, or a sequence of token ids) as checked token ids."""
+    def encode(self, prompt, add_special_tokens: bool = True) -> list[int]:
+        """A prompt (a string, or a sequence of token ids) as checked token ids; a string gets the
+        tokenizer's special tokens (a BOS, for tokenizers that add one) unless add_special_tokens
+        is false."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: give prompts as lists of token ids")
-            token_ids = self.tokenizer.encode(prompt)
+            token_ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
             self.check_known_characters(prompt, token_ids)
         else:
             try:

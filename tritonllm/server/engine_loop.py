@@ -12,7 +12,7 @@ stream's reader. A reader that fell behind takes all its stream holds at once, s
 sends fewer, larger chunks and never slows the engine. Commands go out through a sender thread,
 so the loop never blocks on a full pipe.
 
-The messages are tuples. Server to engine: ("add", key, prompts, params, chat, stream),
+The messages are tuples. Server to engine: ("add", key, prompts, params, add_special_tokens, stream),
 ("abort", key), ("stats", key), ("stop",). Engine to server: ("ready", info) or ("failed", text)
 once; ("added", key, error, prompt_lengths) with error None or (kind, text), kind "invalid",
 "queue_full" or "failed"; ("stats", key, dict); ("out", items) with items
@@ -179,7 +179,7 @@ class EngineClient:
         key = next(self.keys)
         outputs = self.streams[key] = RequestStream(key, request.num_choices)
         try:
-            _, _, error, lengths = await self._ask(("add", key, request.prompts, request.params, request.chat,
+            _, _, error, lengths = await self._ask(("add", key, request.prompts, request.params, request.add_special_tokens,
                                                     request.stream))
         except BaseException:  # cancelled: the client left while the engine was adding it
             self.release(outputs)

@@ -74,7 +74,7 @@ class EngineWorker:
             return False
         return True
 
-    def add(self, key: int, prompts: list, params, chat: bool, stream: bool) -> None:
+    def add(self, key: int, prompts: list, params, add_special_tokens: bool, stream: bool) -> None:
         """Queue every prompt of one API request, or none of them: a bad one is reported for all."""
         samples = len(prompts) * params.n
         if samples > self.max_waiting:  # never fits, however long the client waits: not a 503
@@ -90,7 +90,7 @@ class EngineWorker:
         self.keys[key], lengths = [], []
         try:
             for i, prompt in enumerate(prompts):
-                token_ids = self.encode(prompt, chat)
+                token_ids = self.engine.encode(prompt, add_special_tokens)
                 request_id = self.engine.add_request(token_ids, params, stream=stream)
                 self.keys[key].append(request_id)
                 self.requests[request_id] = [key, i * params.n, params.n, stream]
@@ -105,17 +105,6 @@ class EngineWorker:
             self.conn.send(("added", key, ("failed", f"{type(error).__name__}: {error}"), None))
             return
         self.conn.send(("added", key, None, lengths))
-
-    def encode(self, prompt, chat: bool) -> list[int]:
-        """Token ids as LLM.generate (a string or ids) or LLM.chat (a templated text) makes them;
-        ids are checked when the request is added."""
-        if isinstance(prompt, list):
-            return prompt
-        if not chat:
-            return self.engine.encode(prompt)
-        token_ids = self.engine.tokenizer.encode(prompt, add_special_tokens=False)
-        self.engine.check_known_characters(prompt, token_ids)
-        return token_ids
 
     def abort(self, key: int) -> None:
         for request_id in self.keys.pop(key, []):

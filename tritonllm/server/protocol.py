@@ -57,6 +57,7 @@ class GenerateRequest:
     return_token_ids: bool  # each choice (and stream delta) also carries its token ids
     tokens_as_ids: bool  # logprob tokens as "token_id:N" instead of their text
     names: dict[str, str]  # engine field -> the body's field for it, where they differ (refused)
+    add_special_tokens: bool  # a text prompt gets the tokenizer's special tokens (vLLM's: completions yes, chat no)
 
     @property
     def num_choices(self) -> int:
@@ -188,7 +189,7 @@ def parse_chat(body: dict, tokenizer) -> GenerateRequest:
     text = _chat_text(body, tokenizer)
     wants = _typed(body, "logprobs", bool, False)
     top = _typed(body, "top_logprobs", int)
-    if top is not None and not wants:
+    if top and not wants:  # 0 is the default: it asks for nothing
         raise bad("top_logprobs requires logprobs=true", "top_logprobs")
     if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
         raise bad(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}", "top_logprobs")
@@ -222,6 +223,7 @@ def tokenize(body: dict, tokenizer, max_model_len: int) -> dict:
         raise bad("this model has no tokenizer", "prompt")
     chat = "messages" in body
     if chat:
+        _check_unsupported(body)  # tools would change the rendered text
         prompt = _chat_text(body, tokenizer)
     elif not isinstance(prompt := body.get("prompt"), str):
         raise bad(f"prompt must be a string, got {prompt!r:.60}", "prompt")
@@ -267,4 +269,4 @@ def _request(body: dict, chat: bool, prompts: list, params: SamplingParams, logp
     return GenerateRequest(chat, prompts, params, stream, _usage_options(body, stream), logprobs,
                            _typed(body, "return_token_ids", bool, False) or not has_tokenizer,
                            _typed(body, "return_tokens_as_token_ids", bool, False) or not has_tokenizer,
-                           field_names(body))
+                           field_names(body), _typed(body, "add_special_tokens", bool, not chat))

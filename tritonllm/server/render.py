@@ -77,9 +77,10 @@ class Renderer:
             offsets.append(offset)
             offset += len(text)
         self.offsets[choice] = offset
-        top = None
-        if self.request.logprobs:
-            top = [{self.token(t): _floor(lp) for t, lp in alternatives.items()} for alternatives in piece.top_logprobs]
+        # OpenAI's: the sampled token's logprob and the `logprobs` likeliest others (up to logprobs + 1 a step).
+        alternatives = piece.top_logprobs or [{}] * len(piece.token_ids)
+        top = [{self.token(t): _floor(lp)} | {self.token(a): _floor(v) for a, v in others.items() if a != t}
+               for t, lp, others in zip(piece.token_ids, piece.logprobs, alternatives)]
         return {"tokens": tokens, "token_logprobs": [_floor(lp) for lp in piece.logprobs], "top_logprobs": top,
                 "text_offset": offsets}
 
@@ -92,7 +93,9 @@ class Renderer:
         tops = piece.top_logprobs or [{}] * len(piece.token_ids)
         for token_id, logprob, alternatives in zip(piece.token_ids, piece.logprobs, tops):
             ranked = sorted(alternatives.items(), key=lambda kv: -kv[1])[:self.request.logprobs]
-            content.append({**entry(token_id, logprob), "top_logprobs": [entry(t, lp) for t, lp in ranked]})
+            # The sampled token among the alternatives carries its own logprob (the two may round apart).
+            content.append({**entry(token_id, logprob), "top_logprobs": [entry(t, logprob if t == token_id else lp)
+                                                                          for t, lp in ranked]})
         return {"content": content}
 
     def _choice(self, index: int, piece: Piece, whole: bool, first: bool = False) -> dict:
