@@ -7,9 +7,11 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import GenerationConfig
 from tiny_qwen3 import hf_greedy
 
 from tritonllm import LLM, SamplingParams
+from tritonllm.sampling_params import generation_defaults
 from tritonllm.loader import build_model, load_config, load_weights
 from tritonllm.validation import check
 
@@ -203,3 +205,14 @@ def test_an_unreadable_index_or_config_is_named(tiny_qwen3, tmp_path, text, erro
     (tmp_path / "config.json").write_text(text)
     with pytest.raises(ValueError, match="config.json is unreadable"):
         load_config(str(tmp_path))
+
+
+def test_generation_config_defaults_are_the_sampling_fields_it_sets():
+    """vLLM's request defaults from a checkpoint's generation_config: its sampling fields only, checked."""
+    qwen3 = GenerationConfig(temperature=0.6, top_k=20, top_p=0.95, do_sample=True, eos_token_id=[1, 2], max_new_tokens=9)
+    assert generation_defaults(qwen3) == {"temperature": 0.6, "top_k": 20, "top_p": 0.95}
+    assert generation_defaults(GenerationConfig(eos_token_id=3)) == {} and generation_defaults(None) == {}
+    bad = GenerationConfig(do_sample=True)
+    bad.min_p = 2.0
+    with pytest.raises(ValueError, match=r"generation_config.json: SamplingParams\.min_p=2.0"):
+        generation_defaults(bad)

@@ -93,6 +93,24 @@ class SamplingParams:
         return self.logprobs or self.top_logprobs > 0
 
 
+GENERATION_CONFIG_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def generation_defaults(generation_config) -> dict:
+    """The sampling fields a checkpoint's generation_config sets apart from HF's defaults (None: no
+    generation_config.json). vLLM samples with them where a request leaves the field out (Qwen3's:
+    temperature 0.6, top_k 20, top_p 0.95); checked here as SamplingParams would check them."""
+    if generation_config is None:
+        return {}
+    diff = generation_config.to_diff_dict()
+    defaults = {name: diff[name] for name in GENERATION_CONFIG_FIELDS if diff.get(name) is not None}
+    try:
+        SamplingParams(**defaults)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"generation_config.json: {error}") from None
+    return defaults
+
+
 def _checked_bias(bias) -> dict[int, float] | None:
     """logit_bias as {token id: float bias} (None when empty); token ids checked against the
     vocabulary when the request is added."""

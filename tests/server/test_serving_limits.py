@@ -1,6 +1,8 @@
 """The server's limits: a full waiting queue answers 503; SIGTERM lets running requests finish within
 the grace period, aborts the rest and ends the server within seconds; a dead engine stops it."""
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -10,6 +12,8 @@ from pathlib import Path
 import openai
 import pytest
 from server_process import ServerProcess
+
+from tritonllm import BUNDLED_MODEL, LLM, SamplingParams
 
 MODEL = "bundled"
 # One request runs at a time and one may wait; SIGTERM aborts the streams at once (no grace period).
@@ -102,5 +106,28 @@ def test_sigterm_lets_running_requests_finish(tmp_path):
         assert sum(len(c.choices[0].model_extra["token_ids"]) for c in [first, *rest]) == 30
         assert server.process.wait(timeout=60) in (0, -signal.SIGTERM)
         assert "Traceback" not in server.log_text()
+    finally:
+        server.stop()
+
+
+def test_the_models_generation_config_sets_the_sampling_defaults(tmp_path):
+    """vLLM's defaults: the checkpoint's generation_config sampling fields where a request leaves them
+    out (here a temperature of 50, which scrambles the bundled model's answers), offline and served."""
+    model = tmp_path / "model"
+    shutil.copytree(BUNDLED_MODEL, model)
+    config = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**config, "temperature": 50.0}))
+    with LLM(str(model), device="cpu", kernels="reference") as llm:
+        assert llm.sampling_defaults == {"temperature": 50.0}
+        hot = llm.generate(["rev abcd="] * 4, use_tqdm=False)
+        assert [out.text for out in llm.generate(["rev abcd="] * 4, SamplingParams(), use_tqdm=False)] == ["dcba"] * 4
+    assert sum(out.text != "dcba" for out in hot) >= 3
+    server = ServerProcess(["--model", str(model)], tmp_path / "log.txt")
+    try:
+        client = server.client()
+        texts = [client.completions.create(model="model", prompt="rev abcd=", seed=seed).choices[0].text for seed in range(4)]
+        assert sum(text != "dcba" for text in texts) >= 3
+        for seed in range(4):  # the request's own temperature wins
+            assert client.completions.create(model="model", prompt="rev abcd=", seed=seed, temperature=1.0).choices[0].text == "dcba"
     finally:
         server.stop()

@@ -27,7 +27,7 @@ from tritonllm.engine.scheduler import ScheduledBatch, Scheduler
 from tritonllm.engine.sequence import Sequence, SequenceStatus
 from tritonllm.engine.step_inputs import build_step_inputs
 from tritonllm.loader import load_config
-from tritonllm.sampling_params import SamplingParams
+from tritonllm.sampling_params import SamplingParams, generation_defaults
 from tritonllm.validation import as_int
 
 
@@ -52,7 +52,10 @@ class LLMEngine:
         self.tokenizer = None
         if Path(config.model).is_dir() and any((Path(config.model) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
             self.tokenizer = AutoTokenizer.from_pretrained(config.model, trust_remote_code=False)
-        self.eos_id, self.eos_ids = self._eos_ids()
+        generation = (GenerationConfig.from_pretrained(config.model)
+                      if Path(config.model, "generation_config.json").exists() else None)
+        self.eos_id, self.eos_ids = self._eos_ids(generation)
+        self.sampling_defaults = generation_defaults(generation)  # for requests without SamplingParams
         self._workers = []
         rank, init_method = int(os.environ.get("RANK", 0)), None
         try:
@@ -88,15 +91,12 @@ class LLMEngine:
         self._finalizer = weakref.finalize(self, shut_down, self.runner, self._workers,
                                            self.dp_rank == 0 and self.dp_size > 1)
 
-    def _eos_ids(self) -> tuple[int | None, set[int]]:
+    def _eos_ids(self, generation) -> tuple[int | None, set[int]]:
         """The model's EOS id (the tokenizer's; None without one) and every id that ends a completion
         as EOS: it and those of the config and generation_config (the others are stop tokens in
         vLLM, with their id as stop_reason, and here too)."""
         ids = set()
-        sources = [self.tokenizer, self.hf_config]
-        if Path(self.config.model, "generation_config.json").exists():
-            sources.append(GenerationConfig.from_pretrained(self.config.model))
-        for source in sources:
+        for source in (self.tokenizer, self.hf_config, generation):
             eos = getattr(source, "eos_token_id", None)
             ids.update([eos] if isinstance(eos, int) else eos or [])
         return getattr(self.tokenizer, "eos_token_id", None), ids
@@ -149,8 +149,8 @@ class LLMEngine:
         """The checked, not yet queued, request: its prompt encoded, its params validated and copied
         (fields may have changed since construction) and its length checked."""
         self._check_open()
-        if params is None:
-            params = SamplingParams()
+        if params is None:  # vLLM's: the checkpoint's generation_config where it sets a field
+            params = SamplingParams(**self.sampling_defaults)
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         params = dataclasses.replace(params)

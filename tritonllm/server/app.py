@@ -200,13 +200,14 @@ def create_app(engine: EngineClient, names: tuple[str, ...], tokenizer=None) -> 
     async def completions(request: Request):
         body = await read_json(request)
         check_model(body, names)
-        return await generate(state, request, parse_completion(body, engine.info["has_tokenizer"]))
+        return await generate(state, request, parse_completion(body, engine.info["has_tokenizer"],
+                                                               engine.info["sampling_defaults"]))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await read_json(request)
         check_model(body, names)
-        return await generate(state, request, parse_chat(body, tokenizer))
+        return await generate(state, request, parse_chat(body, tokenizer, engine.info["sampling_defaults"]))
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request):

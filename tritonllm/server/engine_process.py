@@ -29,7 +29,8 @@ def engine_main(conn, model: str, options: dict, max_waiting: int) -> None:
         stats = engine.stats()
         conn.send(("ready", {"model": engine.config.model, "max_model_len": engine.config.max_model_len,
                              "vocab_size": engine.hf_config.vocab_size, "has_tokenizer": engine.tokenizer is not None,
-                             "kv_block_size": engine.config.kv_block_size, "num_kv_blocks": stats["num_kv_blocks"]}))
+                             "kv_block_size": engine.config.kv_block_size, "num_kv_blocks": stats["num_kv_blocks"],
+                             "sampling_defaults": engine.sampling_defaults}))
         EngineWorker(engine, conn, max_waiting).run()
     except (EOFError, BrokenPipeError, ConnectionResetError):  # the server is gone
         pass

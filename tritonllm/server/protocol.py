@@ -127,14 +127,17 @@ def refused(message: str, names: dict[str, str]) -> ApiError:
     return bad(message, name)
 
 
-def sampling_params(body: dict, default_max_tokens: int | None, top_logprobs: int | None) -> SamplingParams:
-    """The body's sampling fields as checked SamplingParams; a bad one is a 400 naming its field."""
+def sampling_params(body: dict, default_max_tokens: int | None, top_logprobs: int | None,
+                    defaults: dict | None = None) -> SamplingParams:
+    """The body's sampling fields as checked SamplingParams; a bad one is a 400 naming its field.
+    A field the body leaves out takes the model's default (`defaults`, from its generation_config,
+    as vLLM's), else OpenAI's."""
     names = field_names(body)
     max_name = names["max_tokens"]
     fields = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "min_tokens": 0, "n": 1,
               "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
               "seed": None, "ignore_eos": False, "stop_token_ids": None, "skip_special_tokens": True,
-              "include_stop_str_in_output": False}
+              "include_stop_str_in_output": False, **(defaults or {})}
     kwargs = {name: default if body.get(name) is None else body[name] for name, default in fields.items()}
     # Without one: completions 16 (OpenAI's default), chat None (the engine fills the room the prompt leaves).
     kwargs["max_tokens"] = default_max_tokens if body.get(max_name) is None else body[max_name]
@@ -174,17 +177,18 @@ def _usage_options(body: dict, stream: bool) -> bool:
     return bool(_typed(options, "include_usage", bool, False))
 
 
-def parse_completion(body: dict, has_tokenizer: bool) -> GenerateRequest:
+def parse_completion(body: dict, has_tokenizer: bool, defaults: dict | None = None) -> GenerateRequest:
     _check_unsupported(body)
     prompts = _prompts(body)
     logprobs = _typed(body, "logprobs", int)
     if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
         raise bad(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}", "logprobs")
-    return _request(body, False, prompts, sampling_params(body, 16, logprobs), logprobs, has_tokenizer)
+    return _request(body, False, prompts, sampling_params(body, 16, logprobs, defaults), logprobs, has_tokenizer)
 
 
-def parse_chat(body: dict, tokenizer) -> GenerateRequest:
-    """A chat request; `tokenizer` renders its messages through the model's chat template."""
+def parse_chat(body: dict, tokenizer, defaults: dict | None = None) -> GenerateRequest:
+    """A chat request; `tokenizer` renders its messages through the model's chat template; `defaults`
+    as sampling_params takes them."""
     _check_unsupported(body)
     text = _chat_text(body, tokenizer)
     wants = _typed(body, "logprobs", bool, False)
@@ -194,7 +198,7 @@ def parse_chat(body: dict, tokenizer) -> GenerateRequest:
     if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
         raise bad(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}", "top_logprobs")
     logprobs = (top or 0) if wants else None
-    return _request(body, True, [text], sampling_params(body, None, logprobs), logprobs, True)
+    return _request(body, True, [text], sampling_params(body, None, logprobs, defaults), logprobs, True)
 
 
 def _chat_text(body: dict, tokenizer) -> str:
