@@ -32,7 +32,7 @@ def test_models_health_and_stats(server, client):
     assert status == 200 and f"tritonllm_num_kv_blocks {stats['num_kv_blocks']}" in text
 
 
-def test_greedy_completion_equals_generate(client, llm):
+def test_greedy_completion_equals_generate(server, client, llm):
     prompts = [prompt for prompt, _ in problems(4, seed=5)]
     expected = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     for prompt, out in zip(prompts[:2], expected):
@@ -48,6 +48,22 @@ def test_greedy_completion_equals_generate(client, llm):
     assert [c.index for c in response.choices] == [0, 1, 2, 3]
     assert [c.text for c in response.choices] == [out.text for out in expected]
     assert [token_ids(c) for c in response.choices] == [out.token_ids for out in expected]
+    # vLLM's prompt_token_ids beside them: on each completion choice (a stream's first chunk of it), at the
+    # top of a chat response (its stream's first chunk of each choice).
+    assert [c.model_extra["prompt_token_ids"] for c in response.choices] == [out.prompt_token_ids for out in expected]
+    chunks = list(client.completions.create(model=MODEL, prompt=["1+1=", "rev ab="], max_tokens=3, temperature=0, n=2,
+                                            stream=True, extra_body={"return_token_ids": True}))
+    firsts = [c.choices[0].model_extra.get("prompt_token_ids") for c in chunks]
+    assert sum(ids is not None for ids in firsts) == 4 and all(ids is None for ids in firsts[4:])
+    by_choice = {c.choices[0].index: c.choices[0].model_extra["prompt_token_ids"] for c in chunks[:4]}
+    assert by_choice == {0: llm.encode("1+1="), 1: llm.encode("1+1="), 2: llm.encode("rev ab="), 3: llm.encode("rev ab=")}
+    messages = [{"role": "user", "content": "rev ab"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, extra_body={"return_token_ids": True})
+    status, counted = server.request("POST", "/tokenize", {"messages": messages})
+    assert chat.model_extra["prompt_token_ids"] == counted["tokens"]
+    chat_chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, n=2, stream=True,
+                                                      extra_body={"return_token_ids": True}))
+    assert [c.model_extra.get("prompt_token_ids") for c in chat_chunks[:3]] == [counted["tokens"]] * 2 + [None]
     assert response.usage.prompt_tokens == sum(len(out.prompt_token_ids) for out in expected)
 
 

@@ -116,7 +116,7 @@ class EventStream(StreamingResponse):
 async def generate(state: ServerState, request: Request, parsed: GenerateRequest):
     state.counters["requests"] += 1
     stream = await state.engine.submit(parsed)
-    renderer = Renderer(parsed, state.names[0], state.tokenizer, state.token_cache)
+    renderer = Renderer(parsed, state.names[0], state.tokenizer, state.token_cache, stream.prompt_token_ids)
     if parsed.stream:
         return EventStream(events(state, stream, renderer, parsed.include_usage), lambda: release(state, stream))
     items = await collect(state, stream, request)

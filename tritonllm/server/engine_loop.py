@@ -14,7 +14,7 @@ so the loop never blocks on a full pipe.
 
 The messages are tuples. Server to engine: ("add", key, prompts, params, add_special_tokens, stream),
 ("abort", key), ("stats", key), ("stop",). Engine to server: ("ready", info) or ("failed", text)
-once; ("added", key, error, prompt_lengths) with error None or (kind, text), kind "invalid",
+once; ("added", key, error, prompt_token_ids) with error None or (kind, text), kind "invalid",
 "queue_full" or "failed"; ("stats", key, dict); ("out", items) with items
 (key, choice, token_ids, text, logprobs, top_logprobs, final), final None or (finish_reason,
 cached_tokens, stop_reason); ("error", keys, text) when a step failed (those requests are aborted). A request
@@ -45,8 +45,12 @@ class RequestStream:
         self.items: deque = deque()
         self.ready = asyncio.Event()
         self.choices_left = num_choices
-        self.prompt_tokens = 0
+        self.prompt_token_ids: list[list[int]] = []  # each prompt's, as the engine encoded it
         self.error: ApiError | None = None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(map(len, self.prompt_token_ids))
 
     @property
     def finished(self) -> bool:
@@ -179,7 +183,7 @@ class EngineClient:
         key = next(self.keys)
         outputs = self.streams[key] = RequestStream(key, request.num_choices)
         try:
-            _, _, error, lengths = await self._ask(("add", key, request.prompts, request.params, request.add_special_tokens,
+            _, _, error, prompt_ids = await self._ask(("add", key, request.prompts, request.params, request.add_special_tokens,
                                                     request.stream))
         except BaseException:  # cancelled: the client left while the engine was adding it
             self.release(outputs)
@@ -192,7 +196,7 @@ class EngineClient:
             if kind == "failed":
                 raise ApiError(500, f"the engine failed to add this request: {message}")
             raise refused(message, request.names)
-        outputs.prompt_tokens = sum(lengths)
+        outputs.prompt_token_ids = prompt_ids
         return outputs
 
     def release(self, stream: RequestStream) -> None:

@@ -88,14 +88,14 @@ class EngineWorker:
             self.conn.send(("added", key, ("queue_full", f"the server's queue is full ({waiting} requests waiting): "
                                                          "retry later"), None))
             return
-        self.keys[key], lengths = [], []
+        self.keys[key], prompt_ids = [], []
         try:
             for i, prompt in enumerate(prompts):
                 token_ids = self.engine.encode(prompt, add_special_tokens)
                 request_id = self.engine.add_request(token_ids, params, stream=stream)
                 self.keys[key].append(request_id)
                 self.requests[request_id] = [key, i * params.n, params.n, stream]
-                lengths.append(len(token_ids))
+                prompt_ids.append(token_ids)
         except (ValueError, TypeError) as error:
             self.abort(key)
             self.conn.send(("added", key, ("invalid", str(error)), None))
@@ -105,7 +105,7 @@ class EngineWorker:
             print(f"tritonllm serve: adding a request failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
             self.conn.send(("added", key, ("failed", f"{type(error).__name__}: {error}"), None))
             return
-        self.conn.send(("added", key, None, lengths))
+        self.conn.send(("added", key, None, prompt_ids))
 
     def abort(self, key: int) -> None:
         for request_id in self.keys.pop(key, []):

@@ -47,7 +47,8 @@ def _floor(logprob: float) -> float:
 class Renderer:
     """Builds one request's response (or its stream's chunks) in the OpenAI format."""
 
-    def __init__(self, request: GenerateRequest, model: str, tokenizer, token_cache: dict):
+    def __init__(self, request: GenerateRequest, model: str, tokenizer, token_cache: dict,
+                 prompt_token_ids: list[list[int]] | None = None):
         self.request, self.chat = request, request.chat
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
@@ -56,6 +57,9 @@ class Renderer:
         self.token_cache = token_cache  # token id -> its text, shared by the requests of one tokenizer
         self.offsets: dict[int, int] = {}  # completions logprobs: text_offset reached, per choice
         self.completion_tokens = self.cached_tokens = 0
+        # vLLM's, with return_token_ids: a completion choice's first chunk, a chat response or its first chunks.
+        self.prompt_token_ids = prompt_token_ids if request.return_token_ids else None
+        self.prompt_ids_sent: set[int] = set()  # completion choices that carried theirs
         head = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": self.created, "model": model}
         self.chunk_head = "data: " + json.dumps(head, separators=(",", ":"))[:-1] + ',"choices":['
@@ -118,6 +122,9 @@ class Renderer:
         choice["stop_reason"] = piece.stop_reason  # vLLM's: the stop token id or string that ended it
         if self.request.return_token_ids:
             choice["token_ids"] = piece.token_ids
+        if self.prompt_token_ids is not None and not self.chat and index not in self.prompt_ids_sent:
+            choice["prompt_token_ids"] = self.prompt_token_ids[index // self.request.params.n]
+            self.prompt_ids_sent.add(index)
         return choice
 
     def usage(self, prompt_tokens: int) -> dict:
@@ -131,8 +138,11 @@ class Renderer:
     def response(self, items: list[tuple], prompt_tokens: int) -> dict:
         pieces = merge(items)
         choices = [self._choice(i, pieces.get(i) or Piece(), whole=True) for i in range(self.request.num_choices)]
-        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion", "created": self.created,
-                "model": self.model, "choices": choices, "usage": self.usage(prompt_tokens)}
+        response = {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                    "created": self.created, "model": self.model, "choices": choices, "usage": self.usage(prompt_tokens)}
+        if self.chat and self.prompt_token_ids is not None:
+            response["prompt_token_ids"] = self.prompt_token_ids[0]
+        return response
 
     # ---- streams (server-sent events)
 
@@ -143,8 +153,11 @@ class Renderer:
         """Chat streams open with the assistant's role, one chunk per choice."""
         if not self.chat:
             return ""
-        return "".join(self._event({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                    "finish_reason": None}) for i in range(self.request.num_choices))
+        extra = "" if self.prompt_token_ids is None else '"prompt_token_ids":' + json.dumps(self.prompt_token_ids[0]) + ","
+        head = self.chunk_head.replace('"choices":[', extra + '"choices":[')
+        return "".join(head + json.dumps({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                          "finish_reason": None}, separators=(",", ":")) + "]}\n\n"
+                       for i in range(self.request.num_choices))
 
     def stream_chunks(self, items: list[tuple]) -> str:
         """One event per choice that has news: text, tokens or its finish."""
