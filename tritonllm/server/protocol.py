@@ -219,6 +219,11 @@ def _chat_text(body: dict, tokenizer) -> str:
     return text
 
 
+def _add_special_tokens(body: dict, chat: bool) -> bool:
+    """vLLM's add_special_tokens: by default a completion's prompt gets them, a chat's rendered text not."""
+    return _typed(body, "add_special_tokens", bool, not chat)
+
+
 def tokenize(body: dict, tokenizer, max_model_len: int) -> dict:
     """vLLM's POST /tokenize: the token ids of a prompt (with the tokenizer's special tokens unless
     add_special_tokens is false) or of a chat's rendered messages (without, unless true), as the
@@ -231,7 +236,7 @@ def tokenize(body: dict, tokenizer, max_model_len: int) -> dict:
         prompt = _chat_text(body, tokenizer)
     elif not isinstance(prompt := body.get("prompt"), str):
         raise bad(f"prompt must be a string, got {prompt!r:.60}", "prompt")
-    ids = tokenizer.encode(prompt, add_special_tokens=_typed(body, "add_special_tokens", bool, not chat))
+    ids = tokenizer.encode(prompt, add_special_tokens=_add_special_tokens(body, chat))
     strs = tokenizer.convert_ids_to_tokens(ids) if _typed(body, "return_token_strs", bool, False) else None
     return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs}
 
@@ -273,4 +278,4 @@ def _request(body: dict, chat: bool, prompts: list, params: SamplingParams, logp
     return GenerateRequest(chat, prompts, params, stream, _usage_options(body, stream), logprobs,
                            _typed(body, "return_token_ids", bool, False) or not has_tokenizer,
                            _typed(body, "return_tokens_as_token_ids", bool, False) or not has_tokenizer,
-                           field_names(body), _typed(body, "add_special_tokens", bool, not chat))
+                           field_names(body), _add_special_tokens(body, chat))

@@ -146,8 +146,8 @@ class Renderer:
 
     # ---- streams (server-sent events)
 
-    def _event(self, choice: dict) -> str:
-        return self.chunk_head + json.dumps(choice, separators=(",", ":")) + "]}\n\n"
+    def _event(self, choice: dict, head: str | None = None) -> str:
+        return (head or self.chunk_head) + json.dumps(choice, separators=(",", ":")) + "]}\n\n"
 
     def stream_start(self) -> str:
         """Chat streams open with the assistant's role, one chunk per choice."""
@@ -155,9 +155,8 @@ class Renderer:
             return ""
         extra = "" if self.prompt_token_ids is None else '"prompt_token_ids":' + json.dumps(self.prompt_token_ids[0]) + ","
         head = self.chunk_head.replace('"choices":[', extra + '"choices":[')
-        return "".join(head + json.dumps({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                          "finish_reason": None}, separators=(",", ":")) + "]}\n\n"
-                       for i in range(self.request.num_choices))
+        return "".join(self._event({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                    "finish_reason": None}, head) for i in range(self.request.num_choices))
 
     def stream_chunks(self, items: list[tuple]) -> str:
         """One event per choice that has news: text, tokens or its finish."""
