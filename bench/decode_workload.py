@@ -39,7 +39,7 @@ from throughput import workload
 from timing import COPY_BYTES_PER_S, graph_time_ms
 from tritonllm import kernels
 from tritonllm.kernels import reference
-from tritonllm.engine.model_runner import graph_batch_sizes
+from tritonllm.engine.warmup import graph_batch_sizes
 from tritonllm.kernels import tuning
 from tritonllm.kernels.decode_attention import DECODE_TUNABLE, decode_attention_bucket
 from tritonllm.kernels.fp8 import head_major_copy

@@ -39,7 +39,7 @@ def prefill_then_decode(llm, prompts, after_prefill=None) -> torch.Tensor:
         seq.num_computed_tokens = n
     restore = after_prefill() if after_prefill is not None else None
     decode = ScheduledBatch(seqs, [1] * len(seqs), False, [True] * len(seqs))
-    logits = llm.runner.execute(build_step_inputs(decode, {}, llm.block_manager.block_size)).float()
+    logits = llm.runner.execute(build_step_inputs(decode, {}, llm.block_manager.block_size))[0].float()
     if restore is not None:
         restore()
     for seq in seqs:

@@ -5,6 +5,7 @@ import zlib  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
 
 from tiny_qwen3 import build_tiny_qwen3, build_tiny_qwen3_moe  # noqa: E402
 
@@ -22,6 +23,12 @@ def _seed(request):
 def tiny_qwen3(tmp_path_factory):
     """Path of a tiny random float32 Qwen3 checkpoint with tied embeddings and a tokenizer."""
     return build_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3"))
+
+
+@pytest.fixture(scope="session")
+def hf(tiny_qwen3):
+    """HF transformers' float32 model of tiny_qwen3, the reference of the engine tests."""
+    return AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32)
 
 
 @pytest.fixture(scope="session")

@@ -165,9 +165,7 @@ class LLM(LLMEngine):
         prompts = [chat_prompt(self.tokenizer, c, add_generation_prompt=add_generation_prompt,
                                continue_final_message=continue_final_message, chat_template=chat_template,
                                chat_template_kwargs=chat_template_kwargs) for c in conversations]
-        encoded = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
-        for prompt, token_ids in zip(prompts, encoded):
-            self.check_known_characters(prompt, token_ids)
+        encoded = [self.encode(p, add_special_tokens=False) for p in prompts]  # the template holds the special tokens
         if stream:
             return self.stream(encoded, sampling_params)
         return self.generate(encoded, sampling_params, use_tqdm)

@@ -20,7 +20,12 @@ class SamplingParams:
     leaves out special tokens unless skip_special_tokens is false, and the stop string, or the EOS or
     stop token's text, that ended it unless include_stop_str_in_output (vLLM's two flags).
     logit_bias (OpenAI's) adds a bias in [-100, 100] to a token id's logit before the penalties and
-    every filter (logprobs stay those of the raw distribution).
+    every filter (logprobs stay those of the raw distribution); allowed_token_ids (vLLM's) are the
+    only tokens that may be drawn (the others' logits -inf; logprobs again raw). prompt_logprobs k
+    (vLLM's) returns each prompt token's log-probability given the tokens before it (none for the
+    first), and with k > 0 the k likeliest tokens at each prompt position; such a prompt is computed
+    in full, never served from the prefix cache. truncate_prompt_tokens k (vLLM's) keeps a prompt's
+    last k tokens (-1: as many as max_model_len).
     """
 
     temperature: float = 1.0
@@ -42,6 +47,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
+    prompt_logprobs: int | None = None
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self):
         self.validate()
@@ -74,9 +82,18 @@ class SamplingParams:
         field("presence_penalty", float, lambda p: -2 <= p <= 2, "in [-2, 2] (0 = off)")
         field("frequency_penalty", float, lambda p: -2 <= p <= 2, "in [-2, 2] (0 = off)")
         field("repetition_penalty", float, lambda p: p > 0, "> 0 (1 = off)")
+        field("prompt_logprobs", int, lambda k: 0 <= k <= MAX_TOP_LOGPROBS,
+              f"in [0, {MAX_TOP_LOGPROBS}] (None = off; 0 = the prompt tokens' own)", optional=True)
+        field("truncate_prompt_tokens", int, lambda k: k >= 1 or k == -1, ">= 1, or -1 (max_model_len)",
+              optional=True)
         field("skip_special_tokens", bool)
         field("include_stop_str_in_output", bool)
         self.logit_bias = _checked_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = check_list("SamplingParams.allowed_token_ids", self.allowed_token_ids, int,
+                                                lambda t: t >= 0, ">= 0")
+            if not self.allowed_token_ids:
+                raise ValueError("SamplingParams.allowed_token_ids=[] is invalid: must hold a token id (None = all)")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = check_list("SamplingParams.stop", self.stop, str, bool, "a non-empty string")

@@ -2,7 +2,8 @@
 and check_list apply it to an attribute and to each item of a list).
 
 A bad value is a TypeError (wrong type) or a ValueError (out of range) that names its field,
-before anything deeper turns it into a confusing error.
+before anything deeper turns it into a confusing error. check_known_characters does the same for
+the characters of a text prompt.
 """
 import math
 import numbers
@@ -68,3 +69,16 @@ def check_list(name: str, value, kind: type, rule=None, allowed: str = "") -> li
     if items is None:
         raise TypeError(f"{name} must be a list, each item {NAMES[kind]}; got {type(value).__name__} {value!r}")
     return [check(f"{name}[{i}]", item, kind, rule, allowed) for i, item in enumerate(items)]
+
+
+def check_known_characters(tokenizer, prompt: str, token_ids: list[int]) -> None:
+    """Reject characters the tokenizer can only map to its unknown token (small vocabularies)."""
+    model = getattr(getattr(tokenizer, "backend_tokenizer", None), "model", None)
+    unk = getattr(model, "unk_token", None) or tokenizer.unk_token
+    unk_id = tokenizer.convert_tokens_to_ids(unk) if unk else None
+    if unk_id is None or unk_id not in token_ids or unk in prompt:
+        return
+    unknown = sorted({c for c in prompt if unk_id in tokenizer.encode(c, add_special_tokens=False)})
+    vocab = sorted(t for t in tokenizer.get_vocab() if len(t) == 1)
+    raise ValueError(f"prompt has characters this model's tokenizer does not know: {''.join(unknown)!r}; "
+                     f"it knows {''.join(vocab)!r}")

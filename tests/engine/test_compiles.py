@@ -15,7 +15,7 @@ import torch
 import triton
 
 from tritonllm import LLM, SamplingParams
-from tritonllm.engine.model_runner import prefill_warmup_steps
+from tritonllm.engine.warmup import prefill_warmup_steps
 from tritonllm.kernels.prefill_attention import enough_work_for_hopper
 from tritonllm.kernels.tuning import pow2
 

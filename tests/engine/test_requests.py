@@ -148,3 +148,19 @@ def test_logit_bias_moves_the_choice_and_leaves_logprobs_raw(llm):
     with pytest.raises(ValueError, match=rf"logit_bias has token id {vocab}: must be in \[0, {vocab}\)"):
         llm.generate([[5]], SamplingParams(logit_bias={vocab: 1.0}), use_tqdm=False)
     assert not llm.has_unfinished()
+
+
+def test_truncate_prompt_tokens_keeps_the_last_k(llm, tiny_qwen3):
+    prompt = list(range(30, 70))
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, truncate_prompt_tokens=9),
+                       use_tqdm=False)[0]
+    assert out.prompt_token_ids == prompt[-9:] and out.token_ids == hf_greedy(tiny_qwen3, prompt[-9:], 4)
+    whole = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, truncate_prompt_tokens=-1),
+                         use_tqdm=False)[0]
+    assert whole.prompt_token_ids == prompt  # -1: up to max_model_len
+    with pytest.raises(ValueError, match=r"max_model_len=512"):  # truncated to the model's length, no room is left
+        llm.add_request(list(range(1, 300)) * 2, SamplingParams(max_tokens=4, truncate_prompt_tokens=-1))
+    for value, error in ((0, ValueError), (-2, ValueError), ("3", TypeError)):
+        with pytest.raises(error, match="truncate_prompt_tokens"):
+            SamplingParams(truncate_prompt_tokens=value)
+    assert not llm.has_unfinished()

@@ -3,7 +3,6 @@ on the tiny checkpoint, against HF transformers' logits and penalties applied by
 import pytest
 import torch
 from tiny_qwen3 import hf_greedy
-from transformers.models.qwen3 import Qwen3ForCausalLM as HFQwen3
 
 from tritonllm import LLM, SamplingParams
 from tritonllm.engine.penalties import add_logit_bias
@@ -18,11 +17,6 @@ SHORT = [7, 8, 9, 7, 8, 9, 7]
 def llm(tiny_qwen3):
     with LLM(str(tiny_qwen3), max_num_seqs=8, num_kv_blocks=NUM_BLOCKS) as engine:
         yield engine
-
-
-@pytest.fixture(scope="module")
-def hf(tiny_qwen3):
-    return HFQwen3.from_pretrained(tiny_qwen3, dtype=torch.float32)
 
 
 def greedy(**params):

@@ -66,11 +66,12 @@ class BlockManager:
         """Give seq blocks for all its tokens, reusing cached full blocks of its prefix.
 
         The block holding the last token is never taken from the cache, so at least one token
-        is computed (a full prefix hit recomputes its last block).
+        is computed (a full prefix hit recomputes its last block). A prompt whose logprobs are still
+        to be scored reuses none: each position's logits are computed.
         """
         assert not seq.block_table
         parent, hits = -1, 0
-        for i in range((len(seq) - 1) // self.block_size):
+        for i in range(0 if seq.needs_prompt_logprobs else (len(seq) - 1) // self.block_size):
             block, parent = self._cached_block(seq, i, parent)
             if block is None:
                 break

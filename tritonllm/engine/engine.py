@@ -21,21 +21,25 @@ from tritonllm.distributed import dp_group, free_port
 from tritonllm.engine.block_manager import BlockManager
 from tritonllm.engine.model_runner import ModelRunner, SampledTokens
 from tritonllm.engine.output import RequestOutput
+from tritonllm.engine.prompt_logprobs import PromptSpan, add_prompt_logprobs, prompt_logprob_spans
 from tritonllm.engine.ranks import check_ranks, shut_down, start_ranks
-from tritonllm.engine.requests import Request, Sample, make_request, step_output, text_token_ids
+from tritonllm.engine.requests import Request, Sample, check_for_model, make_request, step_output, text_token_ids
 from tritonllm.engine.scheduler import ScheduledBatch, Scheduler
 from tritonllm.engine.sequence import Sequence, SequenceStatus
 from tritonllm.engine.step_inputs import build_step_inputs
 from tritonllm.loader import load_config
 from tritonllm.sampling_params import SamplingParams, generation_defaults
-from tritonllm.validation import as_int
+from tritonllm.validation import as_int, check_known_characters
 
 
 @dataclass
 class InFlight:
-    """A launched step whose sampled tokens are not on the host yet: one row per sampling sequence."""
+    """A launched step whose results are not on the host yet: a sampled row per sampling sequence
+    (samples None if none samples), and the prompt positions it scored, if any."""
     seqs: list[Sequence]
-    samples: SampledTokens
+    samples: SampledTokens | None
+    prompt_spans: list[PromptSpan]
+    prompt_scores: SampledTokens | None
 
     def rows(self) -> dict[int, int]:
         return {seq.seq_id: row for row, seq in enumerate(self.seqs)}
@@ -111,7 +115,7 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: give prompts as lists of token ids")
             token_ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-            self.check_known_characters(prompt, token_ids)
+            check_known_characters(self.tokenizer, prompt, token_ids)
         else:
             try:
                 token_ids = [as_int(t) for t in prompt]
@@ -128,18 +132,6 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
         return token_ids
 
-    def check_known_characters(self, prompt: str, token_ids: list[int]) -> None:
-        """Reject characters the tokenizer can only map to its unknown token (small vocabularies)."""
-        model = getattr(getattr(self.tokenizer, "backend_tokenizer", None), "model", None)
-        unk = getattr(model, "unk_token", None) or self.tokenizer.unk_token
-        unk_id = self.tokenizer.convert_tokens_to_ids(unk) if unk else None
-        if unk_id is None or unk_id not in token_ids or unk in prompt:
-            return
-        unknown = sorted({c for c in prompt if unk_id in self.tokenizer.encode(c, add_special_tokens=False)})
-        vocab = sorted(t for t in self.tokenizer.get_vocab() if len(t) == 1)
-        raise ValueError(f"prompt has characters this model's tokenizer does not know: {''.join(unknown)!r}; "
-                         f"it knows {''.join(vocab)!r}")
-
     def add_request(self, prompt, params: SamplingParams | None = None, stream: bool = True) -> int:
         """Queue a prompt (a string or token ids) for params.n samples; returns its request id.
         `stream`: step() reports each sample's new tokens and text; otherwise only final outputs."""
@@ -154,12 +146,11 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         params = dataclasses.replace(params)
-        if params.stop and self.tokenizer is None:
-            raise ValueError("SamplingParams.stop needs a tokenizer, and this model has none: use stop_token_ids")
-        vocab = self.hf_config.vocab_size
-        if params.logit_bias and max(params.logit_bias) >= vocab:
-            raise ValueError(f"SamplingParams.logit_bias has token id {max(params.logit_bias)}: must be in [0, {vocab})")
+        check_for_model(params, self.tokenizer, self.hf_config.vocab_size, self.eos_ids)
         token_ids = self.encode(prompt)
+        if params.truncate_prompt_tokens is not None:  # the last k (vLLM's; -1: max_model_len)
+            token_ids = token_ids[-(self.config.max_model_len if params.truncate_prompt_tokens == -1
+                                    else params.truncate_prompt_tokens):]
         num_blocks, block_size = len(self.block_manager.blocks), self.config.kv_block_size
         if params.max_tokens is None:  # as many as fit: the model's length, and the K/V of all but the last token
             room = min(self.config.max_model_len, num_blocks * block_size + 1) - len(token_ids)
@@ -275,16 +266,19 @@ class LLMEngine:
 
     def _launch(self, batch: ScheduledBatch) -> InFlight | None:
         previous = self._in_flight
+        spans = prompt_logprob_spans(batch) if batch.is_prefill else []
         inputs = build_step_inputs(batch, previous.rows() if previous else {}, self.config.kv_block_size,
-                                   self.config.prefill_gather_blocks)
+                                   self.config.prefill_gather_blocks, spans)
         seqs = batch.sampling_seqs
-        samples = self.runner.launch(inputs, seqs, [self._seed(seq) for seq in seqs], self._bans(seqs),
-                                     previous.samples.ids if previous else None)
+        samples, scores = self.runner.launch(inputs, seqs, [self._seed(seq) for seq in seqs], self._bans(seqs),
+                                             previous.samples.ids if previous and previous.samples else None)
         self.scheduler.launched(batch)
+        for span in spans:
+            span.seq.num_prompt_logprobs_launched = span.first + span.count
         if batch.is_prefill:
             self._counters["prefill_tokens"] += batch.num_tokens
             self._queue_samples(seqs)
-        return InFlight(seqs, samples) if samples is not None else None
+        return InFlight(seqs, samples, spans, scores) if samples is not None or scores is not None else None
 
     def _bans(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
         """The (row, token) pairs a step may not draw: a row short of its min_tokens draws neither EOS
@@ -301,11 +295,17 @@ class LLMEngine:
         check_ranks(self._workers, wait)
 
     def _resolve(self, in_flight: InFlight | None, outputs: list[RequestOutput]) -> None:
-        """Bring in a launched step's sampled tokens, appending the outputs they make to `outputs` (one
-        at a time: a failure midway keeps those made); rows of sequences that finished since are dropped."""
+        """Bring in a launched step's prompt scores and sampled tokens, appending the outputs they make to
+        `outputs` (one at a time: a failure midway keeps those made); rows of sequences that finished
+        since are dropped."""
         if in_flight is None:
             return
-        token_ids, logprobs, top = in_flight.samples.result(self._check_workers if self._workers else None)
+        check = self._check_workers if self._workers else None
+        if in_flight.prompt_scores is not None:  # a step's prompt scores come before its samples
+            add_prompt_logprobs(in_flight.prompt_spans, *in_flight.prompt_scores.result(check)[1:])
+        if in_flight.samples is None:
+            return
+        token_ids, logprobs, top = in_flight.samples.result(check)
         for row, (seq, token) in enumerate(zip(in_flight.seqs, token_ids)):
             if seq.is_finished:
                 continue

@@ -15,38 +15,15 @@ from tritonllm.context import Context, set_context
 from tritonllm.distributed import (all_reduce, broadcast, broadcast_object, close_distributed, init_distributed,
                                    tp_rank)
 from tritonllm.engine.penalties import PenaltyRows, add_logit_bias
+from tritonllm.engine.prompt_logprobs import score_positions
 from tritonllm.engine.sequence import Sequence
 from tritonllm.engine.step_inputs import StepInputs
-from tritonllm.kernels.prefill_attention import enough_work_for_hopper
-from tritonllm.kernels.tuning import pow2
+from tritonllm.engine.warmup import graph_batch_sizes, prefill_warmup_steps
 from tritonllm.layers.attention import Attention, allocate_kv_caches, kv_bytes_per_token
 from tritonllm.layers.ops import backend
 from tritonllm.loader import build_model, init_dummy_weights, load_weights
 
 CPU_KV_CACHE_BYTES = 1 << 30
-
-
-def graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    sizes = [1, 2, 4, 8] + list(range(16, max_num_seqs + 1, 16))
-    return sorted({min(s, max_num_seqs) for s in sizes} | {max_num_seqs})
-
-
-def prefill_warmup_steps(max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int) -> list[list[int]]:
-    """Sequence lengths of prefill steps that together reach every tuning bucket a prefill step can:
-    the attention kernels' configs go by the longest query (its power of two, and whether the step
-    has enough work for the Hopper kernel), the other kernels' by the step's token count.
-    Each step is a longest query q (a bucket's first and last length) and others up to t tokens."""
-    longest = min(max_model_len, max_num_batched_tokens)
-    steps, seen = [], set()
-    firsts_and_lasts = {n for i in range(longest.bit_length()) for n in (1 << i, (1 << i) + 1) if n <= longest}
-    for q in sorted(firsts_and_lasts | {longest}):
-        most = min(max_num_batched_tokens, max_num_seqs * q)
-        for tokens in sorted({q, most} | {1 << i for i in range(most.bit_length()) if q < 1 << i < most}):
-            keys = {("query", pow2(q), enough_work_for_hopper(tokens, q)), ("tokens", pow2(tokens))}
-            if not keys <= seen:
-                seen |= keys
-                steps.append([q] * (tokens // q) + ([tokens % q] if tokens % q else []))
-    return steps
 
 
 class SampledTokens:
@@ -203,8 +180,9 @@ class ModelRunner:
         return torch.where(rows >= 0, previous_ids[rows.clamp(min=0)], token_ids)
 
     @torch.inference_mode()
-    def execute(self, inputs: StepInputs, previous_ids: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Forward one step on this rank (no host sync); logits [N, V] of the rows that sample.
+    def execute(self, inputs: StepInputs, previous_ids: torch.Tensor | None = None) -> tuple:
+        """Forward one step on this rank (no host sync): logits [N, V] of the rows that sample, and
+        the prompt positions' scores on their way to the host (rank 0, with prompt_rows; else None).
         previous_ids: the previous step's sampled ids on the device (rank 0), read by pending rows."""
         to = self._to_device
         token_ids = self._input_ids(inputs, previous_ids)
@@ -215,7 +193,11 @@ class ModelRunner:
                               to(inputs.cu_seqlens_q), inputs.max_q_len, inputs.max_seq_len, to(inputs.gather_blocks),
                               to(inputs.gather_tables), to(inputs.copy_slots), inputs.num_copies)
             hidden = self._forward(token_ids, to(inputs.positions), context)
-        return self.model.compute_logits(hidden[to(inputs.logit_rows)])
+        scored = None
+        if inputs.prompt_rows is not None:
+            scored = score_positions(self.model, self.ops, hidden, to(inputs.prompt_rows), to(inputs.prompt_ids),
+                                     inputs.prompt_top)
+        return self.model.compute_logits(hidden[to(inputs.logit_rows)]), scored and SampledTokens(*scored)
 
     @torch.inference_mode()
     def _forward(self, token_ids, positions, context: Context) -> torch.Tensor:
@@ -331,13 +313,14 @@ class ModelRunner:
     # ---- tensor-parallel driving
 
     def launch(self, inputs: StepInputs, seqs: list[Sequence], seeds: list[int], bans: list[tuple[int, int]],
-               previous_ids: torch.Tensor | None) -> "SampledTokens | None":
+               previous_ids: torch.Tensor | None) -> tuple:
         """Rank 0: start one step on every rank and sample the rows of `seqs` (one per logit row, in
-        order; bans as sample's); returns the samples without waiting for them (None if no row samples)."""
+        order; bans as sample's); returns the samples (None if no row samples) and the prompt scores
+        (execute's) without waiting for them."""
         if self.world_size > 1:
             broadcast_object(("execute", inputs))
-        logits = self.execute(inputs, previous_ids)
-        return self.sample(logits, seqs, seeds, bans) if seqs else None
+        logits, scored = self.execute(inputs, previous_ids)
+        return self.sample(logits, seqs, seeds, bans) if seqs else None, scored
 
     def worker_loop(self) -> None:
         """Ranks > 0: run what rank 0 broadcasts until it says exit."""

@@ -13,6 +13,10 @@ class GenerationOutput:
     top_logprobs: list[dict[int, float]] | None = None  # per token, the top_logprobs likeliest: id -> logprob
     index: int = 0  # which of the request's n samples
     stop_reason: int | str | None = None  # the stop_token_ids entry or stop string that ended it; None for EOS
+    # With params.prompt_logprobs (vLLM's), led by None, as the first prompt token has none: each prompt
+    # token's logprob, and with prompt_logprobs > 0 the likeliest tokens at its position: id -> logprob.
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None
 
     def __getitem__(self, key: str):
         """out["text"], out["token_ids"]: the dict access of nano-vllm's outputs."""
@@ -30,6 +34,8 @@ class RequestOutput:
     index: int = 0  # which of the request's n samples
     new_logprobs: list[float] | None = None  # aligned with new_token_ids, when the output has logprobs
     new_top_logprobs: list[dict[int, float]] | None = None  # likewise, with params.top_logprobs > 0
+    prompt_logprobs: list[float | None] | None = None  # as GenerationOutput's, in a sample's first output
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None
 
 
 class IncrementalText:

@@ -1,5 +1,5 @@
 """The penalties' per-sequence state on the device (which buffer row each running sequence owns),
-and the logit_bias each sequence adds to its row."""
+and the logit_bias and allowed_token_ids each sequence applies to its row."""
 import torch
 
 from tritonllm.engine.sequence import Sequence, SequenceStatus
@@ -74,18 +74,30 @@ class PenaltyRows:
 
 def add_logit_bias(logits: torch.Tensor, seqs: list[Sequence], to_device) -> torch.Tensor | None:
     """A float32 copy of logits [B, V] with each row's logit_bias added (vLLM adds them in float32:
-    bf16 would round small biases away), or None if no row has one. A sequence's bias goes to the
-    device once and stays on it (`to_device`: host tensor -> device)."""
+    bf16 would round small biases away) and, in a row with allowed_token_ids, -inf on every other
+    token; None if no row has either. A sequence's ids and biases go to the device once and stay
+    on it (`to_device`: host tensor -> device)."""
     biased = [(row, seq) for row, seq in enumerate(seqs) if seq.params.logit_bias]
-    if not biased:
+    allowed = [(row, seq) for row, seq in enumerate(seqs) if seq.params.allowed_token_ids]
+    if not biased and not allowed:
         return None
-    for _, seq in biased:
-        if seq.logit_bias_tensors is None:
-            bias = seq.params.logit_bias
-            seq.logit_bias_tensors = (to_device(torch.tensor(list(bias))),
-                                      to_device(torch.tensor(list(bias.values()), dtype=torch.float32)))
-    ids = [seq.logit_bias_tensors[0] for _, seq in biased]
-    where = (torch.cat([torch.full_like(i, row) for (row, _), i in zip(biased, ids)]), torch.cat(ids))
     out = logits.to(torch.float32, copy=True)  # a copy even of float32 logits: the raw ones give the logprobs
-    # Each (row, token) comes once, so the accumulating put is a plain add.
-    return out.index_put_(where, torch.cat([seq.logit_bias_tensors[1] for _, seq in biased]), accumulate=True)
+    if allowed:
+        for _, seq in allowed:
+            if seq.allowed_ids_tensor is None:
+                seq.allowed_ids_tensor = to_device(torch.tensor(seq.params.allowed_token_ids))
+        ids = [seq.allowed_ids_tensor for _, seq in allowed]
+        mask = torch.full((len(allowed), out.shape[1]), float("-inf"), device=out.device)
+        mask[torch.cat([torch.full_like(i, k) for k, i in enumerate(ids)]), torch.cat(ids)] = 0.0
+        out[to_device(torch.tensor([row for row, _ in allowed]))] += mask
+    if biased:
+        for _, seq in biased:
+            if seq.logit_bias_tensors is None:
+                bias = seq.params.logit_bias
+                seq.logit_bias_tensors = (to_device(torch.tensor(list(bias))),
+                                          to_device(torch.tensor(list(bias.values()), dtype=torch.float32)))
+        ids = [seq.logit_bias_tensors[0] for _, seq in biased]
+        where = (torch.cat([torch.full_like(i, row) for (row, _), i in zip(biased, ids)]), torch.cat(ids))
+        # Each (row, token) comes once, so the accumulating put is a plain add.
+        out.index_put_(where, torch.cat([seq.logit_bias_tensors[1] for _, seq in biased]), accumulate=True)
+    return out

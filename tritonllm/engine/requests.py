@@ -33,6 +33,20 @@ class Request:
         return self.samples[self.num_queued:]
 
 
+def check_for_model(params: SamplingParams, tokenizer, vocab: int, eos_ids: set[int]) -> None:
+    """What SamplingParams cannot check alone: stop strings need a tokenizer, token ids the
+    vocabulary, and allowed_token_ids some token that min_tokens lets be drawn."""
+    if params.stop and tokenizer is None:
+        raise ValueError("SamplingParams.stop needs a tokenizer, and this model has none: use stop_token_ids")
+    for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids)):
+        if ids and max(ids) >= vocab:
+            raise ValueError(f"SamplingParams.{name} has token id {max(ids)}: must be in [0, {vocab})")
+    never_drawn = eos_ids | set(params.stop_token_ids) if params.min_tokens else set()
+    if params.allowed_token_ids and set(params.allowed_token_ids) <= never_drawn:
+        raise ValueError(f"SamplingParams.allowed_token_ids={params.allowed_token_ids} holds only EOS and stop tokens, "
+                         f"which min_tokens={params.min_tokens} keeps from being drawn")
+
+
 def sample_params(params: SamplingParams, index: int) -> SamplingParams:
     """Sample `index`'s params: a seed stream of its own, derived from (seed, index). Sample 0 keeps
     the seed, so it draws what the same request with n = 1 does."""
@@ -45,6 +59,8 @@ def make_request(seq: Sequence, stream: bool, tokenizer) -> Request:
     """The request of a new sequence (sample 0): params.n samples of its prompt."""
     params = seq.params
     seqs = [seq] + [Sequence(seq.token_ids, sample_params(params, i), seq.block_size) for i in range(1, params.n)]
+    for other in seqs[1:]:
+        other.prompt_logprobs = None  # the first sample scores the prompt for all
     with_text = tokenizer is not None and (stream or params.stop)
     samples = [Sample(s, i, IncrementalText(tokenizer, params.stop, params.min_tokens, params.include_stop_str_in_output,
                                             params.skip_special_tokens) if with_text else None)
@@ -59,7 +75,16 @@ def text_token_ids(sample: Sample) -> list[int]:
     return ids[:-1] if sample.stopped_by_token and not sample.seq.params.include_stop_str_in_output else ids
 
 
-def final_output(sample: Sample, tokenizer) -> GenerationOutput:
+def prompt_scores(request: Request) -> tuple[list | None, list | None]:
+    """The request's prompt_logprobs and prompt_top_logprobs (GenerationOutput's); None where not
+    asked for, or while not all scored (an abort)."""
+    seq = request.samples[0].seq
+    if seq.prompt_logprobs is None or len(seq.prompt_logprobs) < seq.num_prompt_tokens - 1:
+        return None, None
+    return [None] + seq.prompt_logprobs, [None] + seq.prompt_top_logprobs if seq.params.prompt_logprobs else None
+
+
+def final_output(sample: Sample, tokenizer, prompt: tuple[list | None, list | None]) -> GenerationOutput:
     seq, params = sample.seq, sample.seq.params
     if sample.text is not None:
         text = sample.text.text
@@ -69,7 +94,7 @@ def final_output(sample: Sample, tokenizer) -> GenerationOutput:
         text = None
     return GenerationOutput(seq.token_ids[:seq.num_prompt_tokens], seq.completion_token_ids, text, seq.finish_reason,
                             seq.num_cached_tokens or 0, seq.logprobs if params.wants_logprobs else None,
-                            seq.top_logprobs if params.top_logprobs else None, sample.index, seq.stop_reason)
+                            seq.top_logprobs if params.top_logprobs else None, sample.index, seq.stop_reason, *prompt)
 
 
 def step_output(request: Request, sample: Sample, finished: bool, tokenizer) -> RequestOutput:
@@ -78,7 +103,9 @@ def step_output(request: Request, sample: Sample, finished: bool, tokenizer) -> 
     start = sample.num_emitted
     sample.num_emitted = seq.num_known_completion_tokens
     delta = sample.text.delta(finished) if request.stream and sample.text is not None else ""
+    prompt = prompt_scores(request) if start == 0 or finished else (None, None)
     return RequestOutput(request.request_id, seq.token_ids[seq.num_prompt_tokens + start:], delta, finished,
-                         final_output(sample, tokenizer) if finished else None, sample.index,
+                         final_output(sample, tokenizer, prompt) if finished else None, sample.index,
                          seq.logprobs[start:] if params.wants_logprobs else None,
-                         seq.top_logprobs[start:] if params.top_logprobs else None)
+                         seq.top_logprobs[start:] if params.top_logprobs else None,
+                         *(prompt if start == 0 else (None, None)))

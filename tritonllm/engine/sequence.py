@@ -31,6 +31,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_table_array = None  # the model runner's int32 copy: (the list it copies, the array)
         self.logit_bias_tensors = None  # the model runner's device copy of params.logit_bias: (ids, biases)
+        self.allowed_ids_tensor = None  # likewise of params.allowed_token_ids
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_cached_tokens: int | None = None  # prompt tokens the first allocation found in the prefix cache
         self.num_hashed_blocks = 0  # leading blocks registered in the prefix cache
@@ -38,6 +39,11 @@ class Sequence:
         self.top_logprobs: list[dict[int, float]] = []
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it (vLLM's)
+        # With params.prompt_logprobs (the first sample of a request only): entry i scores prompt token
+        # i + 1, from the logits at position i; positions launched counts those resolved or in flight.
+        self.prompt_logprobs: list[float] | None = None if params.prompt_logprobs is None else []
+        self.prompt_top_logprobs: list[dict[int, float]] = []
+        self.num_prompt_logprobs_launched = 0
 
     def __len__(self) -> int:
         return len(self.token_ids) + self.num_pending
@@ -45,6 +51,11 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether prompt positions are still to be scored (such a prompt skips the prefix cache)."""
+        return self.prompt_logprobs is not None and self.num_prompt_logprobs_launched < self.num_prompt_tokens - 1
 
     @property
     def completion_token_ids(self) -> list[int]:

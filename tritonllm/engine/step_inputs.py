@@ -4,6 +4,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tritonllm.engine.prompt_logprobs import PromptSpan
 from tritonllm.engine.scheduler import ScheduledBatch
 from tritonllm.engine.sequence import Sequence
 
@@ -33,6 +34,12 @@ class StepInputs:
     gather_tables: torch.Tensor | None = None
     copy_slots: torch.Tensor | None = None
     num_copies: int = 0
+    # Prefill with prompt_logprobs (engine/prompt_logprobs.py; else None): prompt_rows [M] int64, rows
+    # of the T tokens whose logits score the next prompt token, prompt_ids [M] int64; prompt_top: the
+    # most top logprobs any of their sequences asks for.
+    prompt_rows: torch.Tensor | None = None
+    prompt_ids: torch.Tensor | None = None
+    prompt_top: int = 0
 
 
 def block_table_array(seq: Sequence) -> np.ndarray:
@@ -70,13 +77,14 @@ def block_copies(tables: list[np.ndarray], block_tables: np.ndarray, starts: np.
 
 
 def build_step_inputs(batch: ScheduledBatch, previous_rows: dict[int, int], block_size: int,
-                      gather_limit: int = 0) -> StepInputs:
+                      gather_limit: int = 0, prompt_spans: list[PromptSpan] = ()) -> StepInputs:
     """Host tensors of one step, built with numpy and little Python per sequence.
 
     previous_rows: seq_id -> row of the previous (still unresolved) step's samples; a decode row
     whose last token is pending reads it from there on the device. gather_limit: a prefill step
     whose sequences hold at most this many distinct cache blocks runs on copies of them (gather_blocks,
     gather_tables, copy_slots, num_copies; EngineConfig.prefill_gather_blocks; 0: never).
+    prompt_spans: the prompt positions the step scores (prompt_logprob_spans).
     """
     seqs = batch.seqs
     tables = [block_table_array(seq) for seq in seqs]
@@ -107,17 +115,23 @@ def build_step_inputs(batch: ScheduledBatch, previous_rows: dict[int, int], bloc
         return table_rows[seq_index, positions // block_size].astype(np.int64) * block_size + positions % block_size
 
     slots = slots_in(block_tables)
-    copies = {}
+    extra = {}
     if batch.is_prefill and gather_limit:
         gathered = block_copies(tables, block_tables, starts, seq_lens, block_size, gather_limit)
         if gathered is not None:
             gather_blocks, gather_tables, num_copies = gathered
-            copies = dict(gather_blocks=torch.from_numpy(gather_blocks), gather_tables=torch.from_numpy(gather_tables),
-                          copy_slots=torch.from_numpy(slots_in(gather_tables)), num_copies=num_copies)
+            extra = dict(gather_blocks=torch.from_numpy(gather_blocks), gather_tables=torch.from_numpy(gather_tables),
+                         copy_slots=torch.from_numpy(slots_in(gather_tables)), num_copies=num_copies)
+    if prompt_spans:
+        extra["prompt_rows"] = torch.tensor([row for span in prompt_spans
+                                             for row in range(span.row, span.row + span.count)])
+        extra["prompt_ids"] = torch.tensor([t for span in prompt_spans
+                                             for t in span.seq.token_ids[span.first + 1:span.first + span.count + 1]])
+        extra["prompt_top"] = max(span.seq.params.prompt_logprobs for span in prompt_spans)
     return StepInputs(
         is_prefill=batch.is_prefill, token_ids=torch.tensor(token_ids, dtype=torch.int64),
         positions=torch.from_numpy(positions), slot_mapping=torch.from_numpy(slots),
         seq_lens=torch.from_numpy(seq_lens.astype(np.int32)), block_tables=torch.from_numpy(block_tables),
         cu_seqlens_q=cu_seqlens_q, max_q_len=max(batch.num_new), max_seq_len=int(seq_lens.max()),
         logit_rows=torch.from_numpy(logit_rows), pending_rows=pending_rows, num_previous_samples=len(previous_rows),
-        **copies)
+        **extra)

@@ -91,11 +91,11 @@ class EngineWorker:
         self.keys[key], prompt_ids = [], []
         try:
             for i, prompt in enumerate(prompts):
-                token_ids = self.engine.encode(prompt, add_special_tokens)
-                request_id = self.engine.add_request(token_ids, params, stream=stream)
+                seq = self.engine.make_sequence(self.engine.encode(prompt, add_special_tokens), params)
+                prompt_ids.append(seq.token_ids[:])  # as the engine runs it (truncate_prompt_tokens)
+                request_id = self.engine.queue(seq, stream)
                 self.keys[key].append(request_id)
                 self.requests[request_id] = [key, i * params.n, params.n, stream]
-                prompt_ids.append(token_ids)
         except (ValueError, TypeError) as error:
             self.abort(key)
             self.conn.send(("added", key, ("invalid", str(error)), None))
@@ -140,7 +140,8 @@ class EngineWorker:
                     ids.remove(out.request_id)
                     if not ids:
                         del self.keys[entry[0]]
+            prompt = None if out.prompt_logprobs is None else (out.prompt_logprobs, out.prompt_top_logprobs)
             items.append((entry[0], entry[1] + out.index, out.new_token_ids, text, out.new_logprobs,
-                          out.new_top_logprobs, final))
+                          out.new_top_logprobs, final, prompt))
         if items:
             self.conn.send(("out", items))

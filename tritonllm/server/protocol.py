@@ -3,7 +3,7 @@ error shape.
 
 Fields that change nothing in the output (user, metadata, store, ...) and fields nobody defined
 are accepted and ignored; a field that would change the output and that this server does not
-implement (echo, tools, ...) is an error unless it holds its neutral value.
+implement (tools, a chat's echo, ...) is an error unless it holds its neutral value.
 """
 import re
 from dataclasses import dataclass
@@ -14,14 +14,14 @@ from tritonllm.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 
 # Field -> the values that leave the output as it is (anything else is refused by name).
 NEUTRAL = {
-    "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1),
+    "suffix": (None, ""), "best_of": (None, 1),
     "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
     "function_call": (None, "none", "auto"), "response_format": (None, {"type": "text"}),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,),
     # vLLM's extras
-    "use_beam_search": (None, False), "prompt_logprobs": (None, 0), "allowed_token_ids": (None,), "bad_words": (None, []),
+    "use_beam_search": (None, False), "bad_words": (None, []),
     "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
-    "structured_outputs": (None,), "truncate_prompt_tokens": (None,),
+    "structured_outputs": (None,),
 }
 
 JSON_NAMES = {bool: "a boolean", int: "an integer", str: "a string", dict: "an object", list: "an array"}
@@ -52,12 +52,15 @@ class GenerateRequest:
     prompts: list  # completions: strings or token-id lists; chat: the one chat-templated text
     params: SamplingParams
     stream: bool
-    include_usage: bool
+    include_usage: bool  # a stream ends with a chunk of the usage
     logprobs: int | None  # None: no logprobs; else how many top alternatives per token (0..20)
     return_token_ids: bool  # each choice (and stream delta) also carries its token ids
     tokens_as_ids: bool  # logprob tokens as "token_id:N" instead of their text
     names: dict[str, str]  # engine field -> the body's field for it, where they differ (refused)
     add_special_tokens: bool  # a text prompt gets the tokenizer's special tokens (vLLM's: completions yes, chat no)
+    echo: bool = False  # a completion choice starts with its prompt (text, and logprobs if asked)
+    generates: bool = True  # false for OpenAI's echo with max_tokens 0: the one token drawn is left out
+    continuous_usage: bool = False  # vLLM's continuous_usage_stats: each stream chunk has its choice's usage so far
 
     @property
     def num_choices(self) -> int:
@@ -128,16 +131,17 @@ def refused(message: str, names: dict[str, str]) -> ApiError:
 
 
 def sampling_params(body: dict, default_max_tokens: int | None, top_logprobs: int | None,
-                    defaults: dict | None = None) -> SamplingParams:
+                    defaults: dict | None = None, echo: bool = False) -> SamplingParams:
     """The body's sampling fields as checked SamplingParams; a bad one is a 400 naming its field.
     A field the body leaves out takes the model's default (`defaults`, from its generation_config,
-    as vLLM's), else OpenAI's."""
+    as vLLM's), else OpenAI's. An echo scores the prompt as the completion's tokens (vLLM's)."""
     names = field_names(body)
     max_name = names["max_tokens"]
     fields = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "min_tokens": 0, "n": 1,
               "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
               "seed": None, "ignore_eos": False, "stop_token_ids": None, "skip_special_tokens": True,
-              "include_stop_str_in_output": False, **(defaults or {})}
+              "include_stop_str_in_output": False, "allowed_token_ids": None, "truncate_prompt_tokens": None,
+              **(defaults or {})}
     kwargs = {name: default if body.get(name) is None else body[name] for name, default in fields.items()}
     # Without one: completions 16 (OpenAI's default), chat None (the engine fills the room the prompt leaves).
     kwargs["max_tokens"] = default_max_tokens if body.get(max_name) is None else body[max_name]
@@ -145,6 +149,12 @@ def sampling_params(body: dict, default_max_tokens: int | None, top_logprobs: in
     kwargs["logit_bias"] = _logit_bias(body)
     kwargs["logprobs"] = top_logprobs is not None
     kwargs["top_logprobs"] = top_logprobs or 0
+    kwargs["prompt_logprobs"] = body.get("prompt_logprobs")
+    if echo:
+        if kwargs["prompt_logprobs"] is None:
+            kwargs["prompt_logprobs"] = top_logprobs
+        if _without_generation(body):
+            kwargs["max_tokens"] = 1
     try:
         return SamplingParams(**kwargs)
     except (TypeError, ValueError) as error:
@@ -167,14 +177,18 @@ def _prompts(body: dict) -> list:
               f"token-id arrays (none empty), got {prompt!r:.60}", "prompt")
 
 
-def _usage_options(body: dict, stream: bool) -> bool:
+def _usage_options(body: dict, stream: bool) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats), the second only with the first (vLLM's)."""
     options = _typed(body, "stream_options", dict, {})
     if options and not stream:
         raise bad("stream_options is only allowed with stream=true", "stream_options")
-    if _typed(options, "continuous_usage_stats", bool, False):
-        raise bad("stream_options.continuous_usage_stats is not supported: usage comes in the last chunk",
-                  "stream_options")
-    return bool(_typed(options, "include_usage", bool, False))
+    include = _typed(options, "include_usage", bool, False)
+    return include, include and _typed(options, "continuous_usage_stats", bool, False)
+
+
+def _without_generation(body: dict) -> bool:
+    """OpenAI's echo with max_tokens 0: the prompt comes back (scored with logprobs), no completion."""
+    return type(body.get("max_tokens")) is int and body["max_tokens"] == 0
 
 
 def parse_completion(body: dict, has_tokenizer: bool, defaults: dict | None = None) -> GenerateRequest:
@@ -183,13 +197,21 @@ def parse_completion(body: dict, has_tokenizer: bool, defaults: dict | None = No
     logprobs = _typed(body, "logprobs", int)
     if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
         raise bad(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}", "logprobs")
-    return _request(body, False, prompts, sampling_params(body, 16, logprobs, defaults), logprobs, has_tokenizer)
+    echo = _typed(body, "echo", bool, False)
+    if echo and not has_tokenizer:
+        raise bad("echo needs a tokenizer, and this model has none", "echo")
+    params = sampling_params(body, 16, logprobs, defaults, echo)
+    request = _request(body, False, prompts, params, logprobs, has_tokenizer)
+    request.echo, request.generates = echo, not (echo and _without_generation(body))
+    return request
 
 
 def parse_chat(body: dict, tokenizer, defaults: dict | None = None) -> GenerateRequest:
     """A chat request; `tokenizer` renders its messages through the model's chat template; `defaults`
     as sampling_params takes them."""
     _check_unsupported(body)
+    if body.get("echo") not in (None, False):
+        raise bad(f"echo={body['echo']!r:.60} is not supported by this server's chat", "echo")
     text = _chat_text(body, tokenizer)
     wants = _typed(body, "logprobs", bool, False)
     top = _typed(body, "top_logprobs", int)
@@ -275,7 +297,10 @@ def _request(body: dict, chat: bool, prompts: list, params: SamplingParams, logp
     if params.stop and not has_tokenizer:
         raise bad("stop strings need a tokenizer, and this model has none: use stop_token_ids", "stop")
     stream = _typed(body, "stream", bool, False)
-    return GenerateRequest(chat, prompts, params, stream, _usage_options(body, stream), logprobs,
+    if stream and body.get("prompt_logprobs") is not None:  # vLLM's rule
+        raise bad("prompt_logprobs is not available with stream=true", "prompt_logprobs")
+    include_usage, continuous_usage = _usage_options(body, stream)
+    return GenerateRequest(chat, prompts, params, stream, include_usage, logprobs,
                            _typed(body, "return_token_ids", bool, False) or not has_tokenizer,
                            _typed(body, "return_tokens_as_token_ids", bool, False) or not has_tokenizer,
-                           field_names(body), _add_special_tokens(body, chat))
+                           field_names(body), _add_special_tokens(body, chat), continuous_usage=continuous_usage)

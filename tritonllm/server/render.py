@@ -1,8 +1,9 @@
 """OpenAI responses and stream chunks made from the engine's outputs.
 
-An output item is (key, choice, token_ids, text, logprobs, top_logprobs, final) as engine_loop
-sends it; final is None or (finish_reason, cached_tokens, stop_reason). The items of one choice that arrive
-together are merged into one chunk, so a reader that fell behind catches up in one write.
+An output item is (key, choice, token_ids, text, logprobs, top_logprobs, final, prompt) as
+engine_loop sends it; final is None or (finish_reason, cached_tokens, stop_reason), prompt None or the
+prompt's scores. The items of one choice that arrive together are merged into one chunk, so a reader
+that fell behind catches up in one write.
 """
 import json
 import time
@@ -15,17 +16,18 @@ FLOOR = -9999.0  # JSON has no -inf: a logprob below this is sent as this
 
 class Piece:
     """The merged outputs of one choice: a stream chunk's worth, or the whole completion."""
-    __slots__ = ("text", "token_ids", "logprobs", "top_logprobs", "finish_reason", "stop_reason", "cached_tokens")
+    __slots__ = ("text", "token_ids", "logprobs", "top_logprobs", "finish_reason", "stop_reason", "cached_tokens",
+                 "prompt")
 
     def __init__(self):
         self.text, self.token_ids, self.logprobs, self.top_logprobs = [], [], [], []
-        self.finish_reason = self.stop_reason = None
+        self.finish_reason = self.stop_reason = self.prompt = None
         self.cached_tokens = 0
 
 
 def merge(items: list[tuple]) -> dict[int, Piece]:
     pieces: dict[int, Piece] = {}
-    for _, choice, token_ids, text, logprobs, top_logprobs, final in items:
+    for _, choice, token_ids, text, logprobs, top_logprobs, final, prompt in items:
         piece = pieces.get(choice)
         if piece is None:
             piece = pieces[choice] = Piece()
@@ -37,11 +39,13 @@ def merge(items: list[tuple]) -> dict[int, Piece]:
             piece.top_logprobs += top_logprobs
         if final is not None:
             piece.finish_reason, piece.cached_tokens, piece.stop_reason = final
+        if prompt is not None:
+            piece.prompt = prompt
     return pieces
 
 
-def _floor(logprob: float) -> float:
-    return logprob if logprob > FLOOR else FLOOR  # NaN too
+def _floor(logprob: float | None) -> float | None:
+    return None if logprob is None else logprob if logprob > FLOOR else FLOOR  # NaN too
 
 
 class Renderer:
@@ -53,13 +57,16 @@ class Renderer:
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.model = model
+        self.decoder = tokenizer  # for an echo's text
         self.tokenizer = tokenizer if not request.tokens_as_ids else None
         self.token_cache = token_cache  # token id -> its text, shared by the requests of one tokenizer
         self.offsets: dict[int, int] = {}  # completions logprobs: text_offset reached, per choice
         self.completion_tokens = self.cached_tokens = 0
+        self.prompt_token_ids = prompt_token_ids or []  # each prompt's, as the engine encoded it
         # vLLM's, with return_token_ids: a completion choice's first chunk, a chat response or its first chunks.
-        self.prompt_token_ids = prompt_token_ids if request.return_token_ids else None
         self.prompt_ids_sent: set[int] = set()  # completion choices that carried theirs
+        self.echoed: set[int] = set()  # completion choices whose prompt went out
+        self.choice_tokens: dict[int, int] = {}  # completion tokens sent, per choice
         head = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": self.created, "model": model}
         self.chunk_head = "data: " + json.dumps(head, separators=(",", ":"))[:-1] + ',"choices":['
@@ -74,19 +81,46 @@ class Renderer:
             text = self.token_cache[token_id] = self.tokenizer.decode([token_id])
         return text
 
-    def _completion_logprobs(self, choice: int, piece: Piece) -> dict:
-        tokens = [self.token(t) for t in piece.token_ids]
+    def _completion_logprobs(self, choice: int, token_ids: list[int], logprobs: list, tops: list | None) -> dict:
+        tokens = [self.token(t) for t in token_ids]
         offsets, offset = [], self.offsets.get(choice, 0)
         for text in tokens:
             offsets.append(offset)
             offset += len(text)
         self.offsets[choice] = offset
-        # OpenAI's: the sampled token's logprob and the `logprobs` likeliest others (up to logprobs + 1 a step).
-        alternatives = piece.top_logprobs or [{}] * len(piece.token_ids)
-        top = [{self.token(t): _floor(lp)} | {self.token(a): _floor(v) for a, v in others.items() if a != t}
-               for t, lp, others in zip(piece.token_ids, piece.logprobs, alternatives)]
-        return {"tokens": tokens, "token_logprobs": [_floor(lp) for lp in piece.logprobs], "top_logprobs": top,
+        # OpenAI's: each token's logprob and the `logprobs` likeliest others (up to logprobs + 1 a step);
+        # an echoed prompt's first token has none.
+        k = self.request.logprobs
+        top = [None if lp is None else {self.token(t): _floor(lp)} |
+               {self.token(a): _floor(v) for a, v in list(others.items())[:k] if a != t}
+               for t, lp, others in zip(token_ids, logprobs, tops or [{}] * len(token_ids))]
+        return {"tokens": tokens, "token_logprobs": [_floor(lp) for lp in logprobs], "top_logprobs": top,
                 "text_offset": offsets}
+
+    def _echo(self, index: int, piece: Piece) -> tuple[str, dict | None]:
+        """A completion choice's prompt, once: its text (a token-id or truncated prompt decoded) and its logprobs."""
+        self.echoed.add(index)
+        p = index // self.request.params.n
+        prompt, ids = self.request.prompts[p], self.prompt_token_ids[p]
+        whole = isinstance(prompt, str) and self.request.params.truncate_prompt_tokens is None
+        text = prompt if whole else self.decoder.decode(ids)
+        if self.request.logprobs is None or piece.prompt is None:
+            return text, None
+        return text, self._completion_logprobs(index, ids, *piece.prompt)
+
+    def _vllm_prompt_logprobs(self, index: int, piece: Piece) -> list | None:
+        """vLLM's prompt_logprobs: per prompt token, None first, then {id: {logprob, rank, decoded_token}}
+        for it and the likeliest tokens (its rank None when it is not among them)."""
+        if piece.prompt is None:
+            return None
+        ids, (logprobs, tops) = self.prompt_token_ids[index // self.request.params.n], piece.prompt
+        out = [None]
+        for token, logprob, top in zip(ids[1:], logprobs[1:], (tops or [None] * len(ids))[1:]):
+            ranked = {t: (rank, lp) for rank, (t, lp) in enumerate((top or {}).items(), 1)}
+            ranked.setdefault(token, (None, logprob))
+            out.append({t: {"logprob": _floor(lp), "rank": rank, "decoded_token": self.token(t)}
+                        for t, (rank, lp) in ranked.items()})
+        return out
 
     def _chat_logprobs(self, piece: Piece) -> dict:
         def entry(token_id: int, logprob: float) -> dict:
@@ -102,15 +136,25 @@ class Renderer:
                                                                           for t, lp in ranked]})
         return {"content": content}
 
-    def _choice(self, index: int, piece: Piece, whole: bool, first: bool = False) -> dict:
+    def _choice(self, index: int, piece: Piece, whole: bool) -> dict:
         """A choice of a response (whole) or of a stream chunk."""
+        if not self.request.generates:  # an echo alone: the token drawn is left out, max_tokens 0 ended it
+            piece.text, piece.token_ids, piece.logprobs, piece.top_logprobs = [], [], [], []
+            if piece.finish_reason == "stop":
+                piece.finish_reason, piece.stop_reason = "length", None
         self.completion_tokens += len(piece.token_ids)
+        self.choice_tokens[index] = self.choice_tokens.get(index, 0) + len(piece.token_ids)
         if index % self.request.params.n == 0:  # a prompt's first sample: the others hit its blocks
             self.cached_tokens += piece.cached_tokens
-        text = "".join(piece.text)
-        logprobs = None
-        if self.request.logprobs is not None:
-            logprobs = self._chat_logprobs(piece) if self.chat else self._completion_logprobs(index, piece)
+        text, logprobs = "", None
+        if self.request.echo and index not in self.echoed:
+            text, logprobs = self._echo(index, piece)
+        text += "".join(piece.text)
+        if self.request.logprobs is not None and self.chat:
+            logprobs = self._chat_logprobs(piece)
+        elif self.request.logprobs is not None:
+            generated = self._completion_logprobs(index, piece.token_ids, piece.logprobs, piece.top_logprobs)
+            logprobs = generated if logprobs is None else {key: logprobs[key] + generated[key] for key in generated}
         if not self.chat:
             choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": piece.finish_reason}
         elif whole:
@@ -122,7 +166,9 @@ class Renderer:
         choice["stop_reason"] = piece.stop_reason  # vLLM's: the stop token id or string that ended it
         if self.request.return_token_ids:
             choice["token_ids"] = piece.token_ids
-        if self.prompt_token_ids is not None and not self.chat and index not in self.prompt_ids_sent:
+        if whole and not self.chat and self.request.params.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self._vllm_prompt_logprobs(index, piece)
+        if self.request.return_token_ids and not self.chat and index not in self.prompt_ids_sent:
             choice["prompt_token_ids"] = self.prompt_token_ids[index // self.request.params.n]
             self.prompt_ids_sent.add(index)
         return choice
@@ -140,20 +186,30 @@ class Renderer:
         choices = [self._choice(i, pieces.get(i) or Piece(), whole=True) for i in range(self.request.num_choices)]
         response = {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                     "created": self.created, "model": self.model, "choices": choices, "usage": self.usage(prompt_tokens)}
-        if self.chat and self.prompt_token_ids is not None:
+        if self.chat and self.request.return_token_ids:
             response["prompt_token_ids"] = self.prompt_token_ids[0]
+        if self.chat and self.request.params.prompt_logprobs is not None:
+            response["prompt_logprobs"] = self._vllm_prompt_logprobs(0, pieces.get(0) or Piece())
         return response
 
     # ---- streams (server-sent events)
 
     def _event(self, choice: dict, head: str | None = None) -> str:
-        return (head or self.chunk_head) + json.dumps(choice, separators=(",", ":")) + "]}\n\n"
+        """A chunk of one choice; with continuous usage it carries that choice's prompt and completion so far."""
+        tail = "]}\n\n"
+        if self.request.continuous_usage:
+            prompt = len(self.prompt_token_ids[choice["index"] // self.request.params.n])
+            done = self.choice_tokens.get(choice["index"], 0)
+            usage = {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+            tail = '],"usage":' + json.dumps(usage, separators=(",", ":")) + "}\n\n"
+        return (head or self.chunk_head) + json.dumps(choice, separators=(",", ":")) + tail
 
     def stream_start(self) -> str:
         """Chat streams open with the assistant's role, one chunk per choice."""
         if not self.chat:
             return ""
-        extra = "" if self.prompt_token_ids is None else '"prompt_token_ids":' + json.dumps(self.prompt_token_ids[0]) + ","
+        ids = self.prompt_token_ids[0] if self.request.return_token_ids else None
+        extra = "" if ids is None else '"prompt_token_ids":' + json.dumps(ids) + ","
         head = self.chunk_head.replace('"choices":[', extra + '"choices":[')
         return "".join(self._event({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                     "finish_reason": None}, head) for i in range(self.request.num_choices))
