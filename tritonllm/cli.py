@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from tritonllm.config import DEVICES, DTYPES, KERNEL_BACKENDS, KV_CACHE_DTYPES
+from tritonllm.server.reasoning import PARSERS
 from tritonllm.tiny_tasks import BUNDLED_MODEL, EVAL_SEED, problems
 
 REPO = Path(__file__).parents[1]
@@ -139,7 +140,7 @@ def serve(args) -> None:
     from tritonllm.server.app import run_server
 
     run_server(args.model, engine_options(args), args.host, args.port, args.served_model_name, args.max_waiting,
-               args.shutdown_timeout, args.log_level)
+               args.shutdown_timeout, args.log_level, args.reasoning_parser)
 
 
 def bench(args) -> None:
@@ -201,6 +202,8 @@ def parser() -> argparse.ArgumentParser:
     server.add_argument("--shutdown-timeout", type=number_in(float, 0.0), default=5.0,
                         help="seconds running requests get to finish after SIGTERM before they are aborted (default 5)")
     server.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    server.add_argument("--reasoning-parser", choices=PARSERS,
+                        help="split chat replies' <think> text into the message's `reasoning` (vLLM's)")
     add_engine_options(server)
     server.add_argument("--max-num-seqs", type=int, help="requests in one batch (default 256)")
     server.add_argument("--max-num-batched-tokens", type=int, help="tokens in one step (default 16384)")

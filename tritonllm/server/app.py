@@ -23,14 +23,16 @@ from starlette.exceptions import HTTPException
 from tritonllm.server.engine_loop import EngineClient, RequestStream
 from tritonllm.server.protocol import (ApiError, GenerateRequest, check_model, detokenize, parse_chat, parse_completion,
                                        tokenize)
+from tritonllm.server.reasoning import PARSERS
 from tritonllm.server.render import Renderer
 
 
 class ServerState:
-    """What the routes share: the engine, the tokenizer, the model's names and the server's counters."""
+    """What the routes share: the engine, the tokenizer, the model's names, whether chat replies are
+    split into reasoning and content, and the server's counters."""
 
-    def __init__(self, engine: EngineClient, names: tuple[str, ...], tokenizer):
-        self.engine, self.names, self.tokenizer = engine, names, tokenizer
+    def __init__(self, engine: EngineClient, names: tuple[str, ...], tokenizer, reasoning: bool = False):
+        self.engine, self.names, self.tokenizer, self.reasoning = engine, names, tokenizer, reasoning
         self.created = int(time.time())
         self.token_cache: dict[int, str] = {}
         self.counters = {"requests": 0, "requests_finished": 0, "requests_aborted": 0, "errors": 0}
@@ -116,7 +118,8 @@ class EventStream(StreamingResponse):
 async def generate(state: ServerState, request: Request, parsed: GenerateRequest):
     state.counters["requests"] += 1
     stream = await state.engine.submit(parsed)
-    renderer = Renderer(parsed, state.names[0], state.tokenizer, state.token_cache, stream.prompt_token_ids)
+    renderer = Renderer(parsed, state.names[0], state.tokenizer, state.token_cache, stream.prompt_token_ids,
+                        state.reasoning)
     if parsed.stream:
         return EventStream(events(state, stream, renderer, parsed.include_usage), lambda: release(state, stream))
     items = await collect(state, stream, request)
@@ -134,10 +137,13 @@ def prometheus(stats: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def create_app(engine: EngineClient, names: tuple[str, ...], tokenizer=None) -> FastAPI:
+def create_app(engine: EngineClient, names: tuple[str, ...], tokenizer=None,
+               reasoning_parser: str | None = None) -> FastAPI:
     """The app over a started engine; `names[0]` is the model's name in responses, any of `names`
-    is accepted as the request's model."""
-    state = ServerState(engine, names, tokenizer)
+    is accepted as the request's model; reasoning_parser "qwen3" splits chat replies (server/reasoning.py)."""
+    if reasoning_parser not in (None, *PARSERS):
+        raise ValueError(f"reasoning_parser={reasoning_parser!r} is invalid: must be one of {PARSERS} or None")
+    state = ServerState(engine, names, tokenizer, reasoning_parser is not None)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -247,7 +253,8 @@ class Server(uvicorn.Server):
 
 
 def run_server(model: str, options: dict, host: str = "127.0.0.1", port: int = 8000, served_model_name: str | None = None,
-               max_waiting: int = 4096, shutdown_timeout: float = 5.0, log_level: str = "info") -> None:
+               max_waiting: int = 4096, shutdown_timeout: float = 5.0, log_level: str = "info",
+               reasoning_parser: str | None = None) -> None:
     """Load the model in the engine process, then serve until SIGINT or SIGTERM: the server stops
     accepting, lets running requests finish for up to shutdown_timeout seconds, aborts the rest
     and stops the engine."""
@@ -257,7 +264,7 @@ def run_server(model: str, options: dict, host: str = "127.0.0.1", port: int = 8
     try:
         tokenizer = AutoTokenizer.from_pretrained(engine.info["model"]) if engine.info["has_tokenizer"] else None
         names = served_names(model, served_model_name)
-        app = create_app(engine, names, tokenizer)
+        app = create_app(engine, names, tokenizer, reasoning_parser)
         info = engine.info
         print(f"tritonllm serve: {names[0]} (max_model_len {info['max_model_len']}, {info['num_kv_blocks']} KV blocks of "
               f"{info['kv_block_size']}) on http://{host}:{port}/v1", file=sys.stderr, flush=True)

@@ -290,6 +290,8 @@ def _messages(body: dict) -> list[dict]:
         if content is not None and not isinstance(content, str):
             raise bad(f"{name}.content must be a string or an array of text parts", f"{name}.content")
         checked.append({**message, "content": content or ""})
+        if isinstance(message.get("reasoning"), str):  # vLLM's field; Qwen3's templates read reasoning_content
+            checked[-1].setdefault("reasoning_content", message["reasoning"])
     return checked
 
 

@@ -10,6 +10,7 @@ import time
 import uuid
 
 from tritonllm.server.protocol import GenerateRequest
+from tritonllm.server.reasoning import ReasoningSplitter
 
 FLOOR = -9999.0  # JSON has no -inf: a logprob below this is sent as this
 
@@ -52,7 +53,7 @@ class Renderer:
     """Builds one request's response (or its stream's chunks) in the OpenAI format."""
 
     def __init__(self, request: GenerateRequest, model: str, tokenizer, token_cache: dict,
-                 prompt_token_ids: list[list[int]] | None = None):
+                 prompt_token_ids: list[list[int]] | None = None, reasoning: bool = False):
         self.request, self.chat = request, request.chat
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
@@ -67,6 +68,8 @@ class Renderer:
         self.prompt_ids_sent: set[int] = set()  # completion choices that carried theirs
         self.echoed: set[int] = set()  # completion choices whose prompt went out
         self.choice_tokens: dict[int, int] = {}  # completion tokens sent, per choice
+        # With a reasoning parser: a chat choice's text split into reasoning and content, per choice.
+        self.splitters: dict[int, ReasoningSplitter] | None = {} if reasoning and self.chat else None
         head = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": self.created, "model": model}
         self.chunk_head = "data: " + json.dumps(head, separators=(",", ":"))[:-1] + ',"choices":['
@@ -157,12 +160,20 @@ class Renderer:
             logprobs = generated if logprobs is None else {key: logprobs[key] + generated[key] for key in generated}
         if not self.chat:
             choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": piece.finish_reason}
-        elif whole:
-            choice = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                      "finish_reason": piece.finish_reason}
         else:
-            choice = {"index": index, "delta": {"content": text} if text else {}, "logprobs": logprobs,
-                      "finish_reason": piece.finish_reason}
+            parts = {"content": text}
+            if self.splitters is not None:
+                splitter = self.splitters.setdefault(index, ReasoningSplitter(self.request.prompts[0]))
+                parts["reasoning"], parts["content"] = splitter.feed(text, whole or piece.finish_reason is not None)
+            if whole:
+                message = {"role": "assistant", "content": parts["content"]}
+                if self.splitters is not None:  # vLLM's: null where empty
+                    message = {"role": "assistant", "content": parts["content"] or None,
+                               "reasoning": parts["reasoning"] or None}
+                choice = {"index": index, "message": message}
+            else:
+                choice = {"index": index, "delta": {name: part for name, part in parts.items() if part}}
+            choice.update(logprobs=logprobs, finish_reason=piece.finish_reason)
         choice["stop_reason"] = piece.stop_reason  # vLLM's: the stop token id or string that ended it
         if self.request.return_token_ids:
             choice["token_ids"] = piece.token_ids
