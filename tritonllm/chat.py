@@ -8,12 +8,12 @@ def has_chat_template(tokenizer, chat_template: str | None = None) -> bool:
 
 def chat_prompt(tokenizer, messages: list[dict], *, add_generation_prompt: bool = True,
                 continue_final_message: bool = False, chat_template: str | None = None,
-                chat_template_kwargs: dict | None = None) -> str:
+                chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> str:
     """The prompt text of `messages` ({"role", "content"} dicts) as the tokenizer's chat template (or
     the Jinja `chat_template` given) renders it. add_generation_prompt opens the assistant's turn;
     continue_final_message leaves the last message open for the model to go on with (the two
     exclude each other); chat_template_kwargs go to the template (Qwen3's: enable_thinking) and
-    override the options above, as in vLLM."""
+    override the options above, as in vLLM; tools (OpenAI's function tools) are the template's `tools`."""
     for name, value in (("add_generation_prompt", add_generation_prompt),
                         ("continue_final_message", continue_final_message)):
         if not isinstance(value, bool):
@@ -29,4 +29,4 @@ def chat_prompt(tokenizer, messages: list[dict], *, add_generation_prompt: bool 
     if options["add_generation_prompt"] and options["continue_final_message"]:
         raise ValueError("add_generation_prompt and continue_final_message cannot both be true: continuing the "
                          "last message adds no new turn (set add_generation_prompt=False)")
-    return tokenizer.apply_chat_template(messages, tokenize=False, chat_template=chat_template, **options)
+    return tokenizer.apply_chat_template(messages, tokenize=False, chat_template=chat_template, tools=tools, **options)

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from tritonllm.config import DEVICES, DTYPES, KERNEL_BACKENDS, KV_CACHE_DTYPES
-from tritonllm.server.reasoning import PARSERS
+from tritonllm.server.reply import REASONING_PARSERS, TOOL_CALL_PARSERS
 from tritonllm.tiny_tasks import BUNDLED_MODEL, EVAL_SEED, problems
 
 REPO = Path(__file__).parents[1]
@@ -139,8 +139,11 @@ def chat(args) -> None:
 def serve(args) -> None:
     from tritonllm.server.app import run_server
 
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes for Qwen3)")
     run_server(args.model, engine_options(args), args.host, args.port, args.served_model_name, args.max_waiting,
-               args.shutdown_timeout, args.log_level, args.reasoning_parser)
+               args.shutdown_timeout, args.log_level, args.reasoning_parser,
+               args.tool_call_parser if args.enable_auto_tool_choice else None)
 
 
 def bench(args) -> None:
@@ -202,8 +205,11 @@ def parser() -> argparse.ArgumentParser:
     server.add_argument("--shutdown-timeout", type=number_in(float, 0.0), default=5.0,
                         help="seconds running requests get to finish after SIGTERM before they are aborted (default 5)")
     server.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    server.add_argument("--reasoning-parser", choices=PARSERS,
+    server.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
                         help="split chat replies' <think> text into the message's `reasoning` (vLLM's)")
+    server.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="serve tool_choice \"auto\": chat replies' tool calls become tool_calls (vLLM's)")
+    server.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, help="the tool calls' format (Qwen3: hermes)")
     add_engine_options(server)
     server.add_argument("--max-num-seqs", type=int, help="requests in one batch (default 256)")
     server.add_argument("--max-num-batched-tokens", type=int, help="tokens in one step (default 16384)")

@@ -157,14 +157,16 @@ class LLM(LLMEngine):
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True, stream: bool = False, *,
              chat_template: str | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False, chat_template_kwargs: dict | None = None):
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
+             tools: list[dict] | None = None):
         """Replies to one conversation (a list of {"role", "content"}) or a list of them, through the
         tokenizer's chat template: GenerationOutputs, or with stream=True the StreamOutputs of stream().
-        The keywords are vLLM's (tritonllm.chat.chat_prompt), e.g. chat_template_kwargs={"enable_thinking": False}."""
+        The keywords are vLLM's (tritonllm.chat.chat_prompt), e.g. chat_template_kwargs={"enable_thinking": False};
+        tools (OpenAI's function tools) go to the template, the replies stay text."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [chat_prompt(self.tokenizer, c, add_generation_prompt=add_generation_prompt,
                                continue_final_message=continue_final_message, chat_template=chat_template,
-                               chat_template_kwargs=chat_template_kwargs) for c in conversations]
+                               chat_template_kwargs=chat_template_kwargs, tools=tools) for c in conversations]
         encoded = [self.encode(p, add_special_tokens=False) for p in prompts]  # the template holds the special tokens
         if stream:
             return self.stream(encoded, sampling_params)

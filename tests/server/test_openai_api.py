@@ -262,7 +262,10 @@ def test_bad_completion_fields_are_400_naming_the_field(client, fields, param):
 @pytest.mark.parametrize("fields, param", [
     ({"messages": []}, "messages"), ({"messages": [{"content": "hi"}]}, "messages[0]"),
     ({"max_completion_tokens": 0}, "max_completion_tokens"), ({"top_logprobs": 2}, "top_logprobs"),
-    ({"logprobs": True, "top_logprobs": 30}, "top_logprobs"), ({"tools": [{"type": "function"}]}, "tools")])
+    ({"logprobs": True, "top_logprobs": 30}, "top_logprobs"), ({"tools": [{"type": "function"}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),  # "auto" without a parser
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": "auto"}, "tool_choice")])
 def test_bad_chat_fields_are_400_naming_the_field(client, fields, param):
     request = {"model": MODEL, "messages": [{"role": "user", "content": "1+1"}], **fields}
     error = error_of(lambda: client.chat.completions.create(**request))

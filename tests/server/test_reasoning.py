@@ -4,10 +4,12 @@ tiny random checkpoint (its byte-level tokenizer writes the tags) against the of
 import pytest
 from server_process import ServerProcess
 
-from tritonllm import LLM, SamplingParams
-from tritonllm.server.reasoning import ReasoningSplitter
+from tritonllm import SamplingParams
+from tritonllm.server.reply import ReasoningSplitter
 
 MODEL = "tiny"
+ON_TINY = True
+SERVER_ARGS = ["--reasoning-parser", "qwen3"]
 HEADER = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 # (prompt, reply, its reasoning, its content): written out by hand.
 CASES = [
@@ -45,29 +47,15 @@ THINKING = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m.reasoni
 MESSAGES = [{"role": "user", "content": "the quick brown fox"}]
 
 
-@pytest.fixture(scope="module")
-def server(tiny_qwen3, tmp_path_factory):
-    process = ServerProcess(["--model", str(tiny_qwen3), "--served-model-name", MODEL, "--reasoning-parser", "qwen3"],
-                            tmp_path_factory.mktemp("server") / "log.txt")
-    yield process
-    process.stop()
-
-
-@pytest.fixture(scope="module")
-def offline(tiny_qwen3):
-    with LLM(str(tiny_qwen3), device="cpu", kernels="reference") as engine:
-        yield engine
-
-
-def reply(offline, **options) -> str:
+def reply(tiny_llm, **options) -> str:
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    text = offline.chat(MESSAGES, params, use_tqdm=False, **options)[0].text
+    text = tiny_llm.chat(MESSAGES, params, use_tqdm=False, **options)[0].text
     assert "</think>" not in text  # the random model's reply holds no tag: all of it goes to one side
     return text
 
 
-def test_a_reply_in_a_thinking_turn_is_reasoning(client, offline):
-    text = reply(offline, chat_template=THINKING)
+def test_a_reply_in_a_thinking_turn_is_reasoning(client, tiny_llm):
+    text = reply(tiny_llm, chat_template=THINKING)
     request = dict(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0, extra_body={
         "chat_template": THINKING, "ignore_eos": True})
     message = client.chat.completions.create(**request).choices[0].message
@@ -78,22 +66,22 @@ def test_a_reply_in_a_thinking_turn_is_reasoning(client, offline):
 
 
 @pytest.mark.parametrize("options", [{}, {"continue_final_message": True, "add_generation_prompt": False}])
-def test_a_reply_outside_one_is_content(client, offline, options):
+def test_a_reply_outside_one_is_content(client, tiny_llm, options):
     messages = MESSAGES + ([{"role": "assistant", "content": "<think>\nplan\n</think>\n\n"}] if options else [])
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    text = offline.chat(messages, params, use_tqdm=False, **options)[0].text
+    text = tiny_llm.chat(messages, params, use_tqdm=False, **options)[0].text
     message = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
                                              extra_body={"ignore_eos": True, **options}).choices[0].message
     assert (message.content, message.model_extra["reasoning"]) == (text, None)
 
 
-def test_the_history_reasoning_reaches_the_template(server, offline):
+def test_the_history_reasoning_reaches_the_template(server, tiny_llm):
     history = [*MESSAGES, {"role": "assistant", "content": "dog", "reasoning": "lazy"},
                {"role": "user", "content": "fox"}]
     status, body = server.request("POST", "/tokenize", {"messages": history, "chat_template": THINKING})
     want = ("<|im_start|>user\nthe quick brown fox<|im_end|>\n<|im_start|>assistant\n<think>lazy</think>dog<|im_end|>\n"
             "<|im_start|>user\nfox<|im_end|>\n<|im_start|>assistant\n<think>\n")
-    assert status == 200 and body["tokens"] == offline.encode(want, add_special_tokens=False)
+    assert status == 200 and body["tokens"] == tiny_llm.encode(want, add_special_tokens=False)
 
 
 def test_an_unknown_parser_is_refused(tmp_path):

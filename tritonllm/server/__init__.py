@@ -1,4 +1,4 @@
 """`tritonllm serve`: an OpenAI-compatible HTTP server over the engine. app.py: routes and streams;
-protocol.py: requests into SamplingParams; render.py: responses; reasoning.py: chat replies' thinking
-apart from their content; engine_loop.py: the server's side of the engine's process and the
+protocol.py: requests into SamplingParams; render.py: responses; reply.py: chat replies' reasoning and
+tool calls apart from their content; engine_loop.py: the server's side of the engine's process and the
 per-request streams; engine_process.py: the engine's process."""

@@ -23,16 +23,18 @@ from starlette.exceptions import HTTPException
 from tritonllm.server.engine_loop import EngineClient, RequestStream
 from tritonllm.server.protocol import (ApiError, GenerateRequest, check_model, detokenize, parse_chat, parse_completion,
                                        tokenize)
-from tritonllm.server.reasoning import PARSERS
+from tritonllm.server.reply import REASONING_PARSERS, TOOL_CALL_PARSERS
 from tritonllm.server.render import Renderer
 
 
 class ServerState:
-    """What the routes share: the engine, the tokenizer, the model's names, whether chat replies are
-    split into reasoning and content, and the server's counters."""
+    """What the routes share: the engine, the tokenizer, the model's names, which parts chat replies
+    are split into (reasoning, tool calls) and the server's counters."""
 
-    def __init__(self, engine: EngineClient, names: tuple[str, ...], tokenizer, reasoning: bool = False):
-        self.engine, self.names, self.tokenizer, self.reasoning = engine, names, tokenizer, reasoning
+    def __init__(self, engine: EngineClient, names: tuple[str, ...], tokenizer, reasoning: bool = False,
+                 tool_calls: bool = False):
+        self.engine, self.names, self.tokenizer = engine, names, tokenizer
+        self.reasoning, self.tool_calls = reasoning, tool_calls
         self.created = int(time.time())
         self.token_cache: dict[int, str] = {}
         self.counters = {"requests": 0, "requests_finished": 0, "requests_aborted": 0, "errors": 0}
@@ -137,13 +139,16 @@ def prometheus(stats: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def create_app(engine: EngineClient, names: tuple[str, ...], tokenizer=None,
-               reasoning_parser: str | None = None) -> FastAPI:
+def create_app(engine: EngineClient, names: tuple[str, ...], tokenizer=None, reasoning_parser: str | None = None,
+               tool_call_parser: str | None = None) -> FastAPI:
     """The app over a started engine; `names[0]` is the model's name in responses, any of `names`
-    is accepted as the request's model; reasoning_parser "qwen3" splits chat replies (server/reasoning.py)."""
-    if reasoning_parser not in (None, *PARSERS):
-        raise ValueError(f"reasoning_parser={reasoning_parser!r} is invalid: must be one of {PARSERS} or None")
-    state = ServerState(engine, names, tokenizer, reasoning_parser is not None)
+    is accepted as the request's model. reasoning_parser "qwen3" splits chat replies' thinking out,
+    tool_call_parser "hermes" their tool calls, which serves tool_choice "auto" (server/reply.py)."""
+    for name, value, allowed in (("reasoning_parser", reasoning_parser, REASONING_PARSERS),
+                                 ("tool_call_parser", tool_call_parser, TOOL_CALL_PARSERS)):
+        if value not in (None, *allowed):
+            raise ValueError(f"{name}={value!r} is invalid: must be one of {allowed} or None")
+    state = ServerState(engine, names, tokenizer, reasoning_parser is not None, tool_call_parser is not None)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -213,7 +218,8 @@ def create_app(engine: EngineClient, names: tuple[str, ...], tokenizer=None,
     async def chat_completions(request: Request):
         body = await read_json(request)
         check_model(body, names)
-        return await generate(state, request, parse_chat(body, tokenizer, engine.info["sampling_defaults"]))
+        return await generate(state, request, parse_chat(body, tokenizer, engine.info["sampling_defaults"],
+                                                         state.tool_calls))
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request):
@@ -254,7 +260,7 @@ class Server(uvicorn.Server):
 
 def run_server(model: str, options: dict, host: str = "127.0.0.1", port: int = 8000, served_model_name: str | None = None,
                max_waiting: int = 4096, shutdown_timeout: float = 5.0, log_level: str = "info",
-               reasoning_parser: str | None = None) -> None:
+               reasoning_parser: str | None = None, tool_call_parser: str | None = None) -> None:
     """Load the model in the engine process, then serve until SIGINT or SIGTERM: the server stops
     accepting, lets running requests finish for up to shutdown_timeout seconds, aborts the rest
     and stops the engine."""
@@ -264,7 +270,7 @@ def run_server(model: str, options: dict, host: str = "127.0.0.1", port: int = 8
     try:
         tokenizer = AutoTokenizer.from_pretrained(engine.info["model"]) if engine.info["has_tokenizer"] else None
         names = served_names(model, served_model_name)
-        app = create_app(engine, names, tokenizer, reasoning_parser)
+        app = create_app(engine, names, tokenizer, reasoning_parser, tool_call_parser)
         info = engine.info
         print(f"tritonllm serve: {names[0]} (max_model_len {info['max_model_len']}, {info['num_kv_blocks']} KV blocks of "
               f"{info['kv_block_size']}) on http://{host}:{port}/v1", file=sys.stderr, flush=True)

@@ -15,7 +15,7 @@ from tritonllm.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 # Field -> the values that leave the output as it is (anything else is refused by name).
 NEUTRAL = {
     "suffix": (None, ""), "best_of": (None, 1),
-    "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
+    "functions": (None, []),
     "function_call": (None, "none", "auto"), "response_format": (None, {"type": "text"}),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,),
     # vLLM's extras
@@ -61,6 +61,7 @@ class GenerateRequest:
     echo: bool = False  # a completion choice starts with its prompt (text, and logprobs if asked)
     generates: bool = True  # false for OpenAI's echo with max_tokens 0: the one token drawn is left out
     continuous_usage: bool = False  # vLLM's continuous_usage_stats: each stream chunk has its choice's usage so far
+    parse_tools: bool = False  # a chat with tools and tool_choice "auto": replies' tool calls become tool_calls
 
     @property
     def num_choices(self) -> int:
@@ -206,12 +207,25 @@ def parse_completion(body: dict, has_tokenizer: bool, defaults: dict | None = No
     return request
 
 
-def parse_chat(body: dict, tokenizer, defaults: dict | None = None) -> GenerateRequest:
-    """A chat request; `tokenizer` renders its messages through the model's chat template; `defaults`
-    as sampling_params takes them."""
+def parse_chat(body: dict, tokenizer, defaults: dict | None = None, auto_tools: bool = False) -> GenerateRequest:
+    """A chat request; `tokenizer` renders its messages (and tools) through the model's chat template;
+    `defaults` as sampling_params takes them; auto_tools: the server parses tool calls, so it serves
+    tool_choice "auto" (OpenAI's default with tools)."""
     _check_unsupported(body)
     if body.get("echo") not in (None, False):
         raise bad(f"echo={body['echo']!r:.60} is not supported by this server's chat", "echo")
+    tools = _tools(body)
+    choice = body.get("tool_choice")
+    if choice is None:  # OpenAI's default
+        choice = "auto" if tools else "none"
+    if choice not in ("none", "auto"):
+        raise bad(f"tool_choice={choice!r:.60} is not supported: \"none\" or \"auto\" (required and named "
+                  "choices need guided decoding)", "tool_choice")
+    if choice == "auto" and not tools:
+        raise bad('tool_choice "auto" needs tools', "tool_choice")
+    if choice == "auto" and not auto_tools:
+        raise bad('tool_choice "auto" needs a server started with --enable-auto-tool-choice --tool-call-parser '
+                  'hermes (or give tool_choice "none")', "tool_choice")
     text = _chat_text(body, tokenizer)
     wants = _typed(body, "logprobs", bool, False)
     top = _typed(body, "top_logprobs", int)
@@ -220,7 +234,21 @@ def parse_chat(body: dict, tokenizer, defaults: dict | None = None) -> GenerateR
     if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
         raise bad(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}", "top_logprobs")
     logprobs = (top or 0) if wants else None
-    return _request(body, True, [text], sampling_params(body, None, logprobs, defaults), logprobs, True)
+    request = _request(body, True, [text], sampling_params(body, None, logprobs, defaults), logprobs, True)
+    request.parse_tools = bool(tools) and choice == "auto"
+    return request
+
+
+def _tools(body: dict) -> list[dict] | None:
+    """OpenAI's tools: function tools, each with a name; they reach the chat template as given."""
+    tools = body.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or not all(
+            isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
+            and isinstance(t["function"].get("name"), str) for t in tools):
+        raise bad('tools must be an array of {"type": "function", "function": {"name", ...}} objects', "tools")
+    return tools or None
 
 
 def _chat_text(body: dict, tokenizer) -> str:
@@ -231,9 +259,10 @@ def _chat_text(body: dict, tokenizer) -> str:
     messages = _messages(body)
     options = {name: _typed(body, name, bool, default)
                for name, default in (("add_generation_prompt", True), ("continue_final_message", False))}
-    extra = _typed(body, "chat_template_kwargs", dict, {})
+    extra, tools = _typed(body, "chat_template_kwargs", dict, {}), _tools(body)
     try:
-        text = chat_prompt(tokenizer, messages, chat_template=template, chat_template_kwargs=extra, **options)
+        text = chat_prompt(tokenizer, messages, chat_template=template, chat_template_kwargs=extra, tools=tools,
+                           **options)
     except ValueError as error:  # both options true
         raise bad(str(error), "continue_final_message") from None
     except Exception as error:  # the template's own checks (roles, order), or bad chat_template_kwargs
@@ -254,7 +283,7 @@ def tokenize(body: dict, tokenizer, max_model_len: int) -> dict:
         raise bad("this model has no tokenizer", "prompt")
     chat = "messages" in body
     if chat:
-        _check_unsupported(body)  # tools would change the rendered text
+        _check_unsupported(body)  # what would change the rendered text
         prompt = _chat_text(body, tokenizer)
     elif not isinstance(prompt := body.get("prompt"), str):
         raise bad(f"prompt must be a string, got {prompt!r:.60}", "prompt")

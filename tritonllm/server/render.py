@@ -10,7 +10,7 @@ import time
 import uuid
 
 from tritonllm.server.protocol import GenerateRequest
-from tritonllm.server.reasoning import ReasoningSplitter
+from tritonllm.server.reply import ReplySplitter
 
 FLOOR = -9999.0  # JSON has no -inf: a logprob below this is sent as this
 
@@ -68,8 +68,9 @@ class Renderer:
         self.prompt_ids_sent: set[int] = set()  # completion choices that carried theirs
         self.echoed: set[int] = set()  # completion choices whose prompt went out
         self.choice_tokens: dict[int, int] = {}  # completion tokens sent, per choice
-        # With a reasoning parser: a chat choice's text split into reasoning and content, per choice.
-        self.splitters: dict[int, ReasoningSplitter] | None = {} if reasoning and self.chat else None
+        # A chat choice's text split into its parts, per choice, where reasoning or tool calls are parsed.
+        self.reasoning = reasoning and self.chat
+        self.splitters: dict[int, ReplySplitter] | None = {} if self.reasoning or request.parse_tools else None
         head = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": self.created, "model": model}
         self.chunk_head = "data: " + json.dumps(head, separators=(",", ":"))[:-1] + ',"choices":['
@@ -161,19 +162,26 @@ class Renderer:
         if not self.chat:
             choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": piece.finish_reason}
         else:
-            parts = {"content": text}
+            parts, finish = {"content": text}, piece.finish_reason
             if self.splitters is not None:
-                splitter = self.splitters.setdefault(index, ReasoningSplitter(self.request.prompts[0]))
-                parts["reasoning"], parts["content"] = splitter.feed(text, whole or piece.finish_reason is not None)
+                splitter = self.splitters.setdefault(
+                    index, ReplySplitter(self.request.prompts[0], self.reasoning, self.request.parse_tools))
+                parts = splitter.feed(text, whole or finish is not None)
+                if splitter.num_calls and finish is not None:  # vLLM's, whatever ended the reply
+                    finish = "tool_calls"
             if whole:
                 message = {"role": "assistant", "content": parts["content"]}
-                if self.splitters is not None:  # vLLM's: null where empty
-                    message = {"role": "assistant", "content": parts["content"] or None,
-                               "reasoning": parts["reasoning"] or None}
+                if self.splitters is not None:  # vLLM's: null where empty; calls without their stream index
+                    message = {"role": "assistant", "content": parts["content"] or None}
+                    if "reasoning" in parts:
+                        message["reasoning"] = parts["reasoning"] or None
+                    if "tool_calls" in parts:
+                        message["tool_calls"] = [{k: v for k, v in call.items() if k != "index"}
+                                                 for call in parts["tool_calls"]]
                 choice = {"index": index, "message": message}
             else:
                 choice = {"index": index, "delta": {name: part for name, part in parts.items() if part}}
-            choice.update(logprobs=logprobs, finish_reason=piece.finish_reason)
+            choice.update(logprobs=logprobs, finish_reason=finish)
         choice["stop_reason"] = piece.stop_reason  # vLLM's: the stop token id or string that ended it
         if self.request.return_token_ids:
             choice["token_ids"] = piece.token_ids
