@@ -25,8 +25,8 @@ def chat_prompt(tokenizer, messages: list[dict], *, add_generation_prompt: bool 
     if not has_chat_template(tokenizer, chat_template):
         raise ValueError("this model's tokenizer has no chat template: give chat_template")
     options = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
-               **(chat_template_kwargs or {})}
+               "tools": tools, **(chat_template_kwargs or {})}
     if options["add_generation_prompt"] and options["continue_final_message"]:
         raise ValueError("add_generation_prompt and continue_final_message cannot both be true: continuing the "
                          "last message adds no new turn (set add_generation_prompt=False)")
-    return tokenizer.apply_chat_template(messages, tokenize=False, chat_template=chat_template, tools=tools, **options)
+    return tokenizer.apply_chat_template(messages, tokenize=False, chat_template=chat_template, **options)

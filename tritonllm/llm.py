@@ -26,6 +26,8 @@ class StreamOutput:
     output: GenerationOutput | None = field(default=None)  # set when finished
     new_logprobs: list[float] | None = None  # aligned with new_token_ids (params.logprobs or top_logprobs)
     new_top_logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[float | None] | None = None  # with params.prompt_logprobs: in a sample's first output
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None
 
 
 class LLM(LLMEngine):
@@ -114,7 +116,8 @@ class LLM(LLMEngine):
         requests, queue = self._add(seqs, stream=True)
         for out in self._follow(requests, queue):
             yield StreamOutput(requests[out.request_id][0] + out.index, out.new_token_ids, out.text_delta, out.finished,
-                               out.output, out.new_logprobs, out.new_top_logprobs)
+                               out.output, out.new_logprobs, out.new_top_logprobs, out.prompt_logprobs,
+                               out.prompt_top_logprobs)
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[GenerationOutput]:
         """Complete every prompt (strings or token-id lists); outputs in the order of the prompts, a

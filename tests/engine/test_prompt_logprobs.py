@@ -42,6 +42,15 @@ def assert_scores(out, hf, prompt: list[int], k: int) -> None:
         torch.testing.assert_close(torch.tensor(list(got.values())), torch.tensor(list(want.values())), rtol=1e-4, atol=1e-4)
 
 
+def run_to_end(engine, *requests) -> list:
+    """Step until the engine has nothing left; the final output of each request (of one sample each)."""
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    finals = {o.request_id: o.output for o in outputs if o.finished}
+    return [finals[r] for r in requests] if len(requests) > 1 else finals[requests[0]]
+
+
 def assert_clean(llm, num_blocks=NUM_BLOCKS):
     assert not llm.has_unfinished() and llm.scheduler.is_finished()
     assert llm.block_manager.num_free_blocks == num_blocks
@@ -101,14 +110,18 @@ def test_a_one_token_prompt_has_only_the_leading_none(llm):
 
 
 def test_preempted_requests_keep_one_score_a_position(tiny_qwen3, hf):
-    # Four 14-token prompts take a block of 16 each; at their 17th token each needs a second one,
-    # and 6 blocks cannot give four: preemptions, some while a last chunk's scores are in flight.
+    # Four 16-token prompts fill a block each; the first decode step, scheduled while the prefill's
+    # scores are still in flight, needs a second block for each, and 6 blocks cannot give four:
+    # sequences are preempted with their scores on the way, then prefilled again.
     with LLM(str(tiny_qwen3), max_num_seqs=4, num_kv_blocks=6) as small:
-        prompts = [list(range(20 * i + 1, 20 * i + 15)) for i in range(4)]
-        out = small.generate(prompts, params(1, max_tokens=12), use_tqdm=False)
+        prompts = [list(range(20 * i + 1, 20 * i + 17)) for i in range(4)]
+        ids = [small.add_request(p, params(1, max_tokens=12), stream=False) for p in prompts]
+        small.step()  # the prefill launches
+        small.step()  # the first decode step: preemptions while the prefill is unresolved
         assert small.scheduler.num_preemptions > 0
-        for o, prompt in zip(out, prompts):
-            assert_scores(o, hf, prompt, 1)
+        outs = run_to_end(small, *ids)
+        for out, prompt in zip(outs, prompts):
+            assert_scores(out, hf, prompt, 1)
         assert_clean(small, 6)
 
 
@@ -122,12 +135,28 @@ def test_a_failed_step_scores_again_what_it_lost(tiny_qwen3, hf, monkeypatch):
         with pytest.raises(RuntimeError, match="injected"):
             small.step()
         monkeypatch.setattr(small.runner, "launch", original)
-        outputs = []
-        while small.has_unfinished():
-            outputs += small.step()
-        (out,) = [o.output for o in outputs if o.request_id == request]
-        assert_scores(out, hf, PROMPT, 2)
+        assert_scores(run_to_end(small, request), hf, PROMPT, 2)
         assert_clean(small)
+
+
+def test_a_step_that_fails_after_its_scores_arrived_keeps_them_once(llm, hf, monkeypatch):
+    """The failure comes while the first token is resolved, after the prompt's scores were added."""
+    original, calls = llm.block_manager.register_computed_blocks, []
+
+    def fail_once(seq):
+        calls.append(seq)
+        if len(calls) == 1:
+            raise RuntimeError("injected")
+        return original(seq)
+
+    request = llm.add_request(OTHER, params(2), stream=False)
+    monkeypatch.setattr(llm.block_manager, "register_computed_blocks", fail_once)
+    with pytest.raises(RuntimeError, match="injected"):
+        while True:
+            llm.step()
+    monkeypatch.undo()
+    assert_scores(run_to_end(llm, request), hf, OTHER, 2)
+    assert_clean(llm)
 
 
 @pytest.mark.parametrize("steps", [0, 1, 2, 4])
@@ -143,15 +172,23 @@ def test_an_abort_mid_prompt_reports_none_and_leaks_nothing(tiny_qwen3, hf, step
         assert_scores(small.generate([OTHER], params(1), use_tqdm=False)[0], hf, OTHER, 1)
 
 
-def test_a_stream_carries_them_in_its_first_output(llm, hf):
-    request = llm.add_request(PROMPT, params(2, max_tokens=4))
+def test_a_stream_carries_them_in_each_samples_first_output(llm, hf):
+    request = llm.add_request(PROMPT, params(2, max_tokens=4, n=2, temperature=1.0, seed=3))
     outputs = []
     while llm.has_unfinished():
         outputs += [o for o in llm.step() if o.request_id == request]
-    assert len(outputs) == 4
-    assert_scores(outputs[0], hf, PROMPT, 2)
-    assert all(o.prompt_logprobs is None and o.prompt_top_logprobs is None for o in outputs[1:])
-    assert_scores(outputs[-1].output, hf, PROMPT, 2)
+    for index in (0, 1):
+        mine = [o for o in outputs if o.index == index]
+        assert len(mine) == 4
+        assert_scores(mine[0], hf, PROMPT, 2)
+        assert all(o.prompt_logprobs is None and o.prompt_top_logprobs is None for o in mine[1:])
+        assert_scores(mine[-1].output, hf, PROMPT, 2)
+    stream = llm.stream([OTHER], params(1, max_tokens=2))  # LLM.stream's outputs carry them too
+    assert_scores(next(stream), hf, OTHER, 1)
+    stream.close()  # abandoned: aborted, reported by the next step
+    while llm.has_unfinished():
+        llm.step()
+    assert_clean(llm)
 
 
 @pytest.mark.parametrize("value, error", [(-1, ValueError), (21, ValueError), (1.5, TypeError), ("2", TypeError)])

@@ -99,6 +99,8 @@ def test_the_tools_reach_the_template(server, client, tiny_llm, tool_choice):
     status, counted = server.request("POST", "/tokenize", body)
     want = f"<tools>{json.dumps(TOOLS)}</tools>\n" + "<|im_start|>user\nthe quick brown fox<|im_end|>\n<|im_start|>assistant\n"
     assert status == 200 and counted["tokens"] == tiny_llm.encode(want, add_special_tokens=False)
+    kwargs = {"messages": MESSAGES, "chat_template": WITH_TOOLS, "chat_template_kwargs": {"tools": TOOLS}}
+    assert server.request("POST", "/tokenize", kwargs) == (200, counted)  # vLLM's: the kwargs may carry them
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     out = tiny_llm.chat(MESSAGES, params, use_tqdm=False, chat_template=WITH_TOOLS, tools=TOOLS)[0]
     assert out.prompt_token_ids == counted["tokens"] and "<tool_call>" not in out.text

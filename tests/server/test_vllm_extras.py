@@ -96,6 +96,9 @@ def test_prompt_logprobs_of_a_chat(client, llm, server):
         assert [int(t) for t, e in entry.items() if e["rank"] is not None] == list(top)
     plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
     assert "prompt_logprobs" not in plain.model_extra and plain.choices[0].message.content == reply.choices[0].message.content
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0,
+                                                 stream=True, extra_body={"prompt_logprobs": 0}))  # vLLM's: 0 passes
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == reply.choices[0].message.content
 
 
 def test_allowed_token_ids(client, llm):
@@ -150,7 +153,7 @@ def test_continuous_usage_stats(client, chat):
     ("completions", {"stream": True, "extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs"),
     ("completions", {"echo": "yes"}, "echo"), ("completions", {"echo": True, "max_tokens": -1}, "max_tokens"),
     ("chat", {"extra_body": {"echo": True}}, "echo"),
-    ("chat", {"stream": True, "extra_body": {"prompt_logprobs": 0}}, "prompt_logprobs")])
+    ("chat", {"stream": True, "extra_body": {"prompt_logprobs": 2}}, "prompt_logprobs")])
 def test_bad_fields_are_400_naming_the_field(client, route, fields, param):
     if route == "chat":
         call = lambda: client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], **fields)

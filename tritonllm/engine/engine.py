@@ -273,8 +273,6 @@ class LLMEngine:
         samples, scores = self.runner.launch(inputs, seqs, [self._seed(seq) for seq in seqs], self._bans(seqs),
                                              previous.samples.ids if previous and previous.samples else None)
         self.scheduler.launched(batch)
-        for span in spans:
-            span.seq.num_prompt_logprobs_launched = span.first + span.count
         if batch.is_prefill:
             self._counters["prefill_tokens"] += batch.num_tokens
             self._queue_samples(seqs)

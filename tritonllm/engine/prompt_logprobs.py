@@ -4,8 +4,10 @@ from the logits of the position before it while the prompt is prefilled, chunk b
 The host plans which positions of a prefill step are scored (`prompt_logprob_spans`); every rank
 runs the LM head over them (under tensor parallelism its gather is a collective) a few hundred rows
 at a time, so their logits never take much memory; rank 0 scores them, and the scores reach the host
-with the step's sampled tokens. Positions are counted as launched when their step is, so a sequence
-preempted while its last chunk is in flight does not score them twice.
+with the step's sampled tokens. A chunk scores from its start or past the scores its sequence holds,
+whichever is later: a chunk's start is past every position in flight, and a prompt computed again
+starts past its scores (a preempted one is scheduled again only after the step in flight at its
+preemption is resolved; a failed step's scores are lost with it).
 """
 from dataclasses import dataclass
 
@@ -33,7 +35,7 @@ def prompt_logprob_spans(batch: ScheduledBatch) -> list[PromptSpan]:
     for seq, n in zip(batch.seqs, batch.num_new):
         if seq.needs_prompt_logprobs:
             start = seq.num_computed_tokens
-            first, end = max(start, seq.num_prompt_logprobs_launched), min(start + n, seq.num_prompt_tokens - 1)
+            first, end = max(start, len(seq.prompt_logprobs)), min(start + n, seq.num_prompt_tokens - 1)
             if end > first:
                 spans.append(PromptSpan(seq, row + first - start, first, end - first))
         row += n
@@ -52,7 +54,7 @@ def score_positions(model, ops, hidden: torch.Tensor, rows: torch.Tensor, token_
             continue
         logprobs.append(ops.compute_logprobs(logits, token_ids[i:i + ROWS_PER_PASS]))
         if k:
-            top = ops.compute_top_logprobs(logits, k)
+            top = ops.compute_top_logprobs(logits, min(k, logits.shape[1]))
             values.append(top[0])
             ids.append(top[1])
     if not logprobs:

@@ -123,14 +123,13 @@ class Scheduler:
 
     def recompute_all(self) -> None:
         """Forget every computed and pending token and queue each sequence to be computed again, in
-        order: the state to return to after a step failed midway (tokens and prompt logprobs already
-        known are kept, cached prefix blocks stay reusable)."""
+        order: the state to return to after a step failed midway (tokens already known are kept,
+        cached prefix blocks stay reusable)."""
         seqs = list(self.running) + list(self.waiting)
         self.running.clear()
         self.waiting.clear()
         for seq in seqs:
             self.block_manager.deallocate(seq)
             seq.num_pending = 0
-            seq.num_prompt_logprobs_launched = len(seq.prompt_logprobs or ())
             seq.status = SequenceStatus.WAITING
             self.waiting.append(seq)

@@ -40,10 +40,9 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it (vLLM's)
         # With params.prompt_logprobs (the first sample of a request only): entry i scores prompt token
-        # i + 1, from the logits at position i; positions launched counts those resolved or in flight.
+        # i + 1, from the logits at position i.
         self.prompt_logprobs: list[float] | None = None if params.prompt_logprobs is None else []
         self.prompt_top_logprobs: list[dict[int, float]] = []
-        self.num_prompt_logprobs_launched = 0
 
     def __len__(self) -> int:
         return len(self.token_ids) + self.num_pending
@@ -55,7 +54,7 @@ class Sequence:
     @property
     def needs_prompt_logprobs(self) -> bool:
         """Whether prompt positions are still to be scored (such a prompt skips the prefix cache)."""
-        return self.prompt_logprobs is not None and self.num_prompt_logprobs_launched < self.num_prompt_tokens - 1
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     @property
     def completion_token_ids(self) -> list[int]:

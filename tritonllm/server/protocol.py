@@ -3,7 +3,7 @@ error shape.
 
 Fields that change nothing in the output (user, metadata, store, ...) and fields nobody defined
 are accepted and ignored; a field that would change the output and that this server does not
-implement (tools, a chat's echo, ...) is an error unless it holds its neutral value.
+implement (response_format, a chat's echo, ...) is an error unless it holds its neutral value.
 """
 import re
 from dataclasses import dataclass
@@ -226,7 +226,7 @@ def parse_chat(body: dict, tokenizer, defaults: dict | None = None, auto_tools: 
     if choice == "auto" and not auto_tools:
         raise bad('tool_choice "auto" needs a server started with --enable-auto-tool-choice --tool-call-parser '
                   'hermes (or give tool_choice "none")', "tool_choice")
-    text = _chat_text(body, tokenizer)
+    text = _chat_text(body, tokenizer, tools)
     wants = _typed(body, "logprobs", bool, False)
     top = _typed(body, "top_logprobs", int)
     if top and not wants:  # 0 is the default: it asks for nothing
@@ -251,15 +251,15 @@ def _tools(body: dict) -> list[dict] | None:
     return tools or None
 
 
-def _chat_text(body: dict, tokenizer) -> str:
-    """The body's messages as the chat template renders them, with the body's chat options."""
+def _chat_text(body: dict, tokenizer, tools: list[dict] | None) -> str:
+    """The body's messages (and tools) as the chat template renders them, with the body's chat options."""
     template = _typed(body, "chat_template", str)
     if not has_chat_template(tokenizer, template):
         raise bad("this model has no chat template: use /v1/completions or give chat_template", "messages")
     messages = _messages(body)
     options = {name: _typed(body, name, bool, default)
                for name, default in (("add_generation_prompt", True), ("continue_final_message", False))}
-    extra, tools = _typed(body, "chat_template_kwargs", dict, {}), _tools(body)
+    extra = _typed(body, "chat_template_kwargs", dict, {})
     try:
         text = chat_prompt(tokenizer, messages, chat_template=template, chat_template_kwargs=extra, tools=tools,
                            **options)
@@ -284,7 +284,7 @@ def tokenize(body: dict, tokenizer, max_model_len: int) -> dict:
     chat = "messages" in body
     if chat:
         _check_unsupported(body)  # what would change the rendered text
-        prompt = _chat_text(body, tokenizer)
+        prompt = _chat_text(body, tokenizer, _tools(body))
     elif not isinstance(prompt := body.get("prompt"), str):
         raise bad(f"prompt must be a string, got {prompt!r:.60}", "prompt")
     ids = tokenizer.encode(prompt, add_special_tokens=_add_special_tokens(body, chat))
@@ -328,8 +328,8 @@ def _request(body: dict, chat: bool, prompts: list, params: SamplingParams, logp
     if params.stop and not has_tokenizer:
         raise bad("stop strings need a tokenizer, and this model has none: use stop_token_ids", "stop")
     stream = _typed(body, "stream", bool, False)
-    if stream and body.get("prompt_logprobs") is not None:  # vLLM's rule
-        raise bad("prompt_logprobs is not available with stream=true", "prompt_logprobs")
+    if stream and body.get("prompt_logprobs") is not None and params.prompt_logprobs:  # vLLM's rule: 0 passes
+        raise bad("prompt_logprobs > 0 is not available with stream=true", "prompt_logprobs")
     include_usage, continuous_usage = _usage_options(body, stream)
     return GenerateRequest(chat, prompts, params, stream, include_usage, logprobs,
                            _typed(body, "return_token_ids", bool, False) or not has_tokenizer,

@@ -114,14 +114,16 @@ class Renderer:
 
     def _vllm_prompt_logprobs(self, index: int, piece: Piece) -> list | None:
         """vLLM's prompt_logprobs: per prompt token, None first, then {id: {logprob, rank, decoded_token}}
-        for it and the likeliest tokens (its rank None when it is not among them)."""
+        for it (first) and the likeliest tokens; its rank is None when it is not among them (vLLM ranks
+        it in the whole vocabulary)."""
         if piece.prompt is None:
             return None
         ids, (logprobs, tops) = self.prompt_token_ids[index // self.request.params.n], piece.prompt
         out = [None]
         for token, logprob, top in zip(ids[1:], logprobs[1:], (tops or [None] * len(ids))[1:]):
-            ranked = {t: (rank, lp) for rank, (t, lp) in enumerate((top or {}).items(), 1)}
-            ranked.setdefault(token, (None, logprob))
+            likeliest = {t: (rank, lp) for rank, (t, lp) in enumerate((top or {}).items(), 1)}
+            ranked = {token: (likeliest.get(token, (None,))[0], logprob)}  # its own logprob, first
+            ranked.update((t, v) for t, v in likeliest.items() if t != token)
             out.append({t: {"logprob": _floor(lp), "rank": rank, "decoded_token": self.token(t)}
                         for t, (rank, lp) in ranked.items()})
         return out
