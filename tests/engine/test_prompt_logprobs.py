@@ -191,6 +191,17 @@ def test_a_stream_carries_them_in_each_samples_first_output(llm, hf):
     assert_clean(llm)
 
 
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2,
+                    reason="TP=2 on GPUs needs two of them; on CPU it runs under gloo")
+def test_tensor_parallel_2_scores_as_hf(tiny_qwen3, hf):
+    """Ranks > 0 run the LM head's gather over the scored positions with rank 0, chunk by chunk."""
+    with LLM(str(tiny_qwen3), max_num_seqs=4, num_kv_blocks=NUM_BLOCKS, max_num_batched_tokens=16,
+             tensor_parallel_size=2) as tp:
+        out = tp.generate([PROMPT, OTHER], params(2), use_tqdm=False)
+    assert_scores(out[0], hf, PROMPT, 2)
+    assert_scores(out[1], hf, OTHER, 2)
+
+
 @pytest.mark.parametrize("value, error", [(-1, ValueError), (21, ValueError), (1.5, TypeError), ("2", TypeError)])
 def test_bad_values_name_the_field(value, error):
     with pytest.raises(error, match="prompt_logprobs"):
