@@ -28,6 +28,7 @@ class StreamOutput:
     new_top_logprobs: list[dict[int, float]] | None = None
     prompt_logprobs: list[float | None] | None = None  # with params.prompt_logprobs: in a sample's first output
     prompt_top_logprobs: list[dict[int, float] | None] | None = None
+    prompt_ranks: list[int | None] | None = None
 
 
 class LLM(LLMEngine):
@@ -117,7 +118,7 @@ class LLM(LLMEngine):
         for out in self._follow(requests, queue):
             yield StreamOutput(requests[out.request_id][0] + out.index, out.new_token_ids, out.text_delta, out.finished,
                                out.output, out.new_logprobs, out.new_top_logprobs, out.prompt_logprobs,
-                               out.prompt_top_logprobs)
+                               out.prompt_top_logprobs, out.prompt_ranks)
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[GenerationOutput]:
         """Complete every prompt (strings or token-id lists); outputs in the order of the prompts, a

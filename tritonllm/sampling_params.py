@@ -22,10 +22,10 @@ class SamplingParams:
     logit_bias (OpenAI's) adds a bias in [-100, 100] to a token id's logit before the penalties and
     every filter (logprobs stay those of the raw distribution); allowed_token_ids (vLLM's) are the
     only tokens that may be drawn (the others' logits -inf; logprobs again raw). prompt_logprobs k
-    (vLLM's) returns each prompt token's log-probability given the tokens before it (none for the
-    first), and with k > 0 the k likeliest tokens at each prompt position; such a prompt is computed
-    in full, never served from the prefix cache. truncate_prompt_tokens k (vLLM's) keeps a prompt's
-    last k tokens (-1: as many as max_model_len).
+    (vLLM's) returns each prompt token's log-probability given the tokens before it and its rank
+    there (none for the first), and with k > 0 the k likeliest tokens at each prompt position; such a
+    prompt is computed in full, never served from the prefix cache. truncate_prompt_tokens k (vLLM's)
+    keeps a prompt's last k tokens (-1: as many as max_model_len).
     """
 
     temperature: float = 1.0

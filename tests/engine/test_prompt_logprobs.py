@@ -16,13 +16,15 @@ def llm(tiny_qwen3):
         yield engine
 
 
-def hf_scores(hf, prompt: list[int], k: int) -> tuple[list, list]:
-    """Each prompt token's logprob after the tokens before it, and the k likeliest at each position (float64)."""
+def hf_scores(hf, prompt: list[int], k: int) -> tuple[list, list, list]:
+    """Each prompt token's logprob after the tokens before it, the k likeliest at each position, and
+    each token's rank there (1 + the tokens likelier than it), in float64."""
     with torch.no_grad():
         logprobs = hf(torch.tensor([prompt])).logits[0, :-1].double().log_softmax(-1)
-    own = logprobs.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0].tolist()
+    own = logprobs.gather(1, torch.tensor(prompt[1:])[:, None])
     values, ids = logprobs.topk(k) if k else (logprobs[:, :0], logprobs[:, :0].long())
-    return own, [dict(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    ranks = ((logprobs > own).sum(1) + 1).tolist()
+    return own[:, 0].tolist(), [dict(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())], ranks
 
 
 def params(k: int = 0, **more) -> SamplingParams:
@@ -30,8 +32,9 @@ def params(k: int = 0, **more) -> SamplingParams:
 
 
 def assert_scores(out, hf, prompt: list[int], k: int) -> None:
-    own, top = hf_scores(hf, prompt, k)
+    own, top, ranks = hf_scores(hf, prompt, k)
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    assert out.prompt_ranks == [None] + ranks
     torch.testing.assert_close(torch.tensor(out.prompt_logprobs[1:]), torch.tensor(own), rtol=1e-4, atol=1e-4)
     if not k:
         assert out.prompt_top_logprobs is None

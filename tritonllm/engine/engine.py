@@ -300,7 +300,7 @@ class LLMEngine:
             return
         check = self._check_workers if self._workers else None
         if in_flight.prompt_scores is not None:  # a step's prompt scores come before its samples
-            add_prompt_logprobs(in_flight.prompt_spans, *in_flight.prompt_scores.result(check)[1:])
+            add_prompt_logprobs(in_flight.prompt_spans, *in_flight.prompt_scores.result(check))
         if in_flight.samples is None:
             return
         token_ids, logprobs, top = in_flight.samples.result(check)

@@ -14,9 +14,11 @@ class GenerationOutput:
     index: int = 0  # which of the request's n samples
     stop_reason: int | str | None = None  # the stop_token_ids entry or stop string that ended it; None for EOS
     # With params.prompt_logprobs (vLLM's), led by None, as the first prompt token has none: each prompt
-    # token's logprob, and with prompt_logprobs > 0 the likeliest tokens at its position: id -> logprob.
+    # token's logprob, and with prompt_logprobs > 0 the likeliest tokens at its position: id -> logprob;
+    # each prompt token's rank there (1: the likeliest; vLLM's Logprob.rank).
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[dict[int, float] | None] | None = None
+    prompt_ranks: list[int | None] | None = None
 
     def __getitem__(self, key: str):
         """out["text"], out["token_ids"]: the dict access of nano-vllm's outputs."""
@@ -36,6 +38,7 @@ class RequestOutput:
     new_top_logprobs: list[dict[int, float]] | None = None  # likewise, with params.top_logprobs > 0
     prompt_logprobs: list[float | None] | None = None  # as GenerationOutput's, in a sample's first output
     prompt_top_logprobs: list[dict[int, float] | None] | None = None
+    prompt_ranks: list[int | None] | None = None
 
 
 class IncrementalText:

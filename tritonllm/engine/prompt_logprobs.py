@@ -45,30 +45,35 @@ def prompt_logprob_spans(batch: ScheduledBatch) -> list[PromptSpan]:
 def score_positions(model, ops, hidden: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor,
                     k: int) -> tuple | None:
     """Every rank: the LM head over hidden[rows], ROWS_PER_PASS rows at a time. Rank 0 (where
-    compute_logits gives logits) returns (token_ids, their logprobs [M] float32, and with k > 0 the
-    k likeliest per row as (values [M, k], ids [M, k])); the other ranks None."""
-    logprobs, values, ids = [], [], []
+    compute_logits gives logits) returns (the ranks of token_ids [M] int64, 1 for the likeliest (vLLM's:
+    1 + the logits above it), their logprobs [M] float32, and with k > 0 the k likeliest per row as
+    (values [M, k], ids [M, k])); the other ranks None."""
+    ranks, logprobs, values, ids = [], [], [], []
     for i in range(0, len(rows), ROWS_PER_PASS):
         logits = model.compute_logits(hidden[rows[i:i + ROWS_PER_PASS]])
         if logits is None:
             continue
-        logprobs.append(ops.compute_logprobs(logits, token_ids[i:i + ROWS_PER_PASS]))
+        targets = token_ids[i:i + ROWS_PER_PASS]
+        ranks.append((logits > logits.gather(1, targets[:, None])).sum(1) + 1)
+        logprobs.append(ops.compute_logprobs(logits, targets))
         if k:
             top = ops.compute_top_logprobs(logits, min(k, logits.shape[1]))
             values.append(top[0])
             ids.append(top[1])
     if not logprobs:
         return None
-    return token_ids, torch.cat(logprobs), (torch.cat(values), torch.cat(ids)) if k else None
+    return torch.cat(ranks), torch.cat(logprobs), (torch.cat(values), torch.cat(ids)) if k else None
 
 
-def add_prompt_logprobs(spans: list[PromptSpan], logprobs: list[float], top: tuple[list, list] | None) -> None:
+def add_prompt_logprobs(spans: list[PromptSpan], ranks: list[int], logprobs: list[float],
+                        top: tuple[list, list] | None) -> None:
     """Append a resolved step's scores to their sequences (those finished since drop theirs)."""
     at = 0
     for span in spans:
         seq, end = span.seq, at + span.count
         if not seq.is_finished:
             seq.prompt_logprobs += logprobs[at:end]
+            seq.prompt_ranks += ranks[at:end]
             k = seq.params.prompt_logprobs
             if k:
                 seq.prompt_top_logprobs += [dict(zip(i[:k], v[:k])) for v, i in zip(top[0][at:end], top[1][at:end])]

@@ -75,16 +75,20 @@ def text_token_ids(sample: Sample) -> list[int]:
     return ids[:-1] if sample.stopped_by_token and not sample.seq.params.include_stop_str_in_output else ids
 
 
-def prompt_scores(request: Request) -> tuple[list | None, list | None]:
-    """The request's prompt_logprobs and prompt_top_logprobs (GenerationOutput's); None where not
-    asked for, or while not all scored (an abort)."""
+NO_SCORES = (None, None, None)
+
+
+def prompt_scores(request: Request) -> tuple[list | None, list | None, list | None]:
+    """The request's prompt_logprobs, prompt_top_logprobs and prompt_ranks (GenerationOutput's); None
+    where not asked for, or while not all scored (an abort)."""
     seq = request.samples[0].seq
     if seq.prompt_logprobs is None or len(seq.prompt_logprobs) < seq.num_prompt_tokens - 1:
-        return None, None
-    return [None] + seq.prompt_logprobs, [None] + seq.prompt_top_logprobs if seq.params.prompt_logprobs else None
+        return NO_SCORES
+    top = [None] + seq.prompt_top_logprobs if seq.params.prompt_logprobs else None
+    return [None] + seq.prompt_logprobs, top, [None] + seq.prompt_ranks
 
 
-def final_output(sample: Sample, tokenizer, prompt: tuple[list | None, list | None]) -> GenerationOutput:
+def final_output(sample: Sample, tokenizer, prompt: tuple) -> GenerationOutput:
     seq, params = sample.seq, sample.seq.params
     if sample.text is not None:
         text = sample.text.text
@@ -103,9 +107,9 @@ def step_output(request: Request, sample: Sample, finished: bool, tokenizer) -> 
     start = sample.num_emitted
     sample.num_emitted = seq.num_known_completion_tokens
     delta = sample.text.delta(finished) if request.stream and sample.text is not None else ""
-    prompt = prompt_scores(request) if start == 0 or finished else (None, None)
+    prompt = prompt_scores(request) if start == 0 or finished else NO_SCORES
     return RequestOutput(request.request_id, seq.token_ids[seq.num_prompt_tokens + start:], delta, finished,
                          final_output(sample, tokenizer, prompt) if finished else None, sample.index,
                          seq.logprobs[start:] if params.wants_logprobs else None,
                          seq.top_logprobs[start:] if params.top_logprobs else None,
-                         *(prompt if start == 0 else (None, None)))
+                         *(prompt if start == 0 else NO_SCORES))

@@ -43,6 +43,7 @@ class Sequence:
         # i + 1, from the logits at position i.
         self.prompt_logprobs: list[float] | None = None if params.prompt_logprobs is None else []
         self.prompt_top_logprobs: list[dict[int, float]] = []
+        self.prompt_ranks: list[int] = []
 
     def __len__(self) -> int:
         return len(self.token_ids) + self.num_pending

@@ -17,8 +17,8 @@ The messages are tuples. Server to engine: ("add", key, prompts, params, add_spe
 once; ("added", key, error, prompt_token_ids) with error None or (kind, text), kind "invalid",
 "queue_full" or "failed"; ("stats", key, dict); ("out", items) with items
 (key, choice, token_ids, text, logprobs, top_logprobs, final, prompt), final None or (finish_reason,
-cached_tokens, stop_reason), prompt None or the request's (prompt_logprobs, prompt_top_logprobs) in a
-choice's first item; ("error", keys, text) when a step failed (those requests are aborted). A request
+cached_tokens, stop_reason), prompt None or the request's (prompt_logprobs, prompt_top_logprobs,
+prompt_ranks) in a choice's first item; ("error", keys, text) when a step failed (those requests are aborted). A request
 not streamed gives one item per choice, when it finishes, with all its tokens and text.
 """
 

@@ -140,7 +140,8 @@ class EngineWorker:
                     ids.remove(out.request_id)
                     if not ids:
                         del self.keys[entry[0]]
-            prompt = None if out.prompt_logprobs is None else (out.prompt_logprobs, out.prompt_top_logprobs)
+            prompt = None if out.prompt_logprobs is None else (out.prompt_logprobs, out.prompt_top_logprobs,
+                                                                out.prompt_ranks)
             items.append((entry[0], entry[1] + out.index, out.new_token_ids, text, out.new_logprobs,
                           out.new_top_logprobs, final, prompt))
         if items:

@@ -110,22 +110,20 @@ class Renderer:
         text = prompt if whole else self.decoder.decode(ids)
         if self.request.logprobs is None or piece.prompt is None:
             return text, None
-        return text, self._completion_logprobs(index, ids, *piece.prompt)
+        return text, self._completion_logprobs(index, ids, *piece.prompt[:2])
 
     def _vllm_prompt_logprobs(self, index: int, piece: Piece) -> list | None:
         """vLLM's prompt_logprobs: per prompt token, None first, then {id: {logprob, rank, decoded_token}}
-        for it (first) and the likeliest tokens; its rank is None when it is not among them (vLLM ranks
-        it in the whole vocabulary)."""
+        for it (first, ranked in the vocabulary) and the likeliest tokens."""
         if piece.prompt is None:
             return None
-        ids, (logprobs, tops) = self.prompt_token_ids[index // self.request.params.n], piece.prompt
+        ids, (logprobs, tops, ranks) = self.prompt_token_ids[index // self.request.params.n], piece.prompt
         out = [None]
-        for token, logprob, top in zip(ids[1:], logprobs[1:], (tops or [None] * len(ids))[1:]):
-            likeliest = {t: (rank, lp) for rank, (t, lp) in enumerate((top or {}).items(), 1)}
-            ranked = {token: (likeliest.get(token, (None,))[0], logprob)}  # its own logprob, first
-            ranked.update((t, v) for t, v in likeliest.items() if t != token)
-            out.append({t: {"logprob": _floor(lp), "rank": rank, "decoded_token": self.token(t)}
-                        for t, (rank, lp) in ranked.items()})
+        for token, logprob, rank, top in zip(ids[1:], logprobs[1:], ranks[1:], (tops or [None] * len(ids))[1:]):
+            ranked = {token: (rank, logprob)}  # its own logprob
+            ranked.update((t, (r, lp)) for r, (t, lp) in enumerate((top or {}).items(), 1) if t != token)
+            out.append({t: {"logprob": _floor(lp), "rank": r, "decoded_token": self.token(t)}
+                        for t, (r, lp) in ranked.items()})
         return out
 
     def _chat_logprobs(self, piece: Piece) -> dict:
