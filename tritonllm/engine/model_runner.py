@@ -28,7 +28,8 @@ CPU_KV_CACHE_BYTES = 1 << 30
 
 class SampledTokens:
     """A step's sampled ids [N] (and logprobs [N], top logprobs' values and ids [N, k], or None) on
-    the device, copied to the host in the background; `result()` waits for the copy."""
+    the device, copied to the host in the background; `result()` waits for the copy. A step's scored
+    prompt positions come the same way, with the prompt tokens' ranks where the ids go."""
 
     def __init__(self, ids: torch.Tensor, logprobs: torch.Tensor | None, top: tuple | None = None):
         self.ids = ids

@@ -41,6 +41,16 @@ class RequestOutput:
     prompt_ranks: list[int | None] | None = None
 
 
+def tail_that_could_begin(text: str, strings: list[str]) -> int:
+    """The length of the longest tail of `text` that begins one of `strings` and is shorter than it:
+    what a stream holds back until the next piece shows whether that string follows."""
+    for k in range(min(len(text), max(map(len, strings), default=1) - 1), 0, -1):
+        tail = text[-k:]
+        if any(s.startswith(tail) for s in strings):
+            return k
+    return 0
+
+
 class IncrementalText:
     """A completion's text, decoded a few tokens at a time, and its stop strings.
 
@@ -100,12 +110,6 @@ class IncrementalText:
         return piece
 
     def _held(self) -> int:
-        """The length of the longest tail of the text that begins some stop string (none is held
-        when the stop string stays in the text)."""
-        if self.include_stop:
-            return 0
-        for k in range(min(len(self.text), max(map(len, self.stop), default=1) - 1), 0, -1):
-            tail = self.text[-k:]
-            if any(stop.startswith(tail) for stop in self.stop):
-                return k
-        return 0
+        """The tail that could still begin a stop string (none is held when the stop string stays in
+        the text)."""
+        return 0 if self.include_stop else tail_that_could_begin(self.text, self.stop)

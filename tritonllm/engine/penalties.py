@@ -86,9 +86,8 @@ def add_logit_bias(logits: torch.Tensor, seqs: list[Sequence], to_device) -> tor
         for _, seq in allowed:
             if seq.allowed_ids_tensor is None:
                 seq.allowed_ids_tensor = to_device(torch.tensor(seq.params.allowed_token_ids))
-        ids = [seq.allowed_ids_tensor for _, seq in allowed]
         mask = torch.full((len(allowed), out.shape[1]), float("-inf"), device=out.device)
-        mask[torch.cat([torch.full_like(i, k) for k, i in enumerate(ids)]), torch.cat(ids)] = 0.0
+        mask[_pairs(range(len(allowed)), [seq.allowed_ids_tensor for _, seq in allowed])] = 0.0
         out[to_device(torch.tensor([row for row, _ in allowed]))] += mask
     if biased:
         for _, seq in biased:
@@ -96,8 +95,12 @@ def add_logit_bias(logits: torch.Tensor, seqs: list[Sequence], to_device) -> tor
                 bias = seq.params.logit_bias
                 seq.logit_bias_tensors = (to_device(torch.tensor(list(bias))),
                                           to_device(torch.tensor(list(bias.values()), dtype=torch.float32)))
-        ids = [seq.logit_bias_tensors[0] for _, seq in biased]
-        where = (torch.cat([torch.full_like(i, row) for (row, _), i in zip(biased, ids)]), torch.cat(ids))
+        where = _pairs([row for row, _ in biased], [seq.logit_bias_tensors[0] for _, seq in biased])
         # Each (row, token) comes once, so the accumulating put is a plain add.
         out.index_put_(where, torch.cat([seq.logit_bias_tensors[1] for _, seq in biased]), accumulate=True)
     return out
+
+
+def _pairs(rows, ids: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (row, token id) index pairs of each row's ids on the device."""
+    return torch.cat([torch.full_like(i, row) for row, i in zip(rows, ids)]), torch.cat(ids)

@@ -19,20 +19,17 @@ the parts of the whole reply.
 import json
 import uuid
 
+from tritonllm.engine.output import tail_that_could_begin
+
 THINK, END_THINK = "<think>", "</think>"
 CALL, END_CALL = "<tool_call>", "</tool_call>"
 REASONING_PARSERS = ("qwen3",)
 TOOL_CALL_PARSERS = ("hermes",)
 
 
-def _could_begin(text: str, tag: str) -> int:
-    """How many trailing characters of `text` could be the start of `tag`."""
-    return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-k:])), 0)
-
-
 def _held(text: str, tag: str, final: bool) -> tuple[str, str]:
     """text split into (what can go out now, the tail that waits for the next piece)."""
-    held = 0 if final else _could_begin(text, tag)
+    held = 0 if final else tail_that_could_begin(text, [tag])
     return text[:len(text) - held], text[len(text) - held:]
 
 
