@@ -6,8 +6,10 @@
 
 bench/throughput.py's workload (256 requests, prompts 100..1024, outputs 100..1024) decodes with
 batches that shrink from 256 as requests finish and contexts spread from 100 to 2k, under a
-context bound of max_model_len 4096 (--max-model-len: a checkpoint's own, 40960 for Qwen3, puts
-the steps in other buckets). bench/kernels.py tunes on uniform contexts at the bound.
+context bound of max_model_len 4096 (--max-model-len: a checkpoint's own, 40960 for Qwen3). The
+engine replays each step from the graphs of the smallest context bound that holds its longest
+context (engine/warmup.graph_context_bounds: 2048 here), whose buckets are the ones timed and saved;
+bench/kernels.py tunes the others on uniform contexts at the bound.
 This replays one layer of every `stride`-th decode step of the workload (and the first step of
 each graph batch size the stride misses, so every bucket is timed), its rows longest context
 first as the engine orders them (Qwen3-0.6B heads: 16 q / 8 kv, D 128, bf16, KV blocks of
@@ -23,8 +25,8 @@ kv_cache_dtype="fp8"), and the fp8 buckets are the ones timed and saved.
 the same process, with the same configs, each checked against the installed kernel.
 
 --save writes each bucket's best config into the tuned-config file under the engine's bucket key
-(its context bound). Run it after bench/kernels.py, which tunes the same keys on uniform contexts
-at the bound: the engine serves spread contexts below its bound, as here.
+(the step's context bound). Run it after bench/kernels.py, which tunes the keys it meets on uniform
+contexts at the bound: the engine serves the workload's spread contexts from the short bound's graphs.
 """
 import argparse
 import itertools
@@ -39,7 +41,7 @@ from throughput import workload
 from timing import COPY_BYTES_PER_S, graph_time_ms
 from tritonllm import kernels
 from tritonllm.kernels import reference
-from tritonllm.engine.warmup import graph_batch_sizes
+from tritonllm.engine.warmup import graph_batch_sizes, graph_context_bounds
 from tritonllm.kernels import tuning
 from tritonllm.kernels.decode_attention import DECODE_TUNABLE, decode_attention_bucket
 from tritonllm.kernels.fp8 import head_major_copy
@@ -48,10 +50,10 @@ from tritonllm.kernels.kv_cache import key_major_copy
 LAYERS = 28
 
 
-def engine_bucket(batch, cache_dtype, block_size, max_model_len):
-    """The decode tuning bucket of the engine's graph of `batch` rows: bf16, D 128, group 2, 8 kv heads,
-    context bound max_model_len; the kernel's own builder, so saved configs are the ones it reads."""
-    return decode_attention_bucket(torch.bfloat16, 128, 2, 8, block_size, batch, max_model_len, cache_dtype)
+def engine_bucket(batch, cache_dtype, block_size, bound):
+    """The decode tuning bucket of the engine's graph of `batch` rows and context bound `bound`: bf16,
+    D 128, group 2, 8 kv heads; the kernel's own builder, so saved configs are the ones it reads."""
+    return decode_attention_bucket(torch.bfloat16, 128, 2, 8, block_size, batch, bound, cache_dtype)
 
 
 def fastest(times: dict) -> str:
@@ -128,9 +130,9 @@ def main():
     token_bytes = 8 * (128 + 4) * 2 if fp8 else 8 * 128 * 2 * 2  # K and V (and their float32 scales)
     wide = list(wide_candidates(fp8)) if args.grid == "wide" else None
     rows = []
-    # kernel -> batch bucket -> config key -> estimated s
+    # kernel -> (context bound, batch bucket) -> config key -> estimated s
     by_bucket = defaultdict(lambda: defaultdict(lambda: defaultdict(float)))
-    engine_keys = {}  # batch bucket -> the key of the config the engine runs there
+    engine_keys = {}  # (context bound, batch bucket) -> the key of the config the engine runs there
     table_width = -(-args.max_model_len // block_size)
     for step, weight in sampled_steps(requests, args.stride, sizes):
         # In the engine's row order: longest context first (engine/scheduler.py).
@@ -141,8 +143,9 @@ def main():
         tables = torch.randint(0, num_blocks, (batch, table_width), dtype=torch.int32, device="cuda")
         q = randn(batch, 16, 128)
         moved = sum(lens) * token_bytes
-        bucket = tuning.pow2(batch)
-        step_bucket = engine_bucket(batch, k_cache.dtype, block_size, args.max_model_len)
+        bound = next(b for b in graph_context_bounds(args.max_model_len) if b >= lens[0])
+        bucket = bound, tuning.pow2(batch)
+        step_bucket = engine_bucket(batch, k_cache.dtype, block_size, bound)
         engine_cfg = DECODE_TUNABLE.config(step_bucket, None)
         configs = wide if wide is not None else DECODE_TUNABLE.space(*step_bucket)
         engine_keys[bucket] = json.dumps(engine_cfg, sort_keys=True)
@@ -187,7 +190,7 @@ def main():
     floor_total = sum(r["floor_us"] * r["weight"] for r in rows) * 1e-6 * LAYERS
     for name, buckets in by_bucket.items():
         engine_total = best_total = 0.0
-        print(f"\n{name}\n\n| batch bucket | engine config (s) | best single config (s) | that config |\n"
+        print(f"\n{name}\n\n| context bound, batch bucket | engine config (s) | best single config (s) | that config |\n"
               "|---|---|---|---|")
         for bucket, totals in sorted(buckets.items()):
             key = fastest(totals)
@@ -195,9 +198,9 @@ def main():
             engine_total += engine_s
             best_total += totals[key]
             if args.save and name == "installed":
-                saved_key = tuning.bucket_key(engine_bucket(bucket, k_cache.dtype, block_size, args.max_model_len))
+                saved_key = tuning.bucket_key(engine_bucket(bucket[1], k_cache.dtype, block_size, bucket[0]))
                 tuning.tuned_table().setdefault("decode_attention", {})[saved_key] = json.loads(key)
-            print(f"| {bucket} | {engine_s:.3f} | {totals[key]:.3f} | {key} |")
+            print(f"| {bucket[0]}, {bucket[1]} | {engine_s:.3f} | {totals[key]:.3f} | {key} |")
         print(f"\nworkload decode attention, {name}, estimated: engine configs {engine_total:.3f} s, best config per "
               f"bucket {best_total:.3f} s, floor at {COPY_BYTES_PER_S / 1e12:.2f} TB/s {floor_total:.3f} s")
     if args.save:

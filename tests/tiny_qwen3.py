@@ -41,8 +41,8 @@ def _save(path: Path, model_class, config_class, dtype, seed: int, **shapes) -> 
     eos_ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
     config = config_class(
         vocab_size=len(tokenizer), hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-6, bos_token_id=None,
-        eos_token_id=eos_ids[0], pad_token_id=eos_ids[1], torch_dtype=dtype, **shapes,
+        rope_theta=10000.0, rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=eos_ids[0], pad_token_id=eos_ids[1],
+        torch_dtype=dtype, **{"max_position_embeddings": 512, **shapes},
     )
     torch.manual_seed(seed)
     model = model_class(config).to(dtype)

@@ -18,7 +18,7 @@ from tritonllm.engine.penalties import PenaltyRows, add_logit_bias
 from tritonllm.engine.prompt_logprobs import score_positions
 from tritonllm.engine.sequence import Sequence
 from tritonllm.engine.step_inputs import StepInputs
-from tritonllm.engine.warmup import graph_batch_sizes, prefill_warmup_steps
+from tritonllm.engine.warmup import graph_batch_sizes, graph_context_bounds, prefill_warmup_steps
 from tritonllm.layers.attention import Attention, allocate_kv_caches, kv_bytes_per_token
 from tritonllm.layers.ops import backend
 from tritonllm.loader import build_model, init_dummy_weights, load_weights
@@ -75,7 +75,7 @@ class ModelRunner:
             self._compile_sampler()  # before the KV cache is sized: its scratch is gone by then
         self.num_kv_blocks = self._allocate_kv_cache()
         self.penalties = PenaltyRows(self.ops, hf_config.vocab_size, config.max_num_seqs, self.device, self._to_device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (context bound, batch) -> decode graph
         # The references index with boolean masks, which syncs the host: they cannot be captured.
         if self.device.type == "cuda" and not config.enforce_eager and config.kernels == "triton":
             self._capture_decode_graphs()
@@ -187,8 +187,9 @@ class ModelRunner:
         previous_ids: the previous step's sampled ids on the device (rank 0), read by pending rows."""
         to = self._to_device
         token_ids = self._input_ids(inputs, previous_ids)
-        if not inputs.is_prefill and self.graphs and len(inputs.seq_lens) <= max(self.graphs):
-            hidden = self._replay(inputs, token_ids)
+        graph_key = self._graph_key(inputs)
+        if graph_key is not None:
+            hidden = self._replay(inputs, token_ids, graph_key)
         else:
             context = Context(inputs.is_prefill, to(inputs.slot_mapping), to(inputs.seq_lens), to(inputs.block_tables),
                               to(inputs.cu_seqlens_q), inputs.max_q_len, inputs.max_seq_len, to(inputs.gather_blocks),
@@ -210,8 +211,13 @@ class ModelRunner:
 
     # ---- CUDA graphs for decode
 
-    def _graph_batch(self, batch: int) -> int:
-        return next(size for size in sorted(self.graphs) if size >= batch)
+    def _graph_key(self, inputs: StepInputs) -> tuple[int, int] | None:
+        """The graph a decode step replays: of the smallest context bound that holds its longest
+        context, the smallest batch that holds its rows; None for prefill, or where none holds it."""
+        if inputs.is_prefill:
+            return None
+        batch, longest = len(inputs.seq_lens), inputs.max_seq_len
+        return min((key for key in self.graphs if key[0] >= longest and key[1] >= batch), default=None)
 
     @torch.inference_mode()
     def _capture_decode_graphs(self) -> None:
@@ -227,20 +233,21 @@ class ModelRunner:
         self.graph_output = torch.zeros(max_bs, self.hf_config.hidden_size, dtype=self.config.dtype, device=d)
         pool = None
         g = self.graph_inputs
-        for batch in self._progress(list(reversed(graph_batch_sizes(max_bs))), "Capturing decode graphs"):
+        keys = [(bound, batch) for bound in reversed(graph_context_bounds(self.config.max_model_len))
+                for batch in reversed(graph_batch_sizes(max_bs))]
+        for bound, batch in self._progress(keys, "Capturing decode graphs"):
             context = Context(False, g["slot_mapping"][:batch], g["seq_lens"][:batch], g["block_tables"][:batch],
-                              None, 1, self.config.max_model_len)
+                              None, 1, bound)
             self._forward(g["token_ids"][:batch], g["positions"][:batch], context)  # compiles and warms the kernels
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool):
                 self.graph_output[:batch] = self._forward(g["token_ids"][:batch], g["positions"][:batch], context)
             pool = graph.pool()
-            self.graphs[batch] = graph
+            self.graphs[bound, batch] = graph
             torch.cuda.synchronize(d)
 
-    def _replay(self, inputs: StepInputs, token_ids: torch.Tensor) -> torch.Tensor:
-        batch = len(inputs.seq_lens)
-        graph_batch = self._graph_batch(batch)
+    def _replay(self, inputs: StepInputs, token_ids: torch.Tensor, key: tuple[int, int]) -> torch.Tensor:
+        batch, graph_batch = len(inputs.seq_lens), key[1]
         g = self.graph_inputs
         g["token_ids"][:batch].copy_(token_ids)
         # Rows past the batch are padding: no KV store (slot -1) and one key read (seq_len 1), from
@@ -252,7 +259,7 @@ class ModelRunner:
             padded = F.pad(getattr(inputs, name), (0, graph_batch - batch), value=pad_value)
             g[name][:graph_batch].copy_(padded.pin_memory(), non_blocking=True)
         g["block_tables"][:batch, : inputs.block_tables.shape[1]].copy_(self._to_device(inputs.block_tables))
-        self.graphs[graph_batch].replay()
+        self.graphs[key].replay()
         return self.graph_output[:batch]
 
     # ---- sampling (rank 0)

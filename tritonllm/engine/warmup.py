@@ -1,5 +1,6 @@
 """What the model runner runs before serving, so that no Triton compile lands in the middle of it:
-the batch sizes of its decode CUDA graphs, and prefill steps that reach every tuning bucket."""
+the batch sizes and context bounds of its decode CUDA graphs, and prefill steps that reach every
+tuning bucket."""
 from tritonllm.kernels.prefill_attention import enough_work_for_hopper
 from tritonllm.kernels.tuning import pow2
 
@@ -7,6 +8,18 @@ from tritonllm.kernels.tuning import pow2
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     sizes = [1, 2, 4, 8] + list(range(16, max_num_seqs + 1, 16))
     return sorted({min(s, max_num_seqs) for s in sizes} | {max_num_seqs})
+
+
+# Decode steps whose contexts all fit this many keys (chat turns, the nano-vllm workload) replay graphs
+# captured for it, so decode attention runs the configs tuned on such steps (bench/decode_workload.py)
+# while steps with longer contexts keep those tuned on long rows: one config cannot serve both.
+SHORT_CONTEXT = 2048
+
+
+def graph_context_bounds(max_model_len: int, short: int = SHORT_CONTEXT) -> list[int]:
+    """The context bounds decode graphs are captured for, ascending. A step replays a graph of the
+    first bound that holds its longest context; decode attention's grid and config follow the bound."""
+    return [short, max_model_len] if max_model_len > short else [max_model_len]
 
 
 def prefill_warmup_steps(max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int) -> list[list[int]]:
