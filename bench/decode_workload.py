@@ -41,7 +41,7 @@ from throughput import workload
 from timing import COPY_BYTES_PER_S, graph_time_ms
 from tritonllm import kernels
 from tritonllm.kernels import reference
-from tritonllm.engine.warmup import graph_batch_sizes, graph_context_bounds
+from tritonllm.engine.warmup import graph_batch_sizes, graph_context_bound
 from tritonllm.kernels import tuning
 from tritonllm.kernels.decode_attention import DECODE_TUNABLE, decode_attention_bucket
 from tritonllm.kernels.fp8 import head_major_copy
@@ -143,7 +143,7 @@ def main():
         tables = torch.randint(0, num_blocks, (batch, table_width), dtype=torch.int32, device="cuda")
         q = randn(batch, 16, 128)
         moved = sum(lens) * token_bytes
-        bound = next(b for b in graph_context_bounds(args.max_model_len) if b >= lens[0])
+        bound = graph_context_bound(args.max_model_len, lens[0])
         bucket = bound, tuning.pow2(batch)
         step_bucket = engine_bucket(batch, k_cache.dtype, block_size, bound)
         engine_cfg = DECODE_TUNABLE.config(step_bucket, None)

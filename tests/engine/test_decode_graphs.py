@@ -30,7 +30,8 @@ def test_context_bounds():
     (True, 1, 10, None),
 ])
 def test_a_step_replays_the_smallest_graph_that_holds_it(is_prefill, rows, longest, key):
-    runner = SimpleNamespace(graphs=dict.fromkeys((bound, batch) for bound in (4096, 2048) for batch in (4, 2, 1)))
+    runner = SimpleNamespace(config=SimpleNamespace(max_model_len=4096),
+                             graphs=dict.fromkeys((bound, batch) for bound in (4096, 2048) for batch in (4, 2, 1)))
     inputs = SimpleNamespace(is_prefill=is_prefill, seq_lens=torch.ones(rows), max_seq_len=longest)
     assert ModelRunner._graph_key(runner, inputs) == key
 

@@ -18,7 +18,7 @@ from tritonllm.engine.penalties import PenaltyRows, add_logit_bias
 from tritonllm.engine.prompt_logprobs import score_positions
 from tritonllm.engine.sequence import Sequence
 from tritonllm.engine.step_inputs import StepInputs
-from tritonllm.engine.warmup import graph_batch_sizes, graph_context_bounds, prefill_warmup_steps
+from tritonllm.engine.warmup import graph_batch_sizes, graph_context_bound, graph_context_bounds, prefill_warmup_steps
 from tritonllm.layers.attention import Attention, allocate_kv_caches, kv_bytes_per_token
 from tritonllm.layers.ops import backend
 from tritonllm.loader import build_model, init_dummy_weights, load_weights
@@ -216,8 +216,8 @@ class ModelRunner:
         context, the smallest batch that holds its rows; None for prefill, or where none holds it."""
         if inputs.is_prefill:
             return None
-        batch, longest = len(inputs.seq_lens), inputs.max_seq_len
-        return min((key for key in self.graphs if key[0] >= longest and key[1] >= batch), default=None)
+        bound, batch = graph_context_bound(self.config.max_model_len, inputs.max_seq_len), len(inputs.seq_lens)
+        return min((key for key in self.graphs if key[0] == bound and key[1] >= batch), default=None)
 
     @torch.inference_mode()
     def _capture_decode_graphs(self) -> None:

@@ -22,6 +22,12 @@ def graph_context_bounds(max_model_len: int, short: int = SHORT_CONTEXT) -> list
     return [short, max_model_len] if max_model_len > short else [max_model_len]
 
 
+def graph_context_bound(max_model_len: int, longest: int) -> int | None:
+    """The bound whose graphs a decode step replays: the first that holds its longest context (None
+    past max_model_len)."""
+    return next((bound for bound in graph_context_bounds(max_model_len) if bound >= longest), None)
+
+
 def prefill_warmup_steps(max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int) -> list[list[int]]:
     """Sequence lengths of prefill steps that together reach every tuning bucket a prefill step can:
     the attention kernels' configs go by the longest query (its power of two, and whether the step
