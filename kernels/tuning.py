@@ -3,7 +3,8 @@
 Each kernel family declares a `Tunable`: a config space and a heuristic default, both functions
 of a bucket (a tuple of the shape features that matter, rounded up to powers of two, plus the
 dtype). At run time `Tunable.config(bucket)` answers from the tuned-config JSON of this GPU and
-Triton version when it has the bucket, else from the default. Serving never tunes unless
+Triton version (else of the nearest version tuned on this GPU) when it has the bucket, else from
+the default. Serving never tunes unless
 TRITONLLM_AUTOTUNE=1; bench/kernels.py tunes with `Tunable.tune` and writes the file with `save`.
 
 A config is a dict of the kernel's constexpr meta-parameters plus `num_warps` / `num_stages`,
@@ -13,6 +14,8 @@ import functools
 import json
 import math
 import os
+import re
+import warnings
 from pathlib import Path
 
 import torch
@@ -52,20 +55,50 @@ def bucket_key(bucket: tuple) -> str:
 
 
 def config_path() -> Path:
-    """The tuned-config file of the current GPU and Triton version (TRITONLLM_TUNED_CONFIGS overrides)."""
+    """The tuned-config file of the current GPU and Triton version, the one `save` writes
+    (TRITONLLM_TUNED_CONFIGS overrides)."""
     if "TRITONLLM_TUNED_CONFIGS" in os.environ:
         return Path(os.environ["TRITONLLM_TUNED_CONFIGS"])
     gpu = torch.cuda.get_device_name().replace(" ", "_") if torch.cuda.is_available() else "cpu"
     return CONFIG_DIR / f"{gpu}__triton-{triton.__version__}.json"
 
 
+def version_tuple(version: str) -> tuple[int, ...]:
+    """'3.6.0' or '3.9.0+git1a2b' -> (3, 6, 0): the leading numbers, for ordering versions (() if none)."""
+    match = re.match(r"\d+(?:\.\d+)*", version)
+    return tuple(int(part) for part in match.group().split(".")) if match else ()
+
+
+def nearest_config_file(path: Path) -> Path | None:
+    """`path` (GPU__triton-VERSION.json) if it exists, else the same GPU's file of the nearest other
+    Triton version beside it: the newest one older than VERSION, else the oldest newer one. A config
+    holds launch parameters that every version takes; tuned under another version it may not be
+    the best, but it is the same GPU's measurement, which the untuned defaults are not."""
+    if path.exists():
+        return path
+    gpu, _, version = path.stem.rpartition("__triton-")
+    if not gpu:
+        return None
+    wanted = version_tuple(version)
+    others = sorted((version_tuple(p.stem.rpartition("__triton-")[2]), p)
+                    for p in path.parent.glob(f"{gpu}__triton-*.json"))
+    older = [p for v, p in others if v < wanted]
+    newer = [p for v, p in others if v > wanted]
+    return older[-1] if older else newer[0] if newer else None
+
+
 def tuned_table() -> dict[str, dict[str, dict]]:
-    """The tuned configs, loaded from `config_path()` on first use (empty under the interpreter)."""
+    """The tuned configs, loaded on first use from `config_path()`, or where this Triton version has
+    no file for the GPU, from the nearest version's (nearest_config_file; a warning names it).
+    Empty under the interpreter."""
     global _table
     if _table is None:
-        path = config_path()
+        wanted = config_path()
+        path = None if INTERPRET else nearest_config_file(wanted)
         _table = {}
-        if not INTERPRET and path.exists():
+        if path is not None:
+            if path != wanted:
+                warnings.warn(f"no tuned configs for {wanted.name}; using those of {path.name}", stacklevel=2)
             _table = json.loads(path.read_text())["kernels"]
     return _table
 

@@ -72,6 +72,43 @@ def test_save_merges_with_the_file(tuned_file):
     assert json.loads(tuned_file.read_text())["kernels"] == {"a": {"1": {"X": 1}, "2": {"X": 3}}, "b": {"4": {"Y": 4}}}
 
 
+def test_version_tuple_orders_numerically():
+    assert tuning.version_tuple("3.9.0+git1a2b") == (3, 9, 0)
+    assert tuning.version_tuple("3.10.0") > tuning.version_tuple("3.9.1") > tuning.version_tuple("3.9")
+    assert tuning.version_tuple("main") == ()
+
+
+def test_nearest_config_file(tmp_path):
+    for name in ("GPU__triton-3.4.0.json", "GPU__triton-3.6.0.json", "GPU__triton-3.10.0.json",
+                 "OTHER__triton-3.8.0.json"):
+        (tmp_path / name).write_text("{}")
+
+    def nearest(version):
+        found = tuning.nearest_config_file(tmp_path / f"GPU__triton-{version}.json")
+        return found and found.name
+
+    assert nearest("3.6.0") == "GPU__triton-3.6.0.json"  # its own
+    assert nearest("3.9.0") == "GPU__triton-3.6.0.json"  # the newest older one, not another GPU's 3.8
+    assert nearest("3.12.1") == "GPU__triton-3.10.0.json"  # 3.10 sorts above 3.6
+    assert nearest("3.2.0") == "GPU__triton-3.4.0.json"  # none older: the oldest newer one
+    assert tuning.nearest_config_file(tmp_path / "NONE__triton-3.6.0.json") is None
+    assert tuning.nearest_config_file(tmp_path / "tuned.json") is None
+
+
+def test_another_versions_configs_load_and_save_writes_this_versions_file(tmp_path, monkeypatch):
+    ours, theirs = tmp_path / "GPU__triton-3.9.0.json", tmp_path / "GPU__triton-3.6.0.json"
+    theirs.write_text(json.dumps({"gpu": "GPU", "triton": "3.6.0", "kernels": {"a": {"1": {"X": 1}}}}))
+    monkeypatch.setattr(tuning, "config_path", lambda: ours)
+    monkeypatch.setattr(tuning, "INTERPRET", False)
+    monkeypatch.setattr(tuning, "_table", None)
+    with pytest.warns(UserWarning, match="GPU__triton-3.6.0.json"):
+        assert tuning.tuned_table() == {"a": {"1": {"X": 1}}}
+    tuning.tuned_table()["a"]["2"] = {"X": 2}
+    assert tuning.save() == ours
+    assert json.loads(theirs.read_text())["kernels"] == {"a": {"1": {"X": 1}}}
+    assert json.loads(ours.read_text())["kernels"] == {"a": {"1": {"X": 1}, "2": {"X": 2}}}
+
+
 def test_interpreter_never_tunes(monkeypatch):
     monkeypatch.setenv("TRITONLLM_AUTOTUNE", "1")
     monkeypatch.setattr(tuning, "INTERPRET", True)
