@@ -4,8 +4,8 @@ Each kernel family declares a `Tunable`: a config space and a heuristic default,
 of a bucket (a tuple of the shape features that matter, rounded up to powers of two, plus the
 dtype). At run time `Tunable.config(bucket)` answers from the tuned-config JSON of this GPU and
 Triton version (else of the nearest version tuned on this GPU) when it has the bucket, else from
-the default. Serving never tunes unless
-TRITONLLM_AUTOTUNE=1; bench/kernels.py tunes with `Tunable.tune` and writes the file with `save`.
+the default. Serving never tunes unless TRITONLLM_AUTOTUNE=1; bench/kernels.py tunes with
+`Tunable.tune` and writes the file with `save`.
 
 A config is a dict of the kernel's constexpr meta-parameters plus `num_warps` / `num_stages`,
 passed straight to the launch: `kernel[grid](*args, **config)`.
