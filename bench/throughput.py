@@ -24,11 +24,13 @@ import statistics
 import time
 
 import torch
+import triton
 
 from timing import COPY_BYTES_PER_S
 from tritonllm import LLM, SamplingParams
 from tritonllm.cli import int_at_least
 from tritonllm.config import KERNEL_BACKENDS, KV_CACHE_DTYPES
+from tritonllm.kernels import tuning
 from tritonllm.layers.attention import kv_bytes_per_token
 from tritonllm.layers.moe import FusedMoE
 from tritonllm.loader import load_config
@@ -152,6 +154,8 @@ def main():
     prompts, params = workload(args.num_seqs, args.max_input_len, args.max_output_len, min(10000, vocab - 1))
     print(f"{args.model}, TP {args.tp}, DP {args.dp}: {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, "
           f"{sum(p.max_tokens for p in params)} output tokens")
+    in_use = tuning.config_file_in_use()
+    print(f"torch {torch.__version__}, Triton {triton.__version__}, tuned configs: {in_use.name if in_use else 'none'}")
     print("\n| kernels | output tokens | time (s) | tokens/s | repeats' range | runs in order (s) | decode floor (tokens/s) "
           "| of floor | preemptions | KV blocks |\n|---|---|---|---|---|---|---|---|---|---|")
     results = []

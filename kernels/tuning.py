@@ -87,18 +87,23 @@ def nearest_config_file(path: Path) -> Path | None:
     return older[-1] if older else newer[0] if newer else None
 
 
+def config_file_in_use() -> Path | None:
+    """The file the tuned configs are read from: `config_path()`, or where this Triton version has
+    none for the GPU, the nearest version's (nearest_config_file); None under the interpreter or
+    where there is no file."""
+    return None if INTERPRET else nearest_config_file(config_path())
+
+
 def tuned_table() -> dict[str, dict[str, dict]]:
-    """The tuned configs, loaded on first use from `config_path()`, or where this Triton version has
-    no file for the GPU, from the nearest version's (nearest_config_file; a warning names it).
-    Empty under the interpreter."""
+    """The tuned configs, loaded from `config_file_in_use()` on first use (a warning names another
+    version's file); empty where there is none."""
     global _table
     if _table is None:
-        wanted = config_path()
-        path = None if INTERPRET else nearest_config_file(wanted)
+        path = config_file_in_use()
         _table = {}
         if path is not None:
-            if path != wanted:
-                warnings.warn(f"no tuned configs for {wanted.name}; using those of {path.name}", stacklevel=2)
+            if path != config_path():
+                warnings.warn(f"no tuned configs for {config_path().name}; using those of {path.name}", stacklevel=2)
             _table = json.loads(path.read_text())["kernels"]
     return _table
 
