@@ -102,8 +102,9 @@ def tuned_table() -> dict[str, dict[str, dict]]:
         path = config_file_in_use()
         _table = {}
         if path is not None:
-            if path != config_path():
-                warnings.warn(f"no tuned configs for {config_path().name}; using those of {path.name}", stacklevel=2)
+            wanted = config_path()
+            if path != wanted:
+                warnings.warn(f"no tuned configs for {wanted.name}; using those of {path.name}", stacklevel=2)
             _table = json.loads(path.read_text())["kernels"]
     return _table
 
