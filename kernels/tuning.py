@@ -3,8 +3,8 @@
 Each kernel family declares a `Tunable`: a config space and a heuristic default, both functions
 of a bucket (a tuple of the shape features that matter, rounded up to powers of two, plus the
 dtype). At run time `Tunable.config(bucket)` answers from the tuned-config JSON of this GPU and
-Triton version (else of the nearest version tuned on this GPU) when it has the bucket, else from
-the default. Serving never tunes unless TRITONLLM_AUTOTUNE=1; bench/kernels.py tunes with
+Triton version (else of the nearest version tuned on this GPU, else on a GPU of the same compute
+capability and SM count) when it has the bucket, else from the default. Serving never tunes unless TRITONLLM_AUTOTUNE=1; bench/kernels.py tunes with
 `Tunable.tune` and writes the file with `save`.
 
 A config is a dict of the kernel's constexpr meta-parameters plus `num_warps` / `num_stages`,
@@ -69,29 +69,51 @@ def version_tuple(version: str) -> tuple[int, ...]:
     return tuple(int(part) for part in match.group().split(".")) if match else ()
 
 
-def nearest_config_file(path: Path) -> Path | None:
+def gpu_traits() -> dict:
+    """What a tuned config depends on beyond the current GPU's name: its compute capability
+    (instructions, shared memory a block) and SM count (programs a wave)."""
+    index = torch.cuda.current_device()
+    major, minor = torch.cuda.get_device_capability(index)
+    return {"capability": f"{major}.{minor}", "sm_count": sm_count(index)}
+
+
+def _nearest_version(files: list[Path], version: str) -> Path | None:
+    """Of files named NAME__triton-VERSION.json, one of `version`, else the newest one older, else the oldest newer one."""
+    wanted = version_tuple(version)
+    others = sorted((version_tuple(p.stem.rpartition("__triton-")[2]), p) for p in files)
+    same = [p for v, p in others if v == wanted]
+    older = [p for v, p in others if v < wanted]
+    newer = [p for v, p in others if v > wanted]
+    return (same or older[-1:] or newer[:1] or [None])[0]
+
+
+def nearest_config_file(path: Path, traits: dict | None = None) -> Path | None:
     """`path` (GPU__triton-VERSION.json) if it exists, else the same GPU's file of the nearest other
-    Triton version beside it: the newest one older than VERSION, else the oldest newer one. A config
-    holds launch parameters that every version takes; tuned under another version it may not be
-    the best, but it is the same GPU's measurement, which the untuned defaults are not."""
+    Triton version beside it (_nearest_version), else, where `traits` are given (gpu_traits), the
+    nearest version's file of another GPU whose recorded traits are the same (an H100 SXM reads the
+    H200's: both sm_90 with 132 SMs). A config holds launch parameters that every version and such
+    GPU take; tuned elsewhere it may not be the best, but it is a measurement on the same kind of
+    SM, which the untuned defaults are not."""
     if path.exists():
         return path
     gpu, _, version = path.stem.rpartition("__triton-")
     if not gpu:
         return None
-    wanted = version_tuple(version)
-    others = sorted((version_tuple(p.stem.rpartition("__triton-")[2]), p)
-                    for p in path.parent.glob(f"{gpu}__triton-*.json"))
-    older = [p for v, p in others if v < wanted]
-    newer = [p for v, p in others if v > wanted]
-    return older[-1] if older else newer[0] if newer else None
+    found = _nearest_version(list(path.parent.glob(f"{gpu}__triton-*.json")), version)
+    if found is not None or traits is None:
+        return found
+    siblings = [p for p in path.parent.glob("*__triton-*.json")
+                if all(json.loads(p.read_text()).get(key) == value for key, value in traits.items())]
+    return _nearest_version(siblings, version)
 
 
 def config_file_in_use() -> Path | None:
     """The file the tuned configs are read from: `config_path()`, or where this Triton version has
-    none for the GPU, the nearest version's (nearest_config_file); None under the interpreter or
-    where there is no file."""
-    return None if INTERPRET else nearest_config_file(config_path())
+    none for the GPU, the nearest one (nearest_config_file with this GPU's traits); None under the
+    interpreter or where there is no file."""
+    if INTERPRET:
+        return None
+    return nearest_config_file(config_path(), gpu_traits() if torch.cuda.is_available() else None)
 
 
 def tuned_table() -> dict[str, dict[str, dict]]:
@@ -127,6 +149,7 @@ def save(path: Path | None = None) -> Path:
         kernels[name] = dict(sorted({**kernels.get(name, {}), **rows}.items()))
     body = {
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        **(gpu_traits() if torch.cuda.is_available() else {}),
         "triton": triton.__version__,
         "kernels": dict(sorted(kernels.items())),
     }

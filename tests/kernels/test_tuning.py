@@ -95,6 +95,42 @@ def test_nearest_config_file(tmp_path):
     assert tuning.nearest_config_file(tmp_path / "tuned.json") is None
 
 
+def test_nearest_config_file_of_a_gpu_with_the_same_traits(tmp_path):
+    h200 = {"capability": "9.0", "sm_count": 132}
+    files = {"H200__triton-3.4.0.json": h200, "H200__triton-3.6.0.json": h200,
+             "PCIE__triton-3.6.0.json": {"capability": "9.0", "sm_count": 114},
+             "ADA__triton-3.6.0.json": {"capability": "8.9", "sm_count": 132}, "OLD__triton-3.6.0.json": {}}
+    for name, traits in files.items():
+        (tmp_path / name).write_text(json.dumps({**traits, "kernels": {}}))
+
+    def nearest(name, traits):
+        found = tuning.nearest_config_file(tmp_path / name, traits)
+        return found and found.name
+
+    assert nearest("H100__triton-3.6.0.json", h200) == "H200__triton-3.6.0.json"  # same version first
+    assert nearest("H100__triton-3.5.0.json", h200) == "H200__triton-3.4.0.json"  # then the newest older one
+    assert nearest("H100__triton-3.6.0.json", None) is None  # traits unknown: no other GPU's file
+    assert nearest("H100__triton-3.6.0.json", {"capability": "9.0", "sm_count": 78}) is None
+    assert nearest("H100__triton-3.6.0.json", {"capability": "8.9", "sm_count": 132}) == "ADA__triton-3.6.0.json"
+    (tmp_path / "H100__triton-3.2.0.json").write_text(json.dumps({"kernels": {}}))
+    assert nearest("H100__triton-3.6.0.json", h200) == "H100__triton-3.2.0.json"  # its own GPU's file wins
+
+
+def test_save_records_the_gpu_traits(tuned_file, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "GPU")
+    monkeypatch.setattr(tuning, "gpu_traits", lambda: {"capability": "9.0", "sm_count": 132})
+    tuning.tuned_table()["a"] = {"1": {"X": 1}}
+    body = json.loads(tuning.save().read_text())
+    assert (body["gpu"], body["capability"], body["sm_count"]) == ("GPU", "9.0", 132)
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
+def test_shipped_files_record_their_gpu_traits(path):
+    body = json.loads(path.read_text())
+    assert tuning.version_tuple(body["capability"]) >= (8, 0) and body["sm_count"] > 0
+
+
 def test_another_versions_configs_load_and_save_writes_this_versions_file(tmp_path, monkeypatch):
     ours, theirs = tmp_path / "GPU__triton-3.9.0.json", tmp_path / "GPU__triton-3.6.0.json"
     theirs.write_text(json.dumps({"gpu": "GPU", "triton": "3.6.0", "kernels": {"a": {"1": {"X": 1}}}}))
