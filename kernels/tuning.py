@@ -4,8 +4,9 @@ Each kernel family declares a `Tunable`: a config space and a heuristic default,
 of a bucket (a tuple of the shape features that matter, rounded up to powers of two, plus the
 dtype). At run time `Tunable.config(bucket)` answers from the tuned-config JSON of this GPU and
 Triton version (else of the nearest version tuned on this GPU, else on a GPU of the same compute
-capability and SM count) when it has the bucket, else from the default. Serving never tunes unless TRITONLLM_AUTOTUNE=1; bench/kernels.py tunes with
-`Tunable.tune` and writes the file with `save`.
+capability and SM count) when it has the bucket, else from the default. Serving never tunes
+unless TRITONLLM_AUTOTUNE=1; bench/kernels.py tunes with `Tunable.tune` and writes the file with
+`save`.
 
 A config is a dict of the kernel's constexpr meta-parameters plus `num_warps` / `num_stages`,
 passed straight to the launch: `kernel[grid](*args, **config)`.
@@ -78,7 +79,8 @@ def gpu_traits() -> dict:
 
 
 def _nearest_version(files: list[Path], version: str) -> Path | None:
-    """Of files named NAME__triton-VERSION.json, one of `version`, else the newest one older, else the oldest newer one."""
+    """Of files named NAME__triton-VERSION.json: one of `version`, else the newest older one, else
+    the oldest newer one."""
     wanted = version_tuple(version)
     others = sorted((version_tuple(p.stem.rpartition("__triton-")[2]), p) for p in files)
     same = [p for v, p in others if v == wanted]
