@@ -119,8 +119,8 @@ def config_file_in_use() -> Path | None:
 
 
 def tuned_table() -> dict[str, dict[str, dict]]:
-    """The tuned configs, loaded from `config_file_in_use()` on first use (a warning names another
-    version's file); empty where there is none."""
+    """The tuned configs, loaded from `config_file_in_use()` on first use (a warning names the file
+    where it is another version's or another GPU's); empty where there is none."""
     global _table
     if _table is None:
         path = config_file_in_use()
