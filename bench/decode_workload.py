@@ -21,9 +21,8 @@ workload's decode-attention seconds (28 layers) for each config per batch bucket
 With --kv-cache-dtype fp8 the cache is e4m3 with its per-(slot, head) scales (the engine's
 kv_cache_dtype="fp8"), and the fp8 buckets are the ones timed and saved.
 
-Every launch gets split counters, as the engine's do (kernels/decode_attention.py). --files times
-the decode_attention of other files (other trees, prototypes; they must take split_counters) on the
-same inputs in the same process, with the same configs, each checked against the installed kernel.
+--files times the decode_attention of other files (other trees, prototypes) on the same inputs in
+the same process, with the same configs, each checked against the installed kernel.
 
 --save writes each bucket's best config into the tuned-config file under the engine's bucket key
 (the step's context bound). Run it after bench/kernels.py, which tunes the keys it meets on uniform
@@ -36,7 +35,7 @@ from collections import defaultdict
 
 import torch
 
-from kernel_cases import paged_cache, randn, split_counters
+from kernel_cases import paged_cache, randn
 from prefill_ab import load
 from throughput import workload
 from timing import COPY_BYTES_PER_S, graph_time_ms
@@ -143,7 +142,6 @@ def main():
         seq_lens[: len(lens)] = torch.tensor(lens, dtype=torch.int32)
         tables = torch.randint(0, num_blocks, (batch, table_width), dtype=torch.int32, device="cuda")
         q = randn(batch, 16, 128)
-        extra = scales | {"split_counters": split_counters(batch)}  # as the engine launches decode
         moved = sum(lens) * token_bytes
         bound = graph_context_bound(args.max_model_len, lens[0])
         bucket = bound, tuning.pow2(batch)
@@ -151,11 +149,11 @@ def main():
         engine_cfg = DECODE_TUNABLE.config(step_bucket, None)
         configs = wide if wide is not None else DECODE_TUNABLE.space(*step_bucket)
         engine_keys[bucket] = json.dumps(engine_cfg, sort_keys=True)
-        expected = kernels.decode_attention(q, k_cache, v_cache, seq_lens, tables, config=engine_cfg, **extra).float()
+        expected = kernels.decode_attention(q, k_cache, v_cache, seq_lens, tables, config=engine_cfg, **scales).float()
         step_times, errors = {}, {}
         for name, fn in kernel_fns.items():
             try:
-                out = fn(q, k_cache, v_cache, seq_lens, tables, config=engine_cfg, **extra).float()
+                out = fn(q, k_cache, v_cache, seq_lens, tables, config=engine_cfg, **scales).float()
                 errors[name] = ((out - expected).norm() / expected.norm()).item()
             except Exception:  # a prototype that does not compile at the engine's config
                 if name == "installed":
@@ -170,7 +168,7 @@ def main():
                 if not errors[name] > 2e-2:
                     try:
                         times[key] = graph_time_ms(lambda c=cfg: fn(q, k_cache, v_cache, seq_lens, tables, config=c,
-                                                                    **extra), [()], replays=20)
+                                                                    **scales), [()], replays=20)
                     except Exception:  # a prototype's config that does not compile stays NaN
                         if name == "installed":
                             raise

@@ -6,7 +6,6 @@ import torch
 
 from tritonllm import kernels
 from tritonllm.kernels import reference
-from tritonllm.kernels.decode_attention import decode_split_counters
 from tritonllm.kernels.fp8 import empty_kv_scales, head_major_copy
 from tritonllm.kernels.kv_cache import empty_kv_cache, key_major_copy
 from tritonllm.layers import rotary
@@ -220,11 +219,6 @@ def sdpa(backend, **kwargs):
     return run
 
 
-def split_counters(batch, num_kv_heads=8):
-    """The zeros through which a decode launch merges its own splits, as the engine passes them."""
-    return decode_split_counters(batch, num_kv_heads, "cuda")
-
-
 def decode_attention_cases(quick):
     """Decode over a paged bf16 cache (block 16, 16 q / 8 kv heads, D 128), CUDA-graph replay.
 
@@ -245,12 +239,12 @@ def decode_attention_cases(quick):
             q = randn(b, 16, 128)
             seq_lens = torch.full((b,), c, device="cuda", dtype=torch.int32)
             k, v = dense(k_cache, tables, c), dense(v_cache, tables, c)
-            return q, k_cache, v_cache, seq_lens, tables, q[:, :, None], k, v, split_counters(b)
+            return q, k_cache, v_cache, seq_lens, tables, q[:, :, None], k, v
 
         flash = sdpa(SDPBackend.FLASH_ATTENTION, enable_gqa=True)
         cases.append(Case(
             "decode_attention", f"B{batch} x {context} 16/8 heads D128 block {block_size} bf16", make,
-            lambda *a: kernels.decode_attention(*a[:5], split_counters=a[8]),
+            lambda *a: kernels.decode_attention(*a[:5]),
             {"sdpa flash (contiguous)": lambda *a, f=flash: f(*a[5:8])},
             bytes=batch * context * 8 * 128 * 2 * 2, graph=True,
         ))
@@ -263,14 +257,12 @@ def decode_attention_cases(quick):
             v8 = key_major_copy(v8)  # as the engine keeps an e4m3 V, and its scales
             k_scale, v_scale = head_major_copy(k_scale), head_major_copy(v_scale)
             seq_lens = torch.full((b,), c, device="cuda", dtype=torch.int32)
-            return (randn(b, 16, 128), k8, v8, seq_lens, tables, k_scale, v_scale, k_cache, v_cache,
-                    split_counters(b))
+            return randn(b, 16, 128), k8, v8, seq_lens, tables, k_scale, v_scale, k_cache, v_cache
 
         cases.append(Case(
             "decode_attention", f"B{batch} x {context} 16/8 heads D128 block {block_size} bf16, fp8 cache", make,
-            lambda *a: kernels.decode_attention(*a[:5], k_scale=a[5], v_scale=a[6], split_counters=a[9]),
-            {"triton bf16 cache": lambda *a: kernels.decode_attention(a[0], a[7], a[8], *a[3:5],
-                                                                      split_counters=a[9])},
+            lambda *a: kernels.decode_attention(*a[:5], k_scale=a[5], v_scale=a[6]),
+            {"triton bf16 cache": lambda *a: kernels.decode_attention(a[0], a[7], a[8], *a[3:5])},
             bytes=batch * context * 8 * (128 * 2 + 2 * 4), graph=True,
         ))
     # What the row order inside a block costs e4m3 reads: each head's keys together (head-major: a

@@ -28,9 +28,6 @@ FP8_PROGRAMS_PER_SM = 6  # one-warp programs over an e4m3 cache: twice as many a
 ONE_WARP_MAX_BATCH = 8  # up to this many rows the bf16 tuning space also holds one-warp tiles
 MAX_BATCH = 65535  # sequences are the grid's third dimension, which CUDA caps there
 MERGE_BLOCK_D = 64  # head-dim columns a merge program takes
-# The most splits a launch merges itself (split_counters given): the last split of a (sequence, KV
-# head) reads them back one by one, so beyond a few a second launch's parallel merge is faster.
-FUSED_MERGE_SPLITS = 4
 
 
 @triton.jit
@@ -128,41 +125,16 @@ def _decode_tile(acc, m_i, l_i, v_ref, qt, k_cache, v_cache, k_scale_ptr, v_scal
     return acc, m_new, l_i, v_ref
 
 
-@triton.jit
-def _merge_own_splits(o_ptrs, acc_ptr, m_ptr, l_ptr, first, used, row_mask, offs_d, BLOCK_H: tl.constexpr,
-                      HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr):
-    """o of a (sequence, KV head) from the partials of its `used` splits (slots first + split), run by
-    the last of them to finish. .cg loads read the others' partials from L2, never a stale L1 line."""
-    m_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    for split in tl.static_range(NUM_SPLITS):
-        m_max = tl.maximum(m_max, tl.load(m_ptr + first + split, mask=row_mask & (split < used),
-                                          other=float("-inf"), cache_modifier=".cg"))
-    m_max = tl.where(row_mask, m_max, 0.0)  # padding heads: no -inf - -inf
-    out = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-    denom = tl.zeros([BLOCK_H], tl.float32)
-    for split in tl.static_range(NUM_SPLITS):
-        valid = row_mask & (split < used)
-        weight = tl.math.exp2(tl.load(m_ptr + first + split, mask=valid, other=float("-inf"),
-                                      cache_modifier=".cg") - m_max)
-        denom += weight * tl.load(l_ptr + first + split, mask=valid, other=0.0, cache_modifier=".cg")
-        partial = tl.load(acc_ptr + (first + split)[:, None] * HEAD_DIM + offs_d[None, :], mask=valid[:, None],
-                          other=0.0, cache_modifier=".cg")
-        out += partial * weight[:, None]
-    out = out / tl.where(denom == 0.0, 1.0, denom)[:, None]
-    tl.store(o_ptrs, out.to(o_ptrs.dtype.element_ty), mask=row_mask[:, None])
-
-
 @triton.jit(do_not_specialize=["stride_block_table"])  # eager steps: the widest table varies
 def _decode_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, o_ptr, acc_ptr, m_ptr, l_ptr, counter_ptr,
-    seq_lens_ptr, block_tables_ptr, qk_scale, num_q_heads,
+    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, o_ptr, acc_ptr, m_ptr, l_ptr, seq_lens_ptr,
+    block_tables_ptr, qk_scale, num_q_heads,
     stride_q_batch, stride_q_head, stride_o_batch, stride_o_head,
     stride_cache_block, stride_cache_token, stride_cache_head, stride_block_table,
     stride_scale_block, stride_scale_token, stride_scale_head,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_MIN: tl.constexpr,
     DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr, FP8: tl.constexpr, V_KEY_MAJOR: tl.constexpr,
-    FUSED_MERGE: tl.constexpr,
 ):
     # Split fastest, sequence slowest: programs start in row order, a row's all together.
     split = tl.program_id(0)
@@ -171,19 +143,15 @@ def _decode_attention_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     split_len = _split_len(seq_len, NUM_SPLITS, SPLIT_MIN, BLOCK_N)
     start = split * split_len
+    if NUM_SPLITS > 1:
+        if start >= seq_len:
+            return  # an unused split: the merge reads only the splits that hold keys
+    end = tl.minimum(start + split_len, seq_len)
+
     rows = tl.arange(0, BLOCK_H)
     head = kv_head * GROUP + rows
     row_mask = rows < GROUP
     offs_d = tl.arange(0, HEAD_DIM)
-    o_ptrs = o_ptr + (seq.to(tl.int64) * stride_o_batch + head * stride_o_head)[:, None] + offs_d[None, :]
-    if NUM_SPLITS > 1:
-        if start >= seq_len:
-            # An unused split: the merge reads only the splits that hold keys. With no merge launch,
-            # split 0 of a row with none (a padding row) writes its zeros.
-            if FUSED_MERGE and split == 0:
-                tl.store(o_ptrs, tl.zeros([BLOCK_H, HEAD_DIM], o_ptr.dtype.element_ty), mask=row_mask[:, None])
-            return
-    end = tl.minimum(start + split_len, seq_len)
     q_rows = seq.to(tl.int64) * stride_q_batch + head * stride_q_head
     q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_mask[:, None], other=0.0)
     if INTERPRET:
@@ -220,22 +188,13 @@ def _decode_attention_kernel(
     if NUM_SPLITS == 1:
         # seq_len 0 (a padding row of a captured batch) leaves l = 0 and acc = 0: write zeros.
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=row_mask[:, None])
+        o_rows = seq.to(tl.int64) * stride_o_batch + head * stride_o_head
+        tl.store(o_ptr + o_rows[:, None] + offs_d[None, :], out.to(o_ptr.dtype.element_ty), mask=row_mask[:, None])
     else:
-        first = (seq.to(tl.int64) * num_q_heads + head) * NUM_SPLITS  # each head's split-0 slot
-        tl.store(acc_ptr + (first + split)[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_mask[:, None])
-        tl.store(m_ptr + first + split, m_i, mask=row_mask)
-        tl.store(l_ptr + first + split, l_i, mask=row_mask)
-        if FUSED_MERGE:
-            # Every thread's partial is written before the count releases it; the last split of
-            # this (sequence, KV head) to arrive merges them and leaves its counter 0 again.
-            tl.debug_barrier()
-            counter = counter_ptr + seq * tl.num_programs(1) + kv_head
-            used = tl.cdiv(seq_len, split_len)
-            if tl.atomic_add(counter, 1, sem="acq_rel") == used - 1:
-                _merge_own_splits(o_ptrs, acc_ptr, m_ptr, l_ptr, first, used, row_mask, offs_d, BLOCK_H, HEAD_DIM,
-                                  NUM_SPLITS)
-                tl.atomic_xchg(counter, 0)
+        slot = (seq.to(tl.int64) * num_q_heads + head) * NUM_SPLITS + split
+        tl.store(acc_ptr + slot[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_mask[:, None])
+        tl.store(m_ptr + slot, m_i, mask=row_mask)
+        tl.store(l_ptr + slot, l_i, mask=row_mask)
 
 
 @triton.jit
@@ -338,26 +297,9 @@ def decode_attention_bucket(dtype: torch.dtype, head_dim: int, group: int, num_k
     return bucket + cache_bucket(dtype, cache_dtype)
 
 
-def decode_split_counters(max_batch: int, num_kv_heads: int, device=None) -> torch.Tensor:
-    """The zeroed int32 counters through which decode_attention launches of up to max_batch rows
-    merge their own splits (its split_counters)."""
-    return torch.zeros(max_batch * num_kv_heads, dtype=torch.int32, device=device)
-
-
-def _check_split_counters(counters, needed, device):
-    if counters is None:
-        return
-    if not isinstance(counters, torch.Tensor) or counters.dtype != torch.int32:
-        raise TypeError(f"split_counters must be an int32 tensor, got {getattr(counters, 'dtype', type(counters))}")
-    if counters.dim() != 1 or counters.numel() < needed or counters.stride(0) != 1 or counters.device != device:
-        raise ValueError(f"split_counters must be a contiguous 1-D tensor of >= B * Hkv = {needed} counters on "
-                         f"{device}, got shape {tuple(counters.shape)} on {counters.device}")
-
-
 def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale=None, *,
                      max_seq_len: int | None = None, out: torch.Tensor | None = None, config: dict | None = None,
-                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                     split_counters: torch.Tensor | None = None):
+                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None):
     """Attention of one new token per sequence over the paged KV cache; CUDA-graph capturable.
 
     q: [B, Hq, D] float32/float16/bfloat16 (contiguous in D). k_cache, v_cache: [num_blocks,
@@ -377,12 +319,7 @@ def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale=None, *,
     whatever the bound; the bound only steers the split count. Float32 scratch for the splits is
     allocated per call with a shape fixed by B (the caching allocator serves it under capture).
     out: optional [B, Hq, D] output buffer written in place. config: launch config overriding the
-    tuned/default one (tests, benchmarks). split_counters: optional int32 zeros [>= B * Hkv] on q's
-    device (decode_split_counters), one buffer for many calls, not for concurrent ones: with it a
-    launch of 2 to FUSED_MERGE_SPLITS splits merges them itself instead of in a second launch (the
-    last split of each sequence and KV head to finish counts itself there, merges, and sets its
-    counter back to 0, so the buffer is zeros again after the call). Returns o [B, Hq, D] in q's
-    dtype (`out` if given).
+    tuned/default one (tests, benchmarks). Returns o [B, Hq, D] in q's dtype (`out` if given).
     """
     group, block_size, fp8, v_key_major = check_paged_inputs(q, k_cache, v_cache, seq_lens, block_tables, out,
                                                              k_scale, v_scale)
@@ -395,7 +332,6 @@ def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale=None, *,
     if batch == 0:
         return out
     num_kv_heads = k_cache.shape[2]
-    _check_split_counters(split_counters, batch * num_kv_heads, q.device)
     context = block_tables.shape[1] * block_size if max_seq_len is None else max_seq_len
     qk_scale = (head_dim**-0.5 if scale is None else scale) * LOG2E
 
@@ -408,17 +344,15 @@ def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale=None, *,
             l = torch.empty_like(m)
         else:
             scratch = m = l = out  # not touched with one split
-        fused = split_counters is not None and 1 < num_splits <= FUSED_MERGE_SPLITS
         _decode_attention_kernel[(num_splits, num_kv_heads, batch)](
-            q, k_cache, v_cache, k_scale, v_scale, out, scratch, m, l, split_counters if fused else out, seq_lens,
-            block_tables, qk_scale, num_q_heads,
+            q, k_cache, v_cache, k_scale, v_scale, out, scratch, m, l, seq_lens, block_tables, qk_scale, num_q_heads,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
             *scale_strides(k_scale),
             GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_H=max(8, triton.next_power_of_2(group)),
             DOT_PRECISION=dot_precision(q.dtype), INTERPRET=tuning.INTERPRET, FP8=fp8,
-            V_KEY_MAJOR=v_key_major, FUSED_MERGE=fused, **cfg)
-        if num_splits > 1 and not fused:
+            V_KEY_MAJOR=v_key_major, **cfg)
+        if num_splits > 1:
             block_d = min(MERGE_BLOCK_D, head_dim)
             _merge_splits_kernel[(batch, num_q_heads, head_dim // block_d)](
                 scratch, m, l, seq_lens, out, num_q_heads, out.stride(0), out.stride(1),

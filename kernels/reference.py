@@ -203,9 +203,9 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
 
 
 def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale=None, *, max_seq_len=None,
-                     k_scale=None, v_scale=None, split_counters=None):
-    """One new token per sequence, q [B, Hq, D], attending to keys [0, seq_lens[b]). max_seq_len and
-    split_counters only steer how the Triton kernel splits and merges: the reference ignores them.
+                     k_scale=None, v_scale=None):
+    """One new token per sequence, q [B, Hq, D], attending to keys [0, seq_lens[b]). max_seq_len only
+    steers the Triton kernel's split count: the reference takes and ignores it.
 
     Batched over the sequences (no host sync, so the engine can run it every step): every
     sequence's blocks are gathered up to the table width, keys past its length are masked. A row

@@ -25,9 +25,6 @@ class Context:
     gather_tables: torch.Tensor | None = None
     copy_slots: torch.Tensor | None = None
     num_copies: int = 0
-    # Decode: int32 zeros [>= B * Hkv] through which each layer's launch merges its own splits
-    # (kernels/decode_attention.py) and leaves them zeros again; the model runner keeps one.
-    split_counters: torch.Tensor | None = None
 
 
 _context: Context | None = None

@@ -206,10 +206,6 @@ def cases():
                     q(256), c(65536), v(65536), i32(256), i32(256, 4096 // bs), **s(65536)),
                 lambda q=q, c=cache, v=v_cache, s=scales, bs=bs, cfg=split: decode_attention(
                     q(1), c(32768), v(32768), i32(1), i32(1, 32768 // bs), config=cfg, **s(32768)),
-                # Splits merged in the attention launch, as the engine runs them (split_counters).
-                lambda q=q, c=cache, v=v_cache, s=scales, bs=bs, cfg=split: decode_attention(
-                    q(256), c(65536), v(65536), i32(256), i32(256, 4096 // bs), config=cfg | {"NUM_SPLITS": 4},
-                    split_counters=i32(256 * 8), **s(65536)),
             ]
     from tritonllm.kernels import tuning
     from tritonllm.kernels.prefill_attention_hopper import HOPPER_TUNABLE, prefill_attention_hopper

@@ -15,7 +15,7 @@ from kernel_utils import (ATTN, DEVICE, DTYPES, assert_close, exact, key_major, 
                           randn, rel_err)
 
 from tritonllm.kernels import decode_attention, prefill_attention, reference, tuning
-from tritonllm.kernels.decode_attention import FUSED_MERGE_SPLITS, decode_attention_bucket, decode_split_counters
+from tritonllm.kernels.decode_attention import decode_attention_bucket
 from tritonllm.kernels.kv_cache import is_key_major
 
 # The package exports the function under the module's name: fetch the module itself.
@@ -125,45 +125,6 @@ def test_decode_splits_key_major_v(num_splits, split_min, block_n):
     flat = decode_attention(q, k_cache, v_cache, lens, tables, config=config, **scales)
     # The interpreter computes the same tiles whatever the layout; compiled code may order sums otherwise.
     assert torch.equal(out, flat) if tuning.INTERPRET else rel_err(out, flat) <= 1e-2
-
-
-# Splits merged by the last one to finish (split_counters): 2 to FUSED_MERGE_SPLITS splits, and one
-# more (a merge launch again); padding rows, rows shorter than a split, lengths around the tiles. The
-# same buffer serves calls one after another, so it must be zeros again after each.
-@FP8
-@pytest.mark.parametrize("num_splits", range(2, FUSED_MERGE_SPLITS + 2))
-@pytest.mark.parametrize("block_n, num_warps", [(16, 1), (32, 4)])
-def test_decode_merges_own_splits(num_splits, block_n, num_warps, fp8):
-    seq_lens = [33, 0, 1, 300, 64, 129]
-    k_cache, v_cache, tables, scales = paged_caches(seq_lens, 2, 64, 16, torch.bfloat16, fp8,
-                                                    scale_layout="head_major")
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    counters = decode_split_counters(len(seq_lens) + 1, 2, DEVICE)
-    config = decode_config(num_splits, 16, block_n) | {"num_warps": num_warps}
-    keep = torch.tensor([0, 2, 3, 4, 5], device=DEVICE)
-    for _ in range(2):
-        q = randn(len(seq_lens), 4, 64, dtype=torch.bfloat16, scale=2.0)
-        out = decode_attention(q, k_cache, v_cache, lens, tables, out=poisoned(*q.shape, dtype=q.dtype),
-                               config=config, split_counters=counters, **scales)
-        assert not counters.any(), counters
-        assert torch.equal(out[1], torch.zeros_like(out[1]))
-        ref = reference.decode_attention(q[keep].double(), exact(k_cache), exact(v_cache), lens[keep], tables[keep],
-                                         **scales)
-        assert_close(out[keep], ref, torch.bfloat16, ATTN)
-
-
-def test_decode_rejects_bad_split_counters():
-    k_cache, v_cache, tables, _ = paged_caches([5, 9], 2, 64, 16, torch.bfloat16)
-    q = randn(2, 4, 64, dtype=torch.bfloat16)
-    lens = torch.tensor([5, 9], dtype=torch.int32, device=DEVICE)
-    with pytest.raises(TypeError, match="split_counters"):
-        decode_attention(q, k_cache, v_cache, lens, tables, split_counters=torch.zeros(4, dtype=torch.int64,
-                                                                                       device=DEVICE))
-    for bad in (torch.zeros(3, dtype=torch.int32, device=DEVICE),  # fewer than B * Hkv
-                torch.zeros(8, dtype=torch.int32, device=DEVICE)[::2],  # strided
-                torch.zeros(2, 2, dtype=torch.int32, device=DEVICE)):
-        with pytest.raises(ValueError, match="split_counters"):
-            decode_attention(q, k_cache, v_cache, lens, tables, split_counters=bad)
 
 
 def shipped_decode_configs():
@@ -306,14 +267,6 @@ def test_decode_launch_is_graph_capturable(monkeypatch, fp8):
     monkeypatch.undo()
     assert len(launches) == 4 and launches[0] == launches[2] and launches[1] == launches[3], launches
     assert launches[0][0] == "attention" and launches[1][0] == "merge" and launches[0][3] > 1, launches
-    # With split counters, a launch of at most FUSED_MERGE_SPLITS splits merges them itself.
-    launches.clear()
-    monkeypatch.setattr(decode_module, "_decode_attention_kernel", Recorder("attention"))
-    monkeypatch.setattr(decode_module, "_merge_splits_kernel", Recorder("merge"))
-    config = decode_config(FUSED_MERGE_SPLITS, 16, 16)
-    decode_attention(q, k_cache, v_cache, torch.tensor([300, 5], dtype=torch.int32, device=DEVICE), tables,
-                     config=config, split_counters=decode_split_counters(2, 2, DEVICE), **scales)
-    assert [launch[0] for launch in launches] == ["attention"], launches
 
 
 def test_fp8_cache_has_its_own_tuning_bucket():

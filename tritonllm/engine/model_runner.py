@@ -19,7 +19,6 @@ from tritonllm.engine.prompt_logprobs import score_positions
 from tritonllm.engine.sequence import Sequence
 from tritonllm.engine.step_inputs import StepInputs
 from tritonllm.engine.warmup import graph_batch_sizes, graph_context_bound, graph_context_bounds, prefill_warmup_steps
-from tritonllm.kernels.decode_attention import decode_split_counters
 from tritonllm.layers.attention import Attention, allocate_kv_caches, kv_bytes_per_token
 from tritonllm.layers.ops import backend
 from tritonllm.loader import build_model, init_dummy_weights, load_weights
@@ -75,8 +74,6 @@ class ModelRunner:
         if self.device.type == "cuda" and self.rank == 0:
             self._compile_sampler()  # before the KV cache is sized: its scratch is gone by then
         self.num_kv_blocks = self._allocate_kv_cache()
-        num_kv_heads = max(m.num_kv_heads for m in self.model.modules() if isinstance(m, Attention))
-        self.split_counters = decode_split_counters(config.max_num_seqs, num_kv_heads, self.device)
         self.penalties = PenaltyRows(self.ops, hf_config.vocab_size, config.max_num_seqs, self.device, self._to_device)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (context bound, batch) -> decode graph
         # The references index with boolean masks, which syncs the host: they cannot be captured.
@@ -196,8 +193,7 @@ class ModelRunner:
         else:
             context = Context(inputs.is_prefill, to(inputs.slot_mapping), to(inputs.seq_lens), to(inputs.block_tables),
                               to(inputs.cu_seqlens_q), inputs.max_q_len, inputs.max_seq_len, to(inputs.gather_blocks),
-                              to(inputs.gather_tables), to(inputs.copy_slots), inputs.num_copies,
-                              None if inputs.is_prefill else self.split_counters)
+                              to(inputs.gather_tables), to(inputs.copy_slots), inputs.num_copies)
             hidden = self._forward(token_ids, to(inputs.positions), context)
         scored = None
         if inputs.prompt_rows is not None:
@@ -241,7 +237,7 @@ class ModelRunner:
                 for batch in reversed(graph_batch_sizes(max_bs))]
         for bound, batch in self._progress(keys, "Capturing decode graphs"):
             context = Context(False, g["slot_mapping"][:batch], g["seq_lens"][:batch], g["block_tables"][:batch],
-                              None, 1, bound, split_counters=self.split_counters)
+                              None, 1, bound)
             self._forward(g["token_ids"][:batch], g["positions"][:batch], context)  # compiles and warms the kernels
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool):

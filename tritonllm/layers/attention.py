@@ -55,8 +55,7 @@ class Attention(nn.Module):
             return self.ops.prefill_attention(q, self.k_cache, self.v_cache, context.cu_seqlens_q, context.seq_lens,
                                               context.block_tables, self.scale, max_q_len=context.max_q_len, **scales)
         return self.ops.decode_attention(q, self.k_cache, self.v_cache, context.seq_lens, context.block_tables,
-                                         self.scale, max_seq_len=context.max_seq_len,
-                                         split_counters=context.split_counters, **scales)
+                                         self.scale, max_seq_len=context.max_seq_len, **scales)
 
 
 def kv_bytes_per_token(model: nn.Module, dtype: torch.dtype) -> int:
