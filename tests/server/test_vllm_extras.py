@@ -2,7 +2,8 @@
 max_tokens 0) and vLLM's prompt_logprobs on both routes, against the offline engine's prompt_logprobs;
 vLLM's allowed_token_ids, truncate_prompt_tokens and continuous_usage_stats."""
 import pytest
-from test_openai_api import MODEL, error_of
+from test_openai_api import MODEL
+from test_openai_errors import error_of
 
 from tritonllm import SamplingParams
 
