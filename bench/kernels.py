@@ -1,7 +1,7 @@
 """Autotune every kernel over its benchmark shapes and report it against its anchors.
 
-    python bench/kernels.py [--quick] [--only NAME ...] [--match TEXT ...] [--no-tune] [--configs PATH] [--report PATH]
-                            [--plot PATH]
+    python bench/kernels.py [--quick] [--only NAME ...] [--match TEXT ...] [--exclude TEXT ...] [--no-tune]
+                            [--configs PATH] [--report PATH] [--plot PATH]
 
 For each case: every config tried with its median time, the best, the achieved GB/s or TFLOP/s
 and its percent of the ceiling (bench/timing.py), and the speed ratio to each anchor (the PyTorch
@@ -76,6 +76,8 @@ def main():
     parser.add_argument("--only", nargs="+", metavar="NAME", help="kernels to run (by name), in this order")
     parser.add_argument("--match", nargs="+", metavar="TEXT",
                         help="only the cases whose label contains one of the TEXTs (e.g. 'fp8 cache')")
+    parser.add_argument("--exclude", nargs="+", metavar="TEXT",
+                        help="leave out the cases whose label contains one of the TEXTs (e.g. 'fp8')")
     parser.add_argument("--configs", type=Path, help="tuned-config JSON to write (default: the shipped file)")
     parser.add_argument("--report", type=Path, help="also write the summary table (markdown) here")
     parser.add_argument("--no-tune", action="store_true", help="time the shipped tuned configs (or defaults) without tuning")
@@ -89,6 +91,8 @@ def main():
         cases = [case for name in args.only for case in cases if case.kernel == name]
     if args.match:
         cases = [case for case in cases if any(text in case.label for text in args.match)]
+    if args.exclude:
+        cases = [case for case in cases if not any(text in case.label for text in args.exclude)]
     if not cases:
         sys.exit(f"no benchmark case for {args.only} {args.match or ''}")
     if not args.no_tune:  # the kernels benchmarked; what anchors call keeps its shipped configs
