@@ -1,11 +1,11 @@
-"""Shared memory, registers and stack of every shipped tuned config, compiled for sm_90 on any machine.
+"""Shared memory, registers and spills of every shipped tuned config, compiled for sm_90 on any machine.
 
     python bench/config_resources.py [--file PATH] [--only KERNEL ...] > RESOURCES.jsonl
     python bench/config_resources.py --diff BEFORE.jsonl AFTER.jsonl
 
-A config tuned under one Triton version can describe another kernel under the next: Triton 3.9's
-pipeliner gives the bf16 cache's four-warp decode tiles two K/V slots where 3.6 gave one, twice the
-shared memory (bench/NOTES-decode-attention.md). This compiles each tuned entry of the kernels
+A config tuned under one Triton version can describe another kernel under the next: from Triton 3.8
+the pipeliner gives the bf16 cache's four-warp decode tiles two K/V slots where 3.6 gave one, twice
+the shared memory (bench/NOTES-decode-attention.md). This compiles each tuned entry of the kernels
 Triton pipelines or whose tiles are tuned (decode and portable prefill attention, the Hopper prefill
 kernel, fused_moe, linear) as its bucket's call would launch it, through
 tests/kernels/sm90_compile.py, and prints one JSON line an entry: each launch's kernel with its
