@@ -65,13 +65,18 @@ def decode_call(key, config):
     return lambda: decode_attention(q, k, v, i32(batch), i32(batch, context // block_size), config=config, **scales)
 
 
+def prefill_inputs(q_len, group, head_dim, dtype, block_size):
+    """q, cu_seqlens_q, seq_lens and block tables of 8 sequences of q_len new tokens, 8 KV heads, 2048 keys each."""
+    q = torch.zeros(8 * q_len, 8 * group, head_dim, dtype=dtype)
+    cu = torch.arange(0, 8 * q_len + 1, q_len, dtype=torch.int32)
+    return q, cu, torch.full((8,), 2048, dtype=torch.int32), i32(8, 2048 // block_size)
+
+
 def prefill_call(key, config):
     dtype, head_dim, group, block_size, q_len, *cache = key.split("/")
     dtype, head_dim, block_size, q_len = DTYPES[dtype], int(head_dim), int(block_size), int(q_len)
     k, v, scales = paged(16384, block_size, 8, head_dim, dtype, bool(cache))
-    q = torch.zeros(8 * q_len, 8 * int(group), head_dim, dtype=dtype)
-    cu = torch.arange(0, 8 * q_len + 1, q_len, dtype=torch.int32)
-    lens, tables = torch.full((8,), 2048, dtype=torch.int32), i32(8, 2048 // block_size)
+    q, cu, lens, tables = prefill_inputs(q_len, int(group), head_dim, dtype, block_size)
     return lambda: prefill_attention(q, k, v, cu, lens, tables, max_q_len=q_len, config=config, path="portable",
                                      **scales)
 
@@ -81,9 +86,7 @@ def hopper_call(key, config):
     # The query length only sizes the grid: 2048 rows a sequence compile the same as the bucket's 16k.
     dtype, head_dim, block_size, q_len = DTYPES[dtype], int(head_dim), int(block_size), min(int(q_len), 2048)
     k, v, _ = paged(16384, block_size, 8, head_dim, dtype, False)
-    q = torch.zeros(8 * q_len, 8 * int(group), head_dim, dtype=dtype)
-    cu = torch.arange(0, 8 * q_len + 1, q_len, dtype=torch.int32)
-    lens, tables = torch.full((8,), 2048, dtype=torch.int32), i32(8, 2048 // block_size)
+    q, cu, lens, tables = prefill_inputs(q_len, int(group), head_dim, dtype, block_size)
     return lambda: prefill_attention_hopper(q, k, v, cu, lens, tables, torch.empty_like(q), 0.1, int(group), q_len,
                                             config)
 
@@ -122,23 +125,21 @@ def resources(compiled, folder: str) -> dict:
 
 def report(path: Path, only) -> None:
     table = json.loads(path.read_text())["kernels"]
-    compiled = {}  # launches that compile alike (kernel, argument types and constants, options) share a result
+    compiled = {}  # launches that compile alike (sm90_compile.launch_key) share a result
     with tempfile.TemporaryDirectory() as folder:
         for name, make in CALLS.items():
             if only and name not in only:
                 continue
-            for key, config in sorted(table.get(name, {}).items()):
+            for bucket, config in sorted(table.get(name, {}).items()):
                 if config.get("TORCH"):  # linear's entries that keep cuBLAS
                     continue
                 launches = []
-                for kernel, bound, options in sm90_compile.record_launches([make(key, config)]):
-                    sig = (kernel.__name__, repr(options), repr(sorted(
-                        (arg, sm90_compile.arg_type(value) if isinstance(value, torch.Tensor) else value)
-                        for arg, value in bound.items())))
-                    if sig not in compiled:
-                        compiled[sig] = resources(sm90_compile.compile_sm90(kernel, bound, options), folder)
-                    launches.append({"kernel": kernel.__name__, **compiled[sig]})
-                print(json.dumps({"name": name, "key": key, "config": config, "triton": triton.__version__,
+                for kernel, bound, options in sm90_compile.record_launches([make(bucket, config)]):
+                    key = sm90_compile.launch_key(kernel, bound, options)
+                    if key not in compiled:
+                        compiled[key] = resources(sm90_compile.compile_sm90(kernel, bound, options), folder)
+                    launches.append({"kernel": kernel.__name__, **compiled[key]})
+                print(json.dumps({"name": name, "key": bucket, "config": config, "triton": triton.__version__,
                                   "launches": launches}), flush=True)
 
 

@@ -61,6 +61,13 @@ def arg_type(value):
     raise TypeError(f"no Triton type for {value!r}")
 
 
+def launch_key(kernel: JITFunction, bound: dict, options: dict) -> tuple:
+    """What a recorded launch compiles from: its kernel, argument types (tensors) and values, and
+    options; launches with equal keys compile alike."""
+    args = sorted((k, arg_type(v) if isinstance(v, torch.Tensor) else v) for k, v in bound.items())
+    return kernel.__name__, repr(args), repr(options)
+
+
 def compile_sm90(kernel: JITFunction, bound: dict, options: dict):
     """Compile one recorded launch for sm_90; returns the compiled kernel (asm in .asm)."""
     defaults = inspect.signature(kernel.fn).parameters
@@ -247,7 +254,7 @@ def main(argv):
     failed = 0
     seen = set()
     for kernel, bound, options in launches:
-        key = (kernel.__name__, repr(sorted((k, arg_type(v) if isinstance(v, torch.Tensor) else v) for k, v in bound.items())), repr(options))
+        key = launch_key(kernel, bound, options)
         if key in seen:
             continue
         seen.add(key)
