@@ -94,7 +94,7 @@ def main():
     if args.exclude:
         cases = [case for case in cases if not any(text in case.label for text in args.exclude)]
     if not cases:
-        sys.exit(f"no benchmark case for {args.only} {args.match or ''}")
+        sys.exit(f"no benchmark case for {args.only} {args.match or ''} {args.exclude or ''}")
     if not args.no_tune:  # the kernels benchmarked; what anchors call keeps its shipped configs
         tuning.start_tuning({case.kernel for case in cases})
     results = []
