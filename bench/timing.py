@@ -1,7 +1,7 @@
 """Timing helpers and GPU ceilings shared by the kernel benchmarks (bench/kernels.py, bench/decode_workload.py).
 
 The ceilings are those of the H200 the notes were measured on (bench/NOTES-elementwise.md,
-"Ceilings"): percentages of them are only meaningful on that GPU.
+"Floors and ceilings"): percentages of them are only meaningful on that GPU.
 """
 import math
 import time
