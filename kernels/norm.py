@@ -3,7 +3,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tritonllm.kernels.checks import FLOATS, check_dtype
+from tritonllm.kernels.checks import FLOATS, check_dtype, check_rows
 from tritonllm.kernels.tuning import Tunable, dtype_name, pow2
 
 
@@ -79,14 +79,26 @@ def _norm(tunable, x, residual, weight, y, h, eps):
 
 def _check(x, weight):
     check_dtype("x", x, FLOATS)
-    if weight.shape != (x.shape[-1],):
-        raise ValueError(f"weight must have shape ({x.shape[-1]},) to match x's last dim, got {tuple(weight.shape)}")
+    check_rows(x.shape[-1], FLOATS, weight=weight)  # the kernel reads weight[n] at weight_ptr + n
+
+
+def _rows_in_place(name: str, t: torch.Tensor) -> torch.Tensor:
+    """t [..., N] as a [rows, N] view, which the kernel writes in place: ValueError naming `name`
+    unless its rows are contiguous and evenly spaced (no copy could be written back)."""
+    try:
+        rows = t.view(-1, t.shape[-1])
+    except RuntimeError:
+        rows = None
+    if rows is None or (t.shape[-1] > 1 and rows.stride(1) != 1):
+        raise ValueError(f"{name} must be [..., N] with contiguous, evenly spaced rows (written in place), "
+                         f"got shape {tuple(t.shape)} strides {t.stride()}")
+    return rows
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """HF Qwen3RMSNorm over the last dim: weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype).
 
-    x [..., N] float32/float16/bfloat16; weight [N]. Returns y of x's shape and dtype, written into
+    x [..., N] float32/float16/bfloat16; weight [N] contiguous. Returns y of x's shape and dtype, written into
     `out` when given (x is never modified).
     """
     _check(x, weight)
@@ -103,12 +115,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
     """h = x + residual rounded to x.dtype (the new residual), y = rms_norm(h, weight, eps).
 
-    x, residual [..., N] of one dtype, each row contiguous; weight [N]. In place: y is written into
+    x, residual [..., N] of one dtype, each viewable as [rows, N] with contiguous rows; weight [N]
+    contiguous. In place: y is written into
     x and h into residual. Returns (x, residual), i.e. (y, h).
     """
     _check(x, weight)
     if residual.shape != x.shape or residual.dtype != x.dtype:
         raise ValueError(f"residual must match x: got {tuple(residual.shape)} {residual.dtype}, x is {tuple(x.shape)} {x.dtype}")
-    x2, r2 = x.view(-1, x.shape[-1]), residual.view(-1, x.shape[-1])
+    x2, r2 = _rows_in_place("x", x), _rows_in_place("residual", residual)
     _norm(_FUSED_ADD_RMS_NORM, x2, r2, weight, x2, r2, eps)
     return x, residual

@@ -318,8 +318,7 @@ def qk_norm_rotary_store(positions, qkv, q_weight, k_weight, eps, cos_sin_cache,
     head_dim = width // heads
     if num_heads <= 0 or num_kv_heads <= 0 or head_dim * heads != width or head_dim % 2:
         raise ValueError(f"qkv width {width} is not (Hq + 2*Hkv) * D with Hq={num_heads}, Hkv={num_kv_heads}, D even")
-    if q_weight.shape != (head_dim,) or k_weight.shape != (head_dim,):
-        raise ValueError(f"q_weight and k_weight must have shape ({head_dim},), got {tuple(q_weight.shape)}, {tuple(k_weight.shape)}")
+    check_rows(head_dim, FLOATS, q_weight=q_weight, k_weight=k_weight)
     if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != head_dim or cos_sin_cache.stride(1) != 1:
         raise ValueError(f"cos_sin_cache must be [max_pos, {head_dim}] with contiguous rows, got {tuple(cos_sin_cache.shape)}")
     check_dtype("qkv", qkv, FLOATS)

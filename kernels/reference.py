@@ -237,18 +237,20 @@ def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale=None, *,
 def sampling_probs(logits, temperature, top_k, top_p, min_p):
     """The exact distribution `sample` draws from, [B, V] float64, zero outside the allowed set.
 
-    Rows with a temperature below MIN_TEMPERATURE (1e-5) put all mass on the argmax (lowest index
-    on ties), and so do rows holding +inf (their mass sits on the +inf logits; the first wins, as greedy). The filters are
+    NaN logits count as -inf. Rows with a temperature below MIN_TEMPERATURE (1e-5) put all mass on
+    the argmax (lowest index on ties), and so do rows holding +inf (their mass sits on the +inf
+    logits; the first wins, as greedy) and all -inf rows (token 0). The filters are
     thresholds: top-k keeps tokens at or above the k-th largest probability; top-p keeps, on the
     top-k set renormalized, tokens at or above the probability where the most-likely-first
-    cumulative mass reaches top_p; min-p keeps tokens with p >= min_p * p_max.
+    cumulative mass reaches top_p; min-p keeps tokens with p >= min(min_p, 1) * p_max.
     """
     batch, vocab = logits.shape
     out = torch.zeros(batch, vocab, dtype=torch.float64, device=logits.device)
     for b in range(batch):
         row = logits[b].double()
+        row = row.masked_fill(row.isnan(), float("-inf"))
         t = float(temperature[b])
-        if t < MIN_TEMPERATURE or bool((row == float("inf")).any()):
+        if t < MIN_TEMPERATURE or bool((row == float("inf")).any()) or bool((row == float("-inf")).all()):
             out[b, int(torch.argmax(row))] = 1.0
             continue
         probs = torch.softmax(row / t, dim=-1)
@@ -263,7 +265,7 @@ def sampling_probs(logits, temperature, top_k, top_p, min_p):
             cumulative = (kept / kept.sum()).cumsum(0)
             last = min(int((cumulative < p).sum()), len(kept) - 1)
             keep &= probs >= kept[last]
-        keep &= probs >= float(min_p[b]) * ordered[0]
+        keep &= probs >= min(float(min_p[b]), 1.0) * ordered[0]  # min_p past 1 keeps the top tokens
         masked = torch.where(keep, probs, torch.zeros_like(probs))
         out[b] = masked / masked.sum()
     return out

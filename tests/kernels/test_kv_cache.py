@@ -278,7 +278,7 @@ def test_gather_kv_blocks_of_nothing_and_bad_inputs():
     blocks = torch.zeros(3, dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="blocks must be"):
         gather_kv_blocks(k_cache, v_cache, blocks.view(3, 1), torch.bfloat16, k_scale=k_scale, v_scale=v_scale)
-    with pytest.raises(ValueError, match="blocks must be"):
+    with pytest.raises(TypeError, match="blocks must be"):
         gather_kv_blocks(k_cache, v_cache, blocks.float(), torch.bfloat16, k_scale=k_scale, v_scale=v_scale)
     with pytest.raises(ValueError, match="dtype must be"):
         gather_kv_blocks(k_cache, v_cache, blocks, torch.float8_e4m3fn, k_scale=k_scale, v_scale=v_scale)

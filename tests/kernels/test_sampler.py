@@ -59,6 +59,22 @@ def test_greedy_is_argmax(dtype):
     assert int(ids[1]) == 10 and int(ids[3]) == 0
 
 
+def test_sampled_edge_rows_match_the_exact_distribution():
+    # Rows drawn at temperature 1: NaN logits (as -inf), an all -inf row (token 0), min_p past 1 (the top token).
+    logits = randn(3, 300, scale=2.0)
+    logits[0, ::3] = float("nan")
+    logits[1] = float("-inf")
+    temperature, top_k, top_p, min_p = params(3, 1.0, 0, 1.0, [0.0, 0.0, 2.0])
+    probs = reference.sampling_probs(logits, temperature, top_k, top_p, min_p)
+    row = logits[0].double()
+    assert torch.allclose(probs[0], torch.softmax(row.masked_fill(row.isnan(), -math.inf), -1))
+    assert probs[1, 0] == 1 and probs[1].sum() == 1
+    assert probs[2, int(logits[2].argmax())] == 1 and probs[2].sum() == 1
+    for ids in (sample(logits, temperature, top_k, top_p, min_p, torch.arange(3, device=DEVICE)),
+                reference.sample(logits, temperature, top_k, top_p, min_p, torch.arange(3, device=DEVICE))):
+        assert (probs[torch.arange(3), ids] > 0).all()
+
+
 def test_mixed_batch():
     x = flat_row(1000, scale=3.0)
     logits = x.expand(4, -1).contiguous()
