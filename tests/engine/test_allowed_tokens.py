@@ -80,6 +80,11 @@ def test_sets_the_model_cannot_serve_are_refused_when_added(llm):
     eos = sorted(llm.eos_ids)
     with pytest.raises(ValueError, match="allowed_token_ids.*min_tokens=2"):
         llm.add_request(PROMPT, SamplingParams(allowed_token_ids=eos + [7], stop_token_ids=[7], min_tokens=2))
+    # min_tokens bans the stop ids by index: one past the vocabulary would fail the step of every request
+    with pytest.raises(ValueError, match=r"stop_token_ids has token id 383: must be in \[0, 383\)"):
+        llm.add_request(PROMPT, SamplingParams(stop_token_ids=[5, 383], min_tokens=2))
+    with pytest.raises(ValueError, match="stop_token_ids and EOS cover.*min_tokens=1"):
+        llm.add_request(PROMPT, SamplingParams(stop_token_ids=list(range(383)), min_tokens=1))
     out = llm.generate([PROMPT], SamplingParams(allowed_token_ids=eos, max_tokens=3), use_tqdm=False)[0]
     assert out.token_ids[0] in eos and out.finish_reason == "stop"
     assert not llm.has_unfinished() and llm.block_manager.num_free_blocks == NUM_BLOCKS

@@ -35,15 +35,21 @@ class Request:
 
 def check_for_model(params: SamplingParams, tokenizer, vocab: int, eos_ids: set[int]) -> None:
     """What SamplingParams cannot check alone: stop strings need a tokenizer, token ids the
-    vocabulary, and allowed_token_ids some token that min_tokens lets be drawn."""
+    vocabulary (min_tokens bans the stop ids by index), and min_tokens some token it lets be drawn."""
     if params.stop and tokenizer is None:
         raise ValueError("SamplingParams.stop needs a tokenizer, and this model has none: use stop_token_ids")
-    for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids)):
+    for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids),
+                      ("stop_token_ids", params.stop_token_ids)):
         if ids and max(ids) >= vocab:
             raise ValueError(f"SamplingParams.{name} has token id {max(ids)}: must be in [0, {vocab})")
-    never_drawn = eos_ids | set(params.stop_token_ids) if params.min_tokens else set()
+    if not params.min_tokens:
+        return
+    never_drawn = {t for t in eos_ids | set(params.stop_token_ids) if t < vocab}
     if params.allowed_token_ids and set(params.allowed_token_ids) <= never_drawn:
         raise ValueError(f"SamplingParams.allowed_token_ids={params.allowed_token_ids} holds only EOS and stop tokens, "
+                         f"which min_tokens={params.min_tokens} keeps from being drawn")
+    if len(never_drawn) >= vocab:
+        raise ValueError(f"SamplingParams.stop_token_ids and EOS cover the whole vocabulary ({vocab} tokens), "
                          f"which min_tokens={params.min_tokens} keeps from being drawn")
 
 
