@@ -121,11 +121,14 @@ def test_exception_in_the_consumer(llm, expected):
     assert_serving(llm, expected)
 
 
-@pytest.mark.parametrize("where, call", [("launch", 1), ("launch", 2), ("launch", 4), ("resolve", 1), ("resolve", 3)])
+@pytest.mark.parametrize("where, call", [("launch", 1), ("launch", 2), ("launch", 4), ("resolve", 1), ("resolve", 3),
+                                         ("schedule", 1), ("schedule", 3), ("schedule", 7)])
 def test_ctrl_c_during_generate(llm, expected, monkeypatch, where, call):
-    """KeyboardInterrupt inside a step: while the step is launched (the previous one in flight), or
-    while its tokens are brought in (some appended, some not)."""
-    target = (llm.runner, "launch") if where == "launch" else (llm.block_manager, "register_computed_blocks")
+    """KeyboardInterrupt inside a step: while a decode step is scheduled (some rows given their slot,
+    some not), while the step is launched (the previous one in flight), or while its tokens are
+    brought in (some appended, some not)."""
+    target = {"launch": (llm.runner, "launch"), "resolve": (llm.block_manager, "register_computed_blocks"),
+              "schedule": (llm.block_manager, "can_append")}[where]
     original, calls = getattr(*target), []
 
     def interrupted(*args):

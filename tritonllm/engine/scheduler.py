@@ -81,31 +81,34 @@ class Scheduler:
         return seqs, num_new
 
     def _schedule_decode(self) -> list[Sequence]:
+        # Each sequence leaves self.running only into scheduled or held (or waiting, preempted), so an
+        # interrupt (Ctrl-C) anywhere in the loop leaves every one queued, and append_slot is idempotent.
         scheduled, held = [], []
-        while self.running:
-            seq = self.running.popleft()
-            if seq.num_completion_tokens >= seq.params.max_tokens:
-                held.append(seq)  # its last token is pending: it finishes when that arrives
-                continue
-            while not self.block_manager.can_append(seq):
-                if self.running:
-                    self._preempt(self.running.pop())
+        try:
+            while self.running:
+                seq = self.running[0]
+                if seq.num_completion_tokens >= seq.params.max_tokens:
+                    held.append(self.running.popleft())  # its last token is pending: it finishes when that arrives
+                    continue
+                while not self.block_manager.can_append(seq) and len(self.running) > 1:
+                    self._preempt(self.running[-1])
+                if self.block_manager.can_append(seq):
+                    self.block_manager.append_slot(seq)
+                    scheduled.append(self.running.popleft())
                 else:
                     self._preempt(seq)
-                    break
-            else:
-                self.block_manager.append_slot(seq)
-                scheduled.append(seq)
-        self.running.extend(scheduled + held)
+        finally:
+            self.running.extendleft(reversed(scheduled + held))
         # Longest context first: the decode kernel starts rows in order, so the long rows start
         # first and short ones fill in at the end (kernels/decode_attention.py).
         return sorted(scheduled, key=lambda seq: seq.num_computed_tokens, reverse=True)
 
     def _preempt(self, seq: Sequence) -> None:
-        """Free seq's blocks and queue it first: its prompt and output so far are recomputed later."""
+        """Free running seq's blocks and queue it first: its prompt and output so far are recomputed later."""
         self.num_preemptions += 1
         self.block_manager.deallocate(seq)
         seq.status = SequenceStatus.WAITING
+        self.running.remove(seq)
         self.waiting.appendleft(seq)
 
     def launched(self, batch: ScheduledBatch) -> None:
