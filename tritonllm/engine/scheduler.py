@@ -90,9 +90,11 @@ class Scheduler:
                 if seq.num_completion_tokens >= seq.params.max_tokens:
                     held.append(self.running.popleft())  # its last token is pending: it finishes when that arrives
                     continue
-                while not self.block_manager.can_append(seq) and len(self.running) > 1:
+                fits = self.block_manager.can_append(seq)
+                while not fits and len(self.running) > 1:
                     self._preempt(self.running[-1])
-                if self.block_manager.can_append(seq):
+                    fits = self.block_manager.can_append(seq)
+                if fits:
                     self.block_manager.append_slot(seq)
                     scheduled.append(self.running.popleft())
                 else:
