@@ -167,7 +167,11 @@ class LLM(LLMEngine):
         tokenizer's chat template: GenerationOutputs, or with stream=True the StreamOutputs of stream().
         The keywords are vLLM's (tritonllm.chat.chat_prompt), e.g. chat_template_kwargs={"enable_thinking": False};
         tools (OpenAI's function tools) go to the template, the replies stay text."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        one = isinstance(messages, list) and bool(messages) and isinstance(messages[0], dict)
+        conversations = [messages] if one else messages
+        if not isinstance(conversations, list) or not all(isinstance(c, list) for c in conversations):
+            raise TypeError("messages must be a list of {'role', 'content'} dicts or a list of such lists, "
+                            f"got {type(messages).__name__}")
         prompts = [chat_prompt(self.tokenizer, c, add_generation_prompt=add_generation_prompt,
                                continue_final_message=continue_final_message, chat_template=chat_template,
                                chat_template_kwargs=chat_template_kwargs, tools=tools) for c in conversations]

@@ -81,6 +81,9 @@ def test_unknown_characters_of_a_small_tokenizer_are_an_error():
     assert out[0].text == "46"
     assert "".join(e.text_delta for e in bundled.chat([{"role": "user", "content": "rev abc"}],
                                                        SamplingParams(temperature=0, max_tokens=8), stream=True)) == "cba"
+    for bad in (None, "12+34", {"role": "user", "content": "12+34"}, [[{"role": "user", "content": "1+1"}], "x"]):
+        with pytest.raises(TypeError, match="messages must be a list"):
+            bundled.chat(bad)
     bundled.close()
 
 
