@@ -189,7 +189,7 @@ class LLM(LLMEngine):
 
 def _params_list(sampling_params, count: int) -> list:
     """sampling_params as one entry (SamplingParams or None) per prompt, checked."""
-    params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * count
+    params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * count
     if len(params) != count:
         raise ValueError(f"sampling_params has {len(params)} entries for {count} prompts")
     for p in params:

@@ -131,6 +131,7 @@ def test_sampling_params_per_prompt_are_checked(llm):
         llm.generate([[5]], [{"max_tokens": 2}], use_tqdm=False)
     two = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     assert [len(o.token_ids) for o in llm.generate([[5], [6]], [GREEDY, two], use_tqdm=False)] == [4, 2]
+    assert [len(o.token_ids) for o in llm.generate([[5], [6]], (two, GREEDY), use_tqdm=False)] == [2, 4]
     assert not llm.has_unfinished()
 
 
