@@ -113,6 +113,16 @@ def test_chat_streams_replies_and_goes_on_after_a_bad_message(monkeypatch, capsy
     assert max_tokens == 8 and stream  # an eighth of the 64 positions
 
 
+def test_chat_refuses_a_max_tokens_that_leaves_no_room(monkeypatch, capsys):
+    monkeypatch.setattr("tritonllm.LLM", StubLLM)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("abc\n"))
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["chat", "--max-tokens", "64"])
+    assert exited.value.code == 2 and "--max-tokens 64 leaves no room" in capsys.readouterr().err
+    cli.main(["chat", "--max-tokens", "63"])  # one position left for the message
+    assert StubLLM.calls[-1][1] == 63
+
+
 def test_chat_drops_the_oldest_exchanges_to_fit(monkeypatch, capsys):
     """64 positions, 8 for the reply: a third message of 20 characters would not fit after two exchanges of 40."""
     monkeypatch.setattr("tritonllm.LLM", StubLLM)

@@ -116,6 +116,9 @@ def chat(args) -> None:
         raise ValueError(f"model {args.model!r} has no tokenizer to chat with")
     if args.max_tokens is None:  # leave room for the prompt: 8 tokens on the bundled model's 64 positions
         params.max_tokens = min(params.max_tokens, max(1, llm.config.max_model_len // 8))
+    elif args.max_tokens >= llm.config.max_model_len:  # no message could fit beside the reply
+        raise ValueError(f"--max-tokens {args.max_tokens} leaves no room for a message: it must be below "
+                         f"max_model_len={llm.config.max_model_len}")
     history = []
     print("type a message; an empty line or Ctrl-D ends the chat")
     for line in sys.stdin:
