@@ -20,7 +20,7 @@ from tritonllm.validation import check
     ("temperature", math.inf, ValueError), ("temperature", math.nan, ValueError), ("top_p", math.nan, ValueError),
     ("min_p", -math.inf, ValueError), ("temperature", "0.5", TypeError), ("top_p", None, TypeError),
     ("top_k", 2.5, TypeError), ("max_tokens", True, TypeError), ("min_tokens", "1", TypeError),
-    ("stop", 123, TypeError), ("stop", [""], ValueError), ("stop", ["ok", 1], TypeError),
+    ("stop", 123, TypeError), ("stop", [""], ValueError), ("stop", ["ok", 1], TypeError), ("stop", {"a": 1}, TypeError),
     ("stop_token_ids", 5, TypeError), ("stop_token_ids", "12", TypeError), ("stop_token_ids", [-1], ValueError),
     ("stop_token_ids", [1.5], TypeError), ("stop_token_ids", [True], TypeError),
     ("logprobs", "yes", TypeError), ("logprobs", 21, ValueError), ("logprobs", -1, ValueError),

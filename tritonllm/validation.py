@@ -57,11 +57,11 @@ def check_field(obj, name: str, kind: type, rule=None, allowed: str = "", option
 
 
 def check_list(name: str, value, kind: type, rule=None, allowed: str = "") -> list:
-    """A list (or other iterable, not a string) of `kind`, each item checked; None is the empty list."""
+    """A list (or other iterable, not a string or a mapping) of `kind`, each item checked; None is the empty list."""
     items = None
     if value is None:
         items = []
-    elif not isinstance(value, (str, bytes)):
+    elif not isinstance(value, (str, bytes, dict)):
         try:
             items = list(value)
         except TypeError:  # not iterable, e.g. one int (or a 0-d array or tensor)
