@@ -45,12 +45,14 @@ class LLM(LLMEngine):
 
     generate, stream and chat may be nested (a generate inside a stream loop) and called from
     several threads: each loop gets its own requests' outputs. A loop left early (a break, an
-    exception, Ctrl-C, a closed stream) aborts its unfinished requests.
+    exception, Ctrl-C, a closed stream) aborts its unfinished requests. The step API works beside
+    them: step() returns the outputs of requests no loop follows, those made inside a loop included.
     """
 
     def __init__(self, model: str, **options):
         super().__init__(model, **options)
         self._owners: dict[int, deque] = {}  # request id -> the output queue of the loop that follows it
+        self._unowned: list[RequestOutput] = []  # outputs no loop follows, for the next step() call
         self._dealing = threading.Lock()  # one data-parallel generate at a time: its scatter and gather pair up
         if getattr(self, "dp_rank", 0) > 0:
             self._serve_replica()
@@ -84,6 +86,22 @@ class LLM(LLMEngine):
                 total += seq.params.n
         return requests, queue
 
+    def step(self) -> list[RequestOutput]:
+        """LLMEngine.step beside the loops: outputs of requests a loop follows go to that loop; the
+        rest are returned, with those of earlier steps that loops made."""
+        with self._lock:
+            self._step_and_route()
+            outputs, self._unowned = self._unowned, []
+            return outputs
+
+    def has_unfinished(self) -> bool:
+        return super().has_unfinished() or bool(self._unowned)
+
+    def _step_and_route(self) -> None:
+        for output in super().step():
+            owner = self._owners.get(output.request_id)
+            (owner if owner is not None else self._unowned).append(output)
+
     def _follow(self, requests: dict[int, tuple[int, int]], queue: deque) -> Iterator[RequestOutput]:
         """Outputs of `requests` (from _add) as the engine makes them, stepping it while none are
         queued. However the loop ends, its unfinished requests are aborted and forgotten."""
@@ -91,10 +109,7 @@ class LLM(LLMEngine):
         try:
             while live:
                 if not queue:
-                    for output in self.step():
-                        owner = self._owners.get(output.request_id)
-                        if owner is not None:
-                            owner.append(output)
+                    self._step_and_route()
                     continue
                 output = queue.popleft()
                 if output.finished:
@@ -103,10 +118,13 @@ class LLM(LLMEngine):
                         del live[output.request_id]
                 yield output
         finally:
-            for request_id in requests:
-                self._owners.pop(request_id, None)
-                if request_id in live:
-                    self.abort(request_id)
+            with self._lock:
+                for request_id in requests:
+                    self._owners.pop(request_id, None)
+                    if request_id in live:
+                        self.abort(request_id)
+                # Nobody follows these requests any more: their abort outputs go to no one.
+                self._pending = [output for output in self._pending if output.request_id not in requests]
 
     def stream(self, prompts, sampling_params=None) -> Iterator[StreamOutput]:
         """Yield each request's new tokens and text as they are generated; the last yield has the output.

@@ -162,6 +162,23 @@ def test_a_request_interrupted_mid_step_is_recomputed(llm, expected, monkeypatch
     assert_clean(llm)
 
 
+def test_the_step_api_beside_the_loops(llm, expected):
+    """step() called while a stream is suspended leaves the stream its outputs, and the outputs of a
+    step-API request that finishes inside a generate wait for the next step()."""
+    stream = llm.stream(PROMPTS[:1], PARAMS)
+    first = next(stream)
+    assert all(llm.step() == [] for _ in range(8))
+    assert first.new_token_ids + [t for event in stream for t in event.new_token_ids] == expected[0]
+    request_id = llm.add_request(PROMPTS[1], PARAMS, stream=False)
+    llm.step()
+    assert [out.token_ids for out in llm.generate([PROMPTS[2]] * 3, PARAMS, use_tqdm=False)] == [expected[2]] * 3
+    finished = []
+    while llm.has_unfinished():
+        finished += [(out.request_id, out.output.token_ids) for out in llm.step() if out.finished]
+    assert finished == [(request_id, expected[1])]
+    assert_clean(llm)
+
+
 def test_an_abort_is_reported_by_the_next_step(llm, expected):
     """A loop following a request learns of an abort from elsewhere (another thread, a server) as
     the request's final output, finish_reason "abort", instead of waiting for it forever."""
