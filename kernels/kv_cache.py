@@ -266,9 +266,7 @@ def gather_kv_blocks(k_cache, v_cache, blocks, dtype, *, k_scale=None, v_scale=N
     out: optional (k, v), each [M, block_size, Hkv, D] contiguous of `dtype` with M >= N; in place,
     out[0][i], out[1][i] for i < N are written and the rest is left as it is.
     """
-    if blocks.dim() != 1:
-        raise ValueError(f"blocks must be a 1-D int32/int64 tensor, got shape {tuple(blocks.shape)}")
-    check_rows(blocks.shape[0], INDICES, blocks=blocks)
+    check_rows(blocks.numel(), INDICES, blocks=blocks)  # 1-D, contiguous, int32/int64
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
     if k_cache.dim() != 4:

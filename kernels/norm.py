@@ -98,8 +98,8 @@ def _rows_in_place(name: str, t: torch.Tensor) -> torch.Tensor:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """HF Qwen3RMSNorm over the last dim: weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype).
 
-    x [..., N] float32/float16/bfloat16; weight [N] contiguous. Returns y of x's shape and dtype, written into
-    `out` when given (x is never modified).
+    x [..., N] float32/float16/bfloat16; weight [N] contiguous. Returns y of x's shape and dtype,
+    written into `out` when given (x is never modified).
     """
     _check(x, weight)
     if out is not None and (out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous()):
@@ -116,8 +116,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     """h = x + residual rounded to x.dtype (the new residual), y = rms_norm(h, weight, eps).
 
     x, residual [..., N] of one dtype, each viewable as [rows, N] with contiguous rows; weight [N]
-    contiguous. In place: y is written into
-    x and h into residual. Returns (x, residual), i.e. (y, h).
+    contiguous. In place: y is written into x and h into residual. Returns (x, residual), i.e. (y, h).
     """
     _check(x, weight)
     if residual.shape != x.shape or residual.dtype != x.dtype:

@@ -99,8 +99,7 @@ class LLM(LLMEngine):
 
     def _step_and_route(self) -> None:
         for output in super().step():
-            owner = self._owners.get(output.request_id)
-            (owner if owner is not None else self._unowned).append(output)
+            self._owners.get(output.request_id, self._unowned).append(output)
 
     def _follow(self, requests: dict[int, tuple[int, int]], queue: deque) -> Iterator[RequestOutput]:
         """Outputs of `requests` (from _add) as the engine makes them, stepping it while none are
