@@ -98,8 +98,9 @@ class LLM(LLMEngine):
         return super().has_unfinished() or bool(self._unowned)
 
     def _step_and_route(self) -> None:
-        for output in super().step():
-            self._owners.get(output.request_id, self._unowned).append(output)
+        with self._step_scope():  # a loop left during the step lets go of its requests after the routing
+            for output in super().step():
+                self._owners.get(output.request_id, self._unowned).append(output)
 
     def _follow(self, requests: dict[int, tuple[int, int]], queue: deque) -> Iterator[RequestOutput]:
         """Outputs of `requests` (from _add) as the engine makes them, stepping it while none are
@@ -117,13 +118,15 @@ class LLM(LLMEngine):
                         del live[output.request_id]
                 yield output
         finally:
-            with self._lock:
-                for request_id in requests:
-                    self._owners.pop(request_id, None)
-                    if request_id in live:
-                        self.abort(request_id)
-                # Nobody follows these requests any more: their abort outputs go to no one.
-                self._pending = [output for output in self._pending if output.request_id not in requests]
+            self.after_step(lambda: self._let_go(requests, live))
+
+    def _let_go(self, requests: dict[int, tuple[int, int]], live: dict[int, int]) -> None:
+        """A loop's end: its requests unowned, the unfinished ones aborted, their abort outputs dropped."""
+        for request_id in requests:
+            self._owners.pop(request_id, None)
+            if request_id in live:
+                self.abort(request_id)
+        self._pending = [output for output in self._pending if output.request_id not in requests]
 
     def stream(self, prompts, sampling_params=None) -> Iterator[StreamOutput]:
         """Yield each request's new tokens and text as they are generated; the last yield has the output.

@@ -1,5 +1,6 @@
 """The engine API (add_request / step / abort) and the LLM loops over it, on failure paths: aborts at
-every point of a request's life, abandoned and nested streams, Ctrl-C, threads, two backends.
+every point of a request's life, abandoned and nested streams, threads, two backends (interrupted
+and failed steps: test_interrupts.py).
 
 One engine serves a whole module, so every test also checks that the previous ones left it
 serving: the next request is right and no block leaked.
@@ -9,54 +10,10 @@ import sys
 import threading
 
 import pytest
+from serving import NUM_BLOCKS, PARAMS, PROMPTS, assert_clean, assert_serving, expected, llm, run_to_end, run_to_end_outputs  # noqa: F401
 from tiny_qwen3 import hf_greedy
 
 from tritonllm import LLM, SamplingParams
-
-NUM_BLOCKS = 32
-OPTIONS = {"max_num_seqs": 4, "num_kv_blocks": NUM_BLOCKS, "max_num_batched_tokens": 24}  # 24: prompts go in chunks
-PROMPTS = [[5, 6, 7], list(range(40, 75)), [9] * 20, list(range(100, 117))]  # 3, 35, 20, 17 tokens
-PARAMS = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def expected(tiny_qwen3):
-    return [hf_greedy(tiny_qwen3, p, PARAMS.max_tokens) for p in PROMPTS]
-
-
-@pytest.fixture(scope="module")
-def llm(tiny_qwen3):
-    with LLM(str(tiny_qwen3), **OPTIONS) as engine:
-        yield engine
-
-
-def assert_clean(llm):
-    assert not llm.has_unfinished() and llm.scheduler.is_finished()
-    assert llm.block_manager.num_free_blocks == NUM_BLOCKS
-    assert all(block.ref_count == 0 for block in llm.block_manager.blocks)
-
-
-def assert_serving(llm, expected):
-    """The next generate returns what HF does, and nothing leaked."""
-    assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)] == expected
-    assert_clean(llm)
-
-
-def run_to_end_outputs(llm) -> list:
-    """Step until the engine has nothing to do or report; every output, each final one with its output."""
-    outputs = []
-    while llm.has_unfinished():
-        outputs += llm.step()
-    assert all(out.finished == (out.output is not None) for out in outputs)
-    return outputs
-
-
-def run_to_end(llm) -> dict[int, list[int]]:
-    tokens = {}
-    for out in run_to_end_outputs(llm):
-        tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-    return tokens
-
 
 @pytest.mark.parametrize("steps", [0, 1, 2, 3, 4, 6, 9, 30])
 def test_abort_at_every_point(llm, expected, steps):
@@ -121,47 +78,6 @@ def test_exception_in_the_consumer(llm, expected):
     assert_serving(llm, expected)
 
 
-@pytest.mark.parametrize("where, call", [("launch", 1), ("launch", 2), ("launch", 4), ("resolve", 1), ("resolve", 3),
-                                         ("schedule", 1), ("schedule", 3), ("schedule", 7)])
-def test_ctrl_c_during_generate(llm, expected, monkeypatch, where, call):
-    """KeyboardInterrupt inside a step: while a decode step is scheduled (some rows given their slot,
-    some not), while the step is launched (the previous one in flight), or while its tokens are
-    brought in (some appended, some not)."""
-    target = {"launch": (llm.runner, "launch"), "resolve": (llm.block_manager, "register_computed_blocks"),
-              "schedule": (llm.block_manager, "can_append")}[where]
-    original, calls = getattr(*target), []
-
-    def interrupted(*args):
-        calls.append(1)
-        if len(calls) == call:
-            raise KeyboardInterrupt
-        return original(*args)
-
-    monkeypatch.setattr(*target, interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        llm.generate(PROMPTS, PARAMS, use_tqdm=False)
-    monkeypatch.undo()
-    assert_serving(llm, expected)
-
-
-def test_a_request_interrupted_mid_step_is_recomputed(llm, expected, monkeypatch):
-    """A failed step loses what was in flight: live requests (here a stream's) resume from their
-    known tokens and still give HF's tokens."""
-    stream = llm.stream(PROMPTS[:2], PARAMS)
-    got = {0: [], 1: []}
-    event = next(stream)
-    got[event.index] += event.new_token_ids
-    original = llm.runner.launch
-    monkeypatch.setattr(llm.runner, "launch", lambda *a: (_ for _ in ()).throw(RuntimeError("injected")))
-    with pytest.raises(RuntimeError, match="injected"):
-        llm.step()
-    monkeypatch.setattr(llm.runner, "launch", original)
-    for event in stream:
-        got[event.index] += event.new_token_ids
-    assert [got[0], got[1]] == expected[:2]
-    assert_clean(llm)
-
-
 def test_the_step_api_beside_the_loops(llm, expected):
     """step() called while a stream is suspended leaves the stream its outputs, and the outputs of a
     step-API request that finishes inside a generate wait for the next step()."""
@@ -201,48 +117,6 @@ def test_an_abort_keeps_the_engine_unfinished_until_reported(llm):
     assert llm.has_unfinished()
     finals = [out for out in run_to_end_outputs(llm) if out.finished]
     assert [(out.request_id, out.output.finish_reason) for out in finals] == [(request, "abort")]
-    assert_clean(llm)
-
-
-def test_a_failed_step_keeps_the_abort_it_had_to_report(llm, expected, monkeypatch):
-    ids = [llm.add_request(p, PARAMS, stream=False) for p in PROMPTS[:2]]
-    llm.step()
-    llm.abort(ids[0])
-    monkeypatch.setattr(llm.runner, "launch", lambda *a: (_ for _ in ()).throw(RuntimeError("injected")))
-    with pytest.raises(RuntimeError, match="injected"):
-        llm.step()
-    monkeypatch.undo()
-    finals = {out.request_id: out.output for out in run_to_end_outputs(llm) if out.finished}
-    assert finals[ids[0]].finish_reason == "abort" and finals[ids[1]].token_ids == expected[1]
-    assert_clean(llm)
-
-
-def test_a_failed_step_keeps_the_outputs_it_made_before_failing(llm, expected, monkeypatch):
-    """A step fails while bringing in its tokens, after it finished one request: that request's final
-    output comes from the next step (a loop waiting for it would otherwise wait forever)."""
-    short = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
-    first = llm.add_request(PROMPTS[1], short)  # the longer context: its row comes first in a decode step
-    second = llm.add_request(PROMPTS[0], PARAMS)
-    seqs = [llm._requests[i].samples[0].seq for i in (first, second)]
-    original, fired = llm.block_manager.register_computed_blocks, []
-
-    def fail_after_the_first_finished(seq):
-        if seq is seqs[1] and seqs[0].is_finished and not fired:
-            fired.append(1)
-            raise RuntimeError("injected")
-        return original(seq)
-
-    monkeypatch.setattr(llm.block_manager, "register_computed_blocks", fail_after_the_first_finished)
-    outputs = []
-    with pytest.raises(RuntimeError, match="injected"):
-        while llm.has_unfinished():
-            outputs += llm.step()
-    monkeypatch.undo()
-    outputs += run_to_end_outputs(llm)
-    tokens = {i: sum((out.new_token_ids for out in outputs if out.request_id == i), []) for i in (first, second)}
-    finals = {out.request_id: out.output for out in outputs if out.finished}
-    assert tokens == {first: expected[1][:2], second: expected[0]}
-    assert finals[first].finish_reason == "length" and finals[first].token_ids == expected[1][:2]
     assert_clean(llm)
 
 

@@ -10,6 +10,7 @@ import random
 import threading
 import time
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,6 +90,7 @@ class LLMEngine:
         # Outputs for the next step to return: aborted requests' final ones, and those a failed step made.
         self._pending: list[RequestOutput] = []
         self._in_flight: InFlight | None = None
+        self._stepping, self._after_step = False, []  # inside step(); work deferred to its end (after_step)
         self.last_step = None  # the last step's (tokens computed, is_prefill, seconds); None if it launched nothing
         # Runs on close(), when the engine is garbage-collected, or at interpreter exit, whichever is
         # first; it holds the runner and workers, not the engine, so `del llm` frees it.
@@ -195,20 +197,44 @@ class LLMEngine:
         """Stop a request's samples now and free their blocks (cached prefix blocks stay reusable);
         valid at any moment, a no-op for a request that has finished or is unknown. The next step()
         reports each unfinished sample finished, with finish_reason "abort"."""
+        self.after_step(lambda: self._abort(request_id))
+
+    def _abort(self, request_id: int) -> None:
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return
+        self._counters["unqueued"] -= len(request.unqueued)
+        aborted = [sample for sample in request.samples if self._samples.pop(sample.seq.seq_id, None) is not None]
+        for sample in aborted:  # every sample first, then the outputs (which decode text)
+            if sample.index < request.num_queued:
+                self.scheduler.finish(sample.seq, "abort")
+            else:
+                sample.seq.finish_reason, sample.seq.status = "abort", SequenceStatus.FINISHED
+        self._pending += [step_output(request, sample, True, self.tokenizer) for sample in aborted]
+
+    def after_step(self, work) -> None:
+        """Run work() now, or at the end of the step this thread is in (an abort from a stream that the
+        garbage collector closed in the middle of a step must not change the queues it walks)."""
         with self._lock:
-            request = self._requests.pop(request_id, None)
-            if request is None:
+            if self._stepping:
+                self._after_step.append(work)
+            else:
+                work()
+
+    @contextmanager
+    def _step_scope(self):
+        """The lock for a step, and the work deferred during it run at its end (once, if nested)."""
+        with self._lock:
+            if self._stepping:
+                yield
                 return
-            self._counters["unqueued"] -= len(request.unqueued)
-            for sample in request.samples:
-                seq = sample.seq
-                if self._samples.pop(seq.seq_id, None) is None:
-                    continue  # finished before
-                if sample.index < request.num_queued:
-                    self.scheduler.finish(seq, "abort")
-                else:
-                    seq.finish_reason, seq.status = "abort", SequenceStatus.FINISHED
-                self._pending.append(step_output(request, sample, True, self.tokenizer))
+            self._stepping = True
+            try:
+                yield
+            finally:
+                self._stepping = False
+                while self._after_step:
+                    self._after_step.pop(0)()
 
     def has_unfinished(self) -> bool:
         """Whether step() has more to do or to report: unfinished requests, or outputs it has not returned."""
@@ -219,7 +245,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Launch the next step, then resolve the previous one: outputs of the requests that got a
         token (streamed ones each time, the others when they finish) and of those aborted since."""
-        with self._lock:
+        with self._step_scope():
             start = time.perf_counter()
             self._check_open()
             self._check_workers()
@@ -307,20 +333,30 @@ class LLMEngine:
         for row, (seq, token) in enumerate(zip(in_flight.seqs, token_ids)):
             if seq.is_finished:
                 continue
-            seq.append_token(token)
+            request, sample = self._samples[seq.seq_id]
+            params, saved = seq.params, sample.save()
+            try:  # all of a token or none of it: undone, it is sampled again after the recompute
+                seq.append_token(token)
+                if params.wants_logprobs:
+                    seq.logprobs.append(logprobs[row])
+                if params.top_logprobs:
+                    seq.top_logprobs.append(dict(zip(top[1][row][:params.top_logprobs], top[0][row][:params.top_logprobs])))
+                self.block_manager.register_computed_blocks(seq)
+                reason = self._finish_reason(sample)
+                output = (step_output(request, sample, reason is not None, self.tokenizer)
+                          if reason is not None or request.stream else None)
+            except BaseException:
+                sample.restore(saved)
+                raise
             self._counters["generation_tokens"] += 1
-            params = seq.params
-            if params.wants_logprobs:
-                seq.logprobs.append(logprobs[row])
-            if params.top_logprobs:
-                seq.top_logprobs.append(dict(zip(top[1][row][:params.top_logprobs], top[0][row][:params.top_logprobs])))
-            self.block_manager.register_computed_blocks(seq)
-            output = self._advance(*self._samples[seq.seq_id])
+            if reason is not None:
+                self._finish(request, sample, reason)
             if output is not None:
                 outputs.append(output)
 
-    def _advance(self, request: Request, sample: Sample) -> RequestOutput | None:
-        """The one place a sample finishes: EOS or a stop token, a stop string, max_tokens."""
+    def _finish_reason(self, sample: Sample) -> str | None:
+        """Whether the sample's last token finishes it (EOS or a stop token, a stop string, max_tokens),
+        and why; sets what the final output reports with it."""
         seq, params = sample.seq, sample.seq.params
         num_completion, token = seq.num_known_completion_tokens, seq.token_ids[-1]
         is_eos = not params.ignore_eos and token in self.eos_ids
@@ -335,15 +371,16 @@ class LLMEngine:
             reason, seq.stop_reason = "stop", matched
         if reason is None and last:
             reason = "length"
-        if reason is not None:
-            self.scheduler.finish(seq, reason)
-            del self._samples[seq.seq_id]
-            request.num_finished += 1
-            if request.num_finished == len(request.samples):
-                del self._requests[request.request_id]
-        elif not request.stream:
-            return None
-        return step_output(request, sample, reason is not None, self.tokenizer)
+        seq.finish_reason = reason
+        return reason
+
+    def _finish(self, request: Request, sample: Sample, reason: str) -> None:
+        """A sample done with its last token: its blocks freed, its request forgotten with its last sample."""
+        self.scheduler.finish(sample.seq, reason)
+        del self._samples[sample.seq.seq_id]
+        request.num_finished += 1
+        if request.num_finished == len(request.samples):
+            del self._requests[request.request_id]
 
     def close(self) -> None:
         """Stop the tensor-parallel workers and leave the process group; also done by `del` and at exit."""

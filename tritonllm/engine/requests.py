@@ -17,6 +17,20 @@ class Sample:
     num_emitted: int = 0  # completion tokens reported so far
     stopped_by_token: bool = False  # ended by EOS or a stop token (set by the engine where it finishes)
 
+    def save(self) -> tuple:
+        """What taking a sampled token changes, for restore() to put back if taking it fails midway."""
+        seq = self.seq
+        return (len(seq.token_ids), len(seq.logprobs), len(seq.top_logprobs), seq.finish_reason, seq.stop_reason,
+                self.num_emitted, self.stopped_by_token, None if self.text is None else dict(vars(self.text)))
+
+    def restore(self, saved: tuple) -> None:
+        seq, (num_tokens, num_logprobs, num_top, *rest, text) = self.seq, saved
+        seq.finish_reason, seq.stop_reason, self.num_emitted, self.stopped_by_token = rest
+        seq.num_pending += len(seq.token_ids) - num_tokens
+        del seq.token_ids[num_tokens:], seq.logprobs[num_logprobs:], seq.top_logprobs[num_top:]
+        if text is not None:
+            vars(self.text).update(text)
+
 
 @dataclass
 class Request:
