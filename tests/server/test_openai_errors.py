@@ -53,6 +53,7 @@ def test_chat_options_that_cannot_be_served_are_400(client):
      "max_completion_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "rev abcd"}], "min_tokens": 62}, "min_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "system", "content": "hi"}], "max_tokens": 2}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "1" * 70}]}, "messages"),  # no max_tokens
     ("/v1/completions", {"prompt": "1" * 60, "max_tokens": 10}, "max_tokens"),
     ("/v1/completions", {"prompt": ["1+1="] * 33, "n": 128, "max_tokens": 1}, "n"),  # more than --max-waiting: never
 ])

@@ -91,6 +91,9 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []
         self._in_flight: InFlight | None = None
         self._stepping, self._after_step = False, []  # inside step(); work deferred to its end (after_step)
+        # The live requests that the step which just raised had launched or in flight (empty if it
+        # failed before launching): those a server fails with it.
+        self.failed_request_ids: set[int] = set()
         self.last_step = None  # the last step's (tokens computed, is_prefill, seconds); None if it launched nothing
         # Runs on close(), when the engine is garbage-collected, or at interpreter exit, whichever is
         # first; it holds the runner and workers, not the engine, so `del llm` frees it.
@@ -157,7 +160,7 @@ class LLMEngine:
         if params.max_tokens is None:  # as many as fit: the model's length, and the K/V of all but the last token
             room = min(self.config.max_model_len, num_blocks * block_size + 1) - len(token_ids)
             if room < 1:
-                raise ValueError(f"prompt ({len(token_ids)} tokens) leaves no room for max_tokens: max_model_len="
+                raise ValueError(f"prompt ({len(token_ids)} tokens) leaves no room for a completion: max_model_len="
                                  f"{self.config.max_model_len}, KV cache {num_blocks} blocks of {block_size}")
             params.max_tokens = room
             params.validate()  # min_tokens against it
@@ -247,6 +250,7 @@ class LLMEngine:
         token (streamed ones each time, the others when they finish) and of those aborted since."""
         with self._step_scope():
             start = time.perf_counter()
+            self.failed_request_ids = set()
             self._check_open()
             self._check_workers()
             batch = self.scheduler.schedule()
@@ -255,13 +259,16 @@ class LLMEngine:
             outputs, self._pending = self._pending, []
             if batch is None and self._in_flight is None:
                 return outputs
+            previous = self._in_flight
             try:
-                launched = self._launch(batch) if batch is not None else None
-                previous, self._in_flight = self._in_flight, launched
+                self._in_flight = self._launch(batch) if batch is not None else None
                 self._resolve(previous, outputs)
             except BaseException as error:
                 # The outputs made so far report tokens the requests keep: the next step returns them.
                 # Whatever was in flight is lost: every live request is recomputed from its known tokens.
+                held = (batch.seqs if batch is not None else []) + (previous.seqs if previous is not None else [])
+                self.failed_request_ids = {self._samples[seq.seq_id][0].request_id for seq in held
+                                           if seq.seq_id in self._samples}
                 self._pending = outputs
                 self._in_flight = None
                 self.scheduler.recompute_all()

@@ -93,6 +93,7 @@ async def events(state: ServerState, stream: RequestStream, renderer: Renderer, 
             if chunk:
                 yield chunk
     except ApiError as error:
+        state.counters["errors"] += 1
         yield "data: " + json.dumps(error.body()) + "\n\n"
     else:
         if include_usage:

@@ -8,6 +8,7 @@ import time
 import traceback
 
 DRAIN_S = 0.02  # while requests run, at most this long on commands between two steps
+MAX_FAILED_STEPS = 3  # a fault that outlives this many steps in a row is the engine's, not a request's
 
 
 def engine_main(conn, model: str, options: dict, max_waiting: int) -> None:
@@ -45,6 +46,7 @@ class EngineWorker:
         self.engine, self.conn, self.max_waiting = engine, conn, max_waiting
         self.keys: dict[int, list[int]] = {}  # server key -> its engine request ids
         self.requests: dict[int, list] = {}  # engine request id -> [key, first choice index, samples left, stream]
+        self.failed_steps = 0  # in a row
 
     def run(self) -> None:
         """Take the commands that came (all of them, or DRAIN_S worth while requests run), then step;
@@ -113,16 +115,27 @@ class EngineWorker:
                 self.engine.abort(request_id)
 
     def step(self) -> None:
+        """One engine step, its outputs sent. A step that raises fails the requests it held (the engine
+        recomputes the others; all of them if it held none); after MAX_FAILED_STEPS in a row the
+        process exits, so that the server reports the engine dead and stops (a supervisor can start
+        a new one) instead of failing every request while /health says ok."""
         try:
             outputs = self.engine.step()
-        except Exception:  # fail the requests, keep serving (the engine recomputes what was in flight)
+        except Exception:
+            self.failed_steps += 1
             text = traceback.format_exc()
+            held = {self.requests[r][0] for r in self.engine.failed_request_ids if r in self.requests}
+            keys = sorted(held) if held else list(self.keys)  # the culprit unknown: every request
             print(f"tritonllm serve: a step failed; its requests are aborted:\n{text}", file=sys.stderr, flush=True)
-            keys = list(self.keys)
             for key in keys:
                 self.abort(key)
             self.conn.send(("error", keys, text.strip().splitlines()[-1]))
+            if self.failed_steps >= MAX_FAILED_STEPS:
+                print(f"tritonllm serve: {self.failed_steps} steps in a row failed; the engine stops", file=sys.stderr,
+                      flush=True)
+                raise SystemExit(1)
             return
+        self.failed_steps = 0
         items = []
         for out in outputs:
             entry = self.requests.get(out.request_id)
