@@ -150,3 +150,13 @@ def test_a_text_prompt_for_a_model_without_a_tokenizer_is_named():
     with pytest.raises(ValueError, match=r"--prompt 'hello': this model has no tokenizer, give token ids"):
         cli.token_ids("hello")
     assert cli.token_ids(" 5 6  7 ") == [5, 6, 7]
+
+
+@pytest.mark.parametrize("args, error", [(["generate", "--prompt", "hello"], "--prompt 'hello': this model has no tokenizer"),
+                                         (["chat"], "has no tokenizer to chat with")])
+def test_a_preset_is_refused_text_before_it_is_loaded(monkeypatch, capsys, args, error):
+    """A preset has no tokenizer: text needs none of its weights to be refused (a large one takes minutes)."""
+    monkeypatch.setattr("tritonllm.LLM", lambda *a, **k: pytest.fail("the model was loaded"))
+    with pytest.raises(SystemExit) as exited:
+        cli.main([*args, "--model", "qwen3-0.6b"])
+    assert exited.value.code == 2 and error in capsys.readouterr().err

@@ -12,7 +12,8 @@ from tiny_qwen3 import hf_greedy
 
 from tritonllm import LLM, SamplingParams
 from tritonllm.sampling_params import generation_defaults
-from tritonllm.loader import build_model, load_config, load_weights
+from tritonllm.config import EngineConfig
+from tritonllm.loader import build_model, load_config, load_generation_config, load_weights
 from tritonllm.validation import check
 
 
@@ -57,6 +58,8 @@ def test_validate_normalizes_and_is_idempotent():
     p.validate()
     assert dataclasses.asdict(p) == before
     assert SamplingParams(stop_token_ids=np.array([1, 2]), seed=2**100).stop_token_ids == [1, 2]
+    assert SamplingParams(seed=-1).seed is None  # vLLM's "no seed"
+    assert [SamplingParams(temperature=t).temperature for t in (0, 1e-6, 0.005, 0.01, 0.5)] == [0, 0.01, 0.01, 0.01, 0.5]
     bias = SamplingParams(logit_bias={np.int64(3): 2, 4: np.float32(-0.5)}).logit_bias
     assert bias == {3: 2.0, 4: -0.5} and all(type(t) is int and type(b) is float for t, b in bias.items())
     assert SamplingParams(logit_bias={}).logit_bias is None
@@ -205,6 +208,17 @@ def test_an_unreadable_index_or_config_is_named(tiny_qwen3, tmp_path, text, erro
     (tmp_path / "config.json").write_text(text)
     with pytest.raises(ValueError, match="config.json is unreadable"):
         load_config(str(tmp_path))
+
+
+def test_unusable_configs_are_named(tiny_qwen3, tmp_path):
+    config = json.loads((tiny_qwen3 / "config.json").read_text())
+    (tmp_path / "model.safetensors").symlink_to(tiny_qwen3 / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 0}))
+    with pytest.raises(ValueError, match=r"max_position_embeddings=0: it must be >= 1"):
+        EngineConfig.from_options(str(tmp_path)).resolve(load_config(str(tmp_path)))
+    (tmp_path / "generation_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="generation_config.json is unreadable"):
+        load_generation_config(str(tmp_path))
 
 
 def test_generation_config_defaults_are_the_sampling_fields_it_sets():

@@ -71,15 +71,16 @@ def run_task_set(llm, params, num_problems: int) -> None:
 
 def generate(args) -> None:
     from tritonllm import LLM
+    from tritonllm.loader import has_tokenizer
 
-    params = sampling(args, default_max_tokens=8)  # bad sampling options fail before the model is loaded
+    params = sampling(args, default_max_tokens=8)  # bad options and prompts fail before the model is loaded
     if not args.prompt and Path(args.model).resolve() != BUNDLED_MODEL.resolve():
         raise ValueError("--prompt is required with a model other than the bundled one")
+    prompts = args.prompt if has_tokenizer(args.model) else [token_ids(p) for p in args.prompt or []]
     llm = LLM(args.model, **engine_options(args))
     if not args.prompt:
         run_task_set(llm, params, args.num_problems)
         return
-    prompts = args.prompt if llm.tokenizer is not None else [token_ids(p) for p in args.prompt]
     for prompt, out in zip(args.prompt, llm.generate(prompts, params, use_tqdm=False)):
         print(f"{prompt}{out.text if out.text is not None else ' ' + ' '.join(map(str, out.token_ids))}")
 
@@ -109,11 +110,12 @@ def fit_history(llm, history: list[dict], max_tokens: int) -> None:
 
 def chat(args) -> None:
     from tritonllm import LLM
+    from tritonllm.loader import has_tokenizer
 
     params = sampling(args, default_max_tokens=64)
-    llm = LLM(args.model, **engine_options(args))
-    if llm.tokenizer is None:
+    if not has_tokenizer(args.model):
         raise ValueError(f"model {args.model!r} has no tokenizer to chat with")
+    llm = LLM(args.model, **engine_options(args))
     if args.max_tokens is None:  # leave room for the prompt: 8 tokens on the bundled model's 64 positions
         params.max_tokens = min(params.max_tokens, max(1, llm.config.max_model_len // 8))
     elif args.max_tokens >= llm.config.max_model_len:  # no message could fit beside the reply

@@ -125,6 +125,9 @@ class EngineConfig:
     def resolve(self, hf_config) -> None:
         """Fill the defaults that depend on the model and check the model-dependent limits."""
         positions = max_positions(hf_config)  # YaRN stretches the model's context by its factor
+        if positions < 1:
+            raise ValueError(f"the model's config has max_position_embeddings={hf_config.max_position_embeddings}: "
+                             f"it must be >= 1")
         if self.max_model_len is None:
             self.max_model_len = positions
         if self.max_model_len > positions:

@@ -3,12 +3,13 @@
 Only safetensors are read (no pickle) and no remote code runs.
 """
 import json
+import sys
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
-from transformers import AutoConfig
+from transformers import AutoConfig, GenerationConfig
 
 from tritonllm.layers.linear import copy_weight
 from tritonllm.layers.ops import backend
@@ -24,8 +25,8 @@ def load_config(model: str):
         raise ValueError(f"model folder {model!r} has no config.json")
     try:
         config = AutoConfig.from_pretrained(model, trust_remote_code=False)
-    except (OSError, ValueError) as error:  # truncated or not JSON, an unknown model_type
-        raise ValueError(f"model folder {model!r}: config.json is unreadable: {error}") from None
+    except (OSError, ValueError, KeyError, TypeError) as error:  # not JSON, an unknown model_type, a field missing
+        raise ValueError(f"model folder {model!r}: config.json is unreadable: {error!r}") from None
     # A quantized checkpoint (Qwen3-*-FP8, AWQ, GPTQ) stores codes plus scale tensors; read as plain
     # weights it would fail on the first scale tensor, after loading gigabytes.
     quantization = getattr(config, "quantization_config", None)
@@ -35,6 +36,38 @@ def load_config(model: str):
                          f"{method!r}): tritonllm loads float32/float16/bfloat16 weights only; use the unquantized "
                          f"checkpoint")
     return config
+
+
+def load_generation_config(model: str) -> GenerationConfig | None:
+    """A checkpoint folder's generation_config.json (its sampling defaults and EOS ids), if it has one."""
+    if not Path(model, "generation_config.json").exists():
+        return None
+    try:
+        return GenerationConfig.from_pretrained(model)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"model folder {model!r}: generation_config.json is unreadable: {error!r}") from None
+
+
+def eos_token_ids(model: str, config, tokenizer, generation) -> tuple[int | None, set[int]]:
+    """The model's EOS id (the tokenizer's; None without one) and every id that ends a completion as
+    EOS: it and those of the config and generation_config (the others are stop tokens in vLLM, with
+    their id as stop_reason, and here too). Ids outside the vocabulary are never sampled: dropped."""
+    ids = set()
+    for source in (tokenizer, config, generation):
+        eos = getattr(source, "eos_token_id", None)
+        ids.update([eos] if isinstance(eos, int) else eos or [])
+    outside = sorted(i for i in ids if not 0 <= i < config.vocab_size)
+    if outside:
+        print(f"tritonllm: EOS token ids {outside} of {model!r} are outside its vocabulary [0, {config.vocab_size}): "
+              f"ignored", file=sys.stderr)
+    eos_id = getattr(tokenizer, "eos_token_id", None)
+    return (None if eos_id in outside else eos_id), ids.difference(outside)
+
+
+def has_tokenizer(model: str) -> bool:
+    """Whether a checkpoint folder carries a tokenizer (a preset has none; a name that is neither is
+    is_preset's ValueError)."""
+    return not is_preset(model) and any(Path(model, name).exists() for name in ("tokenizer.json", "tokenizer_config.json"))
 
 
 def build_model(config, dtype: torch.dtype, device: torch.device, kernels: str = "triton") -> nn.Module:

@@ -5,17 +5,20 @@ from functools import partial
 from tritonllm.kernels.logprobs import MAX_TOP_LOGPROBS
 from tritonllm.validation import as_int, check, check_field, check_list
 
+TEMPERATURE_FLOOR = 0.01  # a temperature in (0, TEMPERATURE_FLOOR) is taken as TEMPERATURE_FLOOR
+
 
 @dataclass
 class SamplingParams:
     """How to sample one request's completion; validated on construction.
 
-    temperature 0 (or any below 1e-5, vLLM's _SAMPLING_EPS) is greedy. top_k 0 (or vLLM's -1) and top_p 1 and
-    min_p 0 turn those filters off. Generation stops at max_tokens, at any EOS id of the model
+    temperature 0 is greedy; one in (0, 0.01) is taken as 0.01 (vLLM's). top_k 0 (or vLLM's -1) and top_p 1
+    and min_p 0 turn those filters off (applied in that order, as vLLM's V0 sampler: V1 applies min_p
+    first). Generation stops at max_tokens, at any EOS id of the model
     (unless ignore_eos), at stop_token_ids or at a stop string (cut from the text); none of these
     before min_tokens (EOS and the stop tokens are not drawn, their logits masked; a stop string
     counts past their text). seed makes the request's draws reproducible whatever else runs beside
-    it. logprobs returns each chosen token's log-probability under the model's raw distribution; as
+    it (None, or vLLM's -1: drawn afresh). logprobs returns each chosen token's log-probability under the model's raw distribution; as
     an int k (vLLM's form) it also sets top_logprobs = k, the k most likely tokens a step. The text
     leaves out special tokens unless skip_special_tokens is false, and the stop string, or the EOS or
     stop token's text, that ended it unless include_stop_str_in_output (vLLM's two flags).
@@ -59,6 +62,8 @@ class SamplingParams:
         runs it again when a request is added, as fields may change after construction; idempotent."""
         field = partial(check_field, self, prefix="SamplingParams.")
         field("temperature", float, lambda t: t >= 0, ">= 0 (0 = greedy)")
+        if 0 < self.temperature < TEMPERATURE_FLOOR:  # vLLM's floor: a request ported from vLLM samples the same
+            self.temperature = TEMPERATURE_FLOOR
         field("top_k", int, lambda k: k >= -1, ">= 0 (0 = off; vLLM's -1 too)")
         self.top_k = max(self.top_k, 0)
         field("top_p", float, lambda p: 0 < p <= 1, "in (0, 1] (1 = off)")
@@ -68,6 +73,8 @@ class SamplingParams:
         field("min_tokens", int, lambda n: 0 <= n <= most, f"in [0, max_tokens={self.max_tokens}]")
         field("ignore_eos", bool)
         field("seed", int, optional=True)  # any int: the engine mixes it into 62 bits
+        if self.seed == -1:  # vLLM's "no seed"
+            self.seed = None
         field("top_logprobs", int, lambda k: 0 <= k <= MAX_TOP_LOGPROBS, f"in [0, {MAX_TOP_LOGPROBS}] (0 = off)")
         top = as_int(self.logprobs)  # vLLM's logprobs=k: the chosen token's logprob and the k most likely
         if top is not None:

@@ -1,4 +1,5 @@
 """The engine end to end on the tiny checkpoint: greedy completions equal HF transformers'."""
+import shutil
 import socket
 import subprocess
 import sys
@@ -6,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from tiny_qwen3 import hf_greedy
 from transformers.models.qwen3 import Qwen3ForCausalLM as HFQwen3
 
@@ -155,6 +157,24 @@ def test_a_worker_killed_during_generate_is_an_error(tiny_qwen3):
             pass
     llm.close()
     assert not torch.distributed.is_initialized()
+
+
+@two_ranks
+def test_a_tensor_parallel_llm_that_fails_to_load_leaves_no_process_group(tiny_qwen3, tmp_path, expected):
+    """A load error on the ranks (here a missing tensor) kills the workers and closes the group made
+    for them: the next LLM, of one rank or two, starts clean (it used to find the dead group)."""
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_qwen3, broken)
+    weights = load_file(broken / "model.safetensors")
+    del weights["model.layers.1.self_attn.q_proj.weight"]
+    save_file(weights, broken / "model.safetensors")
+    with pytest.raises(ValueError, match="lacks 1 weights"):
+        LLM(str(broken), **SMALL, tensor_parallel_size=2, num_kv_blocks=64)
+    assert not torch.distributed.is_initialized()
+    with LLM(str(tiny_qwen3), **SMALL, num_kv_blocks=64) as llm:
+        assert completions(llm) == expected[1]
+    with LLM(str(tiny_qwen3), **SMALL, tensor_parallel_size=2, num_kv_blocks=64) as llm:
+        assert completions(llm) == expected[1]
 
 
 def test_a_closed_llm_says_so(tiny_qwen3):

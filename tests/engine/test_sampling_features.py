@@ -6,6 +6,7 @@ from tiny_qwen3 import hf_greedy
 
 from tritonllm import LLM, SamplingParams
 from tritonllm.engine.penalties import add_logit_bias
+from tritonllm.engine.sequence import Sequence, SequenceStatus
 from tritonllm.kernels import reference
 
 NUM_BLOCKS = 32
@@ -293,3 +294,16 @@ def test_every_drawn_token_is_one_the_filters_allow(llm, hf, filters):
     unfiltered = llm.generate([PROMPT], SamplingParams(**base), use_tqdm=False)
     assert allowed_misses(unfiltered, filtered) > 0  # so the check above can fail
     assert_clean(llm)
+
+
+def test_penalties_are_applied_in_float32(llm):
+    """vLLM penalizes float32 logits: in bf16 a presence penalty of 0.1 at a logit of 20 rounds
+    away (20 - 0.1 is 19.875 in bf16), and greedy picks the wrong token of a near tie."""
+    seq = Sequence([5, 6, 7], SamplingParams(temperature=0, presence_penalty=0.1), block_size=16)
+    seq.token_ids.append(1)  # token 1 generated once
+    seq.status = SequenceStatus.RUNNING
+    logits = torch.full((1, llm.hf_config.vocab_size), -10.0, dtype=torch.bfloat16)
+    logits[0, 0], logits[0, 1] = 19.875, 20.0
+    ids = llm.runner.sample(logits.to(llm.runner.device), [seq], [0], []).result()[0]
+    seq.status = SequenceStatus.FINISHED  # its penalty row is free for the next test
+    assert ids == [1]  # 19.9 > 19.875

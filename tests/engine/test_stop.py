@@ -253,6 +253,23 @@ def test_eos_ids_are_the_tokenizers_and_the_configs(tiny_qwen3, tmp_path):
         assert (llm.tokenizer, llm.eos_id, llm.eos_ids) == (None, None, {im_end})
 
 
+def test_eos_ids_outside_the_vocabulary_are_ignored(tiny_qwen3, tmp_path, capsys):
+    """A config naming EOS ids past the vocabulary (transformers only warns): they can never be
+    sampled, so they end nothing; min_tokens, which bans the EOS ids, used to index past the logits."""
+    path = tmp_path / "model"
+    shutil.copytree(tiny_qwen3, path)
+    config = json.loads((path / "config.json").read_text())
+    vocab, im_end = config["vocab_size"], config["eos_token_id"]
+    (path / "config.json").write_text(json.dumps({**config, "eos_token_id": [im_end, vocab + 7, -1]}))
+    (path / "generation_config.json").unlink()
+    with LLM(str(path), num_kv_blocks=8) as llm:
+        assert f"EOS token ids [-1, {vocab + 7}]" in capsys.readouterr().err
+        assert im_end in llm.eos_ids and all(0 <= i < vocab for i in llm.eos_ids)
+        params = SamplingParams(temperature=0, max_tokens=4, min_tokens=3, logit_bias={im_end: 100})
+        out = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0]
+        assert len(out.token_ids) == 4 and out.token_ids[3] == im_end and out.finish_reason == "stop"
+
+
 def test_special_tokens_and_the_eos_text_as_asked():
     """The bundled model ends an answer with its EOS, <|im_end|>, a special token: vLLM shows its text
     only with skip_special_tokens=False and include_stop_str_in_output=True."""

@@ -12,25 +12,24 @@ import time
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, GenerationConfig
+from transformers import AutoTokenizer
 
 from tritonllm.config import EngineConfig
-from tritonllm.distributed import dp_group, free_port
+from tritonllm.distributed import close_distributed, dp_group, free_port
 from tritonllm.engine.block_manager import BlockManager
 from tritonllm.engine.model_runner import ModelRunner, SampledTokens
 from tritonllm.engine.output import RequestOutput
 from tritonllm.engine.prompt_logprobs import PromptSpan, add_prompt_logprobs, prompt_logprob_spans
 from tritonllm.engine.ranks import check_ranks, shut_down, start_ranks
-from tritonllm.engine.requests import Request, Sample, check_for_model, make_request, step_output, text_token_ids
+from tritonllm.engine.requests import (Request, Sample, check_for_model, encode_prompt, finish_reason, make_request,
+                                      step_output)
 from tritonllm.engine.scheduler import ScheduledBatch, Scheduler
 from tritonllm.engine.sequence import Sequence, SequenceStatus
 from tritonllm.engine.step_inputs import build_step_inputs
-from tritonllm.loader import load_config
+from tritonllm.loader import eos_token_ids, has_tokenizer, load_config, load_generation_config
 from tritonllm.sampling_params import SamplingParams, generation_defaults
-from tritonllm.validation import as_int, check_known_characters
 
 
 @dataclass
@@ -55,14 +54,14 @@ class LLMEngine:
         self.hf_config = hf_config = load_config(config.model)
         config.resolve(hf_config)
         self.tokenizer = None
-        if Path(config.model).is_dir() and any((Path(config.model) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+        if has_tokenizer(config.model):
             self.tokenizer = AutoTokenizer.from_pretrained(config.model, trust_remote_code=False)
-        generation = (GenerationConfig.from_pretrained(config.model)
-                      if Path(config.model, "generation_config.json").exists() else None)
-        self.eos_id, self.eos_ids = self._eos_ids(generation)
+        generation = load_generation_config(config.model)
+        self.eos_id, self.eos_ids = eos_token_ids(config.model, hf_config, self.tokenizer, generation)
         self.sampling_defaults = generation_defaults(generation)  # for requests without SamplingParams
         self._workers = []
         rank, init_method = int(os.environ.get("RANK", 0)), None
+        had_group = torch.distributed.is_initialized()
         try:
             if world_size > 1 and "RANK" not in os.environ:
                 port = free_port()
@@ -72,6 +71,8 @@ class LLMEngine:
         except BaseException:  # the workers would wait for rank 0 forever
             for process in self._workers:
                 process.kill()
+            if self._workers and not had_group:  # the group made for them: a later LLM makes its own
+                close_distributed(peers_alive=False)
             raise
         if self.runner.rank > 0:  # a spawned or torchrun worker: serve its replica's rank 0 until it shuts down
             self.runner.worker_loop()
@@ -100,42 +101,13 @@ class LLMEngine:
         self._finalizer = weakref.finalize(self, shut_down, self.runner, self._workers,
                                            self.dp_rank == 0 and self.dp_size > 1)
 
-    def _eos_ids(self, generation) -> tuple[int | None, set[int]]:
-        """The model's EOS id (the tokenizer's; None without one) and every id that ends a completion
-        as EOS: it and those of the config and generation_config (the others are stop tokens in
-        vLLM, with their id as stop_reason, and here too)."""
-        ids = set()
-        for source in (self.tokenizer, self.hf_config, generation):
-            eos = getattr(source, "eos_token_id", None)
-            ids.update([eos] if isinstance(eos, int) else eos or [])
-        return getattr(self.tokenizer, "eos_token_id", None), ids
-
     # ---- requests
 
     def encode(self, prompt, add_special_tokens: bool = True) -> list[int]:
         """A prompt (a string, or a sequence of token ids) as checked token ids; a string gets the
         tokenizer's special tokens (a BOS, for tokenizers that add one) unless add_special_tokens
         is false."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: give prompts as lists of token ids")
-            token_ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-            check_known_characters(self.tokenizer, prompt, token_ids)
-        else:
-            try:
-                token_ids = [as_int(t) for t in prompt]
-            except TypeError:  # not a sequence at all
-                token_ids = [None]
-            if None in token_ids:
-                raise TypeError("a prompt must be a string or a sequence of int token ids, got "
-                                f"{type(prompt).__name__} {prompt!r:.60}")
-        if not token_ids:
-            raise ValueError("prompt is empty: give at least one token")
-        vocab = self.hf_config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
-        return token_ids
+        return encode_prompt(prompt, self.tokenizer, self.hf_config.vocab_size, add_special_tokens)
 
     def add_request(self, prompt, params: SamplingParams | None = None, stream: bool = True) -> int:
         """Queue a prompt (a string or token ids) for params.n samples; returns its request id.
@@ -349,7 +321,7 @@ class LLMEngine:
                 if params.top_logprobs:
                     seq.top_logprobs.append(dict(zip(top[1][row][:params.top_logprobs], top[0][row][:params.top_logprobs])))
                 self.block_manager.register_computed_blocks(seq)
-                reason = self._finish_reason(sample)
+                reason = finish_reason(sample, self.eos_ids, self.eos_id)
                 output = (step_output(request, sample, reason is not None, self.tokenizer)
                           if reason is not None or request.stream else None)
             except BaseException:
@@ -360,26 +332,6 @@ class LLMEngine:
                 self._finish(request, sample, reason)
             if output is not None:
                 outputs.append(output)
-
-    def _finish_reason(self, sample: Sample) -> str | None:
-        """Whether the sample's last token finishes it (EOS or a stop token, a stop string, max_tokens),
-        and why; sets what the final output reports with it."""
-        seq, params = sample.seq, sample.seq.params
-        num_completion, token = seq.num_known_completion_tokens, seq.token_ids[-1]
-        is_eos = not params.ignore_eos and token in self.eos_ids
-        by_token = num_completion > params.min_tokens and (is_eos or token in params.stop_token_ids)
-        reason = "stop" if by_token else None
-        if by_token and not (is_eos and token == self.eos_id):  # vLLM checks the model's EOS first
-            seq.stop_reason = token
-        sample.stopped_by_token = by_token
-        last = by_token or num_completion >= params.max_tokens
-        matched = sample.text.update(text_token_ids(sample), final=last) if sample.text is not None else None
-        if matched is not None:
-            reason, seq.stop_reason = "stop", matched
-        if reason is None and last:
-            reason = "length"
-        seq.finish_reason = reason
-        return reason
 
     def _finish(self, request: Request, sample: Sample, reason: str) -> None:
         """A sample done with its last token: its blocks freed, its request forgotten with its last sample."""

@@ -276,10 +276,11 @@ class ModelRunner:
             top_k, seeds = (50 * ones).to(torch.int32), ones.to(torch.int64)
             ids = self.ops.sample(logits, ones, top_k, 0.9 * ones, 0.05 * ones, seeds)
             self.ops.compute_logprobs(logits, ids)
-            # The penalties and top logprobs, with the argument dtypes sample() passes.
+            # The penalties (on float32 logits) and top logprobs, with the argument dtypes sample()
+            # passes; sampling from float32 logits compiles on a bucket's first such step.
             counts = torch.zeros(1, vocab, dtype=torch.int32, device=self.device)
             mask = torch.zeros(1, vocab, dtype=torch.uint8, device=self.device)
-            self.ops.apply_penalties(logits, counts, mask, 0 * seeds, ones, ones, ones)
+            self.ops.apply_penalties(logits.float(), counts, mask, 0 * seeds, ones, ones, ones)
             self.ops.count_tokens(counts, 0 * seeds, ids)
             self.ops.count_tokens(mask, 0 * seeds, ids)
             self.ops.compute_top_logprobs(logits, min(20, vocab))
@@ -289,8 +290,9 @@ class ModelRunner:
     def sample(self, logits: torch.Tensor, seqs: list[Sequence], seeds: list[int],
                bans: list[tuple[int, int]]) -> "SampledTokens":
         """Sample each row (no host sync); the ids and, when asked, logprobs head to the host.
-        Each row's logit_bias is added first (add_logit_bias), then the penalties, when a row has
-        some; the (row, token) pairs of `bans` are never drawn; logprobs are of the raw logits."""
+        Each row's logit_bias is added first (add_logit_bias), then the penalties (both on a float32
+        copy of the logits), when a row has some; the (row, token) pairs of `bans` are never drawn;
+        logprobs are of the raw logits."""
         params = [seq.params for seq in seqs]
         vocab = self.hf_config.vocab_size
         rows = self.penalties.rows(seqs)
@@ -305,7 +307,9 @@ class ModelRunner:
         biased = add_logit_bias(logits, seqs, self._to_device)
         if biased is not None:
             logits = biased
-        elif wants_logprobs and (rows is not None or bans):
+        elif rows is not None:  # penalties in float32 (vLLM's): bf16 would round small ones away
+            logits = logits.to(torch.float32, copy=True)
+        elif wants_logprobs and bans:
             logits = logits.clone()
         if bans:
             logits[tuple(self._to_device(torch.tensor(bans).T.contiguous()))] = float("-inf")

@@ -7,6 +7,7 @@ import xxhash
 from tritonllm.engine.output import GenerationOutput, IncrementalText, RequestOutput
 from tritonllm.engine.sequence import Sequence
 from tritonllm.sampling_params import SamplingParams
+from tritonllm.validation import as_int, check_known_characters
 
 
 @dataclass
@@ -45,6 +46,29 @@ class Request:
     @property
     def unqueued(self) -> list[Sample]:
         return self.samples[self.num_queued:]
+
+
+def encode_prompt(prompt, tokenizer, vocab: int, add_special_tokens: bool = True) -> list[int]:
+    """A prompt (a string, or a sequence of token ids) as checked token ids (LLMEngine.encode)."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer: give prompts as lists of token ids")
+        token_ids = tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        check_known_characters(tokenizer, prompt, token_ids)
+    else:
+        try:
+            token_ids = [as_int(t) for t in prompt]
+        except TypeError:  # not a sequence at all
+            token_ids = [None]
+        if None in token_ids:
+            raise TypeError("a prompt must be a string or a sequence of int token ids, got "
+                            f"{type(prompt).__name__} {prompt!r:.60}")
+    if not token_ids:
+        raise ValueError("prompt is empty: give at least one token")
+    bad = [t for t in token_ids if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
+    return token_ids
 
 
 def check_for_model(params: SamplingParams, tokenizer, vocab: int, eos_ids: set[int]) -> None:
@@ -106,6 +130,27 @@ def prompt_scores(request: Request) -> tuple[list | None, list | None, list | No
         return NO_SCORES
     top = [None] + seq.prompt_top_logprobs if seq.params.prompt_logprobs else None
     return [None] + seq.prompt_logprobs, top, [None] + seq.prompt_ranks
+
+
+def finish_reason(sample: Sample, eos_ids: set[int], eos_id: int | None) -> str | None:
+    """Whether the sample's last token finishes it (EOS or a stop token, a stop string, max_tokens),
+    and why; sets what the final output reports with it (the model's EOS `eos_id` is no stop_reason)."""
+    seq, params = sample.seq, sample.seq.params
+    num_completion, token = seq.num_known_completion_tokens, seq.token_ids[-1]
+    is_eos = not params.ignore_eos and token in eos_ids
+    by_token = num_completion > params.min_tokens and (is_eos or token in params.stop_token_ids)
+    reason = "stop" if by_token else None
+    if by_token and not (is_eos and token == eos_id):  # vLLM checks the model's EOS first
+        seq.stop_reason = token
+    sample.stopped_by_token = by_token
+    last = by_token or num_completion >= params.max_tokens
+    matched = sample.text.update(text_token_ids(sample), final=last) if sample.text is not None else None
+    if matched is not None:
+        reason, seq.stop_reason = "stop", matched
+    if reason is None and last:
+        reason = "length"
+    seq.finish_reason = reason
+    return reason
 
 
 def final_output(sample: Sample, tokenizer, prompt: tuple) -> GenerationOutput:
