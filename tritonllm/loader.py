@@ -67,7 +67,8 @@ def eos_token_ids(model: str, config, tokenizer, generation) -> tuple[int | None
 def has_tokenizer(model: str) -> bool:
     """Whether a checkpoint folder carries a tokenizer (a preset has none; a name that is neither is
     is_preset's ValueError)."""
-    return not is_preset(model) and any(Path(model, name).exists() for name in ("tokenizer.json", "tokenizer_config.json"))
+    names = ("tokenizer.json", "tokenizer_config.json")
+    return not is_preset(model) and any(Path(model, name).exists() for name in names)
 
 
 def build_model(config, dtype: torch.dtype, device: torch.device, kernels: str = "triton") -> nn.Module:

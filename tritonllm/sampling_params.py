@@ -12,23 +12,22 @@ TEMPERATURE_FLOOR = 0.01  # a temperature in (0, TEMPERATURE_FLOOR) is taken as 
 class SamplingParams:
     """How to sample one request's completion; validated on construction.
 
-    temperature 0 is greedy; one in (0, 0.01) is taken as 0.01 (vLLM's). top_k 0 (or vLLM's -1) and top_p 1
-    and min_p 0 turn those filters off (applied in that order, as vLLM's V0 sampler: V1 applies min_p
-    first). Generation stops at max_tokens, at any EOS id of the model
-    (unless ignore_eos), at stop_token_ids or at a stop string (cut from the text); none of these
-    before min_tokens (EOS and the stop tokens are not drawn, their logits masked; a stop string
-    counts past their text). seed makes the request's draws reproducible whatever else runs beside
-    it (None, or vLLM's -1: drawn afresh). logprobs returns each chosen token's log-probability under the model's raw distribution; as
-    an int k (vLLM's form) it also sets top_logprobs = k, the k most likely tokens a step. The text
-    leaves out special tokens unless skip_special_tokens is false, and the stop string, or the EOS or
-    stop token's text, that ended it unless include_stop_str_in_output (vLLM's two flags).
-    logit_bias (OpenAI's) adds a bias in [-100, 100] to a token id's logit before the penalties and
-    every filter (logprobs stay those of the raw distribution); allowed_token_ids (vLLM's) are the
-    only tokens that may be drawn (the others' logits -inf; logprobs again raw). prompt_logprobs k
-    (vLLM's) returns each prompt token's log-probability given the tokens before it and its rank
-    there (none for the first), and with k > 0 the k likeliest tokens at each prompt position; such a
-    prompt is computed in full, never served from the prefix cache. truncate_prompt_tokens k (vLLM's)
-    keeps a prompt's last k tokens (-1: as many as max_model_len).
+    temperature 0 is greedy; one in (0, 0.01) is taken as 0.01 (vLLM's). top_k 0 (or vLLM's -1) and top_p 1 and
+    min_p 0 turn those filters off (applied in that order, as vLLM's V0 sampler: V1 applies min_p first).
+    Generation stops at max_tokens, at any EOS id of the model (unless ignore_eos), at stop_token_ids or at a
+    stop string (cut from the text); none of these before min_tokens (EOS and the stop tokens are not drawn,
+    their logits masked; a stop string counts past their text). seed makes the request's draws reproducible
+    whatever else runs beside it (None, or vLLM's -1: drawn afresh). logprobs returns each chosen token's
+    log-probability under the model's raw distribution; as an int k (vLLM's form) it also sets top_logprobs = k,
+    the k most likely tokens a step. The text leaves out special tokens unless skip_special_tokens is false, and
+    the stop string, or the EOS or stop token's text, that ended it unless include_stop_str_in_output (vLLM's
+    two flags). logit_bias (OpenAI's) adds a bias in [-100, 100] to a token id's logit before the penalties and
+    every filter (logprobs stay those of the raw distribution); allowed_token_ids (vLLM's) are the only tokens
+    that may be drawn (the others' logits -inf; logprobs again raw). prompt_logprobs k (vLLM's) returns each
+    prompt token's log-probability given the tokens before it and its rank there (none for the first), and with
+    k > 0 the k likeliest tokens at each prompt position; such a prompt is computed in full, never served from
+    the prefix cache. truncate_prompt_tokens k (vLLM's) keeps a prompt's last k tokens (-1: as many as
+    max_model_len).
     """
 
     temperature: float = 1.0
