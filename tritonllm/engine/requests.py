@@ -82,7 +82,7 @@ def check_for_model(params: SamplingParams, tokenizer, vocab: int, eos_ids: set[
             raise ValueError(f"SamplingParams.{name} has token id {max(ids)}: must be in [0, {vocab})")
     if not params.min_tokens:
         return
-    never_drawn = {t for t in eos_ids | set(params.stop_token_ids) if t < vocab}
+    never_drawn = eos_ids | set(params.stop_token_ids)  # both in [0, vocab): checked above, eos_token_ids
     if params.allowed_token_ids and set(params.allowed_token_ids) <= never_drawn:
         raise ValueError(f"SamplingParams.allowed_token_ids={params.allowed_token_ids} holds only EOS and stop tokens, "
                          f"which min_tokens={params.min_tokens} keeps from being drawn")
