@@ -134,3 +134,28 @@ def test_cached_tokens_are_the_first_allocations_prompt_hits():
 def _allocated(manager, s):
     manager.allocate(s)
     return s
+
+
+def test_can_allocate_counts_held_prefix_hits_as_free():
+    """A prefix hit on a block another sequence holds takes nothing from the free list; a hit on a
+    freed (still cached) block takes that block from it, so it counts as needed."""
+    manager = BlockManager(6, BS)
+    holder = _allocated(manager, seq(list(range(13))))  # 4 blocks, 3 of them full
+    compute(manager, holder)
+    sibling = seq(list(range(12)) + [50])  # 4 blocks, the first 3 hits
+    assert manager.num_free_blocks == 2 and manager.can_allocate(sibling)
+    manager.allocate(sibling)
+    assert sibling.block_table[:3] == holder.block_table[:3] and manager.num_free_blocks == 1
+    assert not manager.can_allocate(seq(list(range(12)) + [51, 52, 53, 54, 55]))  # 3 hits + 2 fresh blocks
+
+    manager = BlockManager(5, BS)
+    finished = _allocated(manager, seq(list(range(13))))
+    compute(manager, finished)
+    manager.deallocate(finished)  # its 3 full blocks stay cached, last in the LRU order
+    _allocated(manager, seq(list(range(90, 98))))  # 2 fresh blocks: the unused one and finished's tail
+    assert manager.num_free_blocks == 3
+    assert not manager.can_allocate(seq(list(range(12)) + [50]))  # 3 cached hits + 1 fresh block
+    fits = seq(list(range(12)))  # 2 cached hits + 1 fresh block
+    assert manager.can_allocate(fits)
+    manager.allocate(fits)
+    assert fits.num_cached_tokens == 8 and manager.num_free_blocks == 0

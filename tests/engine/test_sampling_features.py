@@ -137,6 +137,28 @@ def test_abort_of_an_n_request_aborts_every_sample_and_frees_all_blocks(llm, ste
     assert llm.stats()["num_waiting_seqs"] == 0
 
 
+def test_samples_share_the_prompt_blocks_in_a_tight_cache(tiny_qwen3):
+    """5 blocks hold one sample's 3 but not two samples' 6: sample 1 hits the 2 full prompt blocks
+    sample 0 holds and takes one more, so the two decode together instead of one after the other."""
+    prompt = list(range(40, 80))  # 40 tokens; with 8 new ones a sample fills 3 blocks of 16
+    small = LLM(str(tiny_qwen3), max_num_seqs=4, num_kv_blocks=5)
+    request = small.add_request(prompt, greedy(n=2, max_tokens=8))
+    first_token, finished, outputs, step = {}, {}, {}, 0
+    while small.has_unfinished():
+        step += 1
+        for out in small.step():
+            assert out.request_id == request
+            if out.new_token_ids:
+                first_token.setdefault(out.index, step)
+            if out.finished:
+                finished[out.index], outputs[out.index] = step, out.output
+    assert first_token[1] < finished[0]
+    assert [outputs[i].num_cached_tokens for i in (0, 1)] == [0, 32]
+    assert [outputs[i].token_ids for i in (0, 1)] == [hf_greedy(tiny_qwen3, prompt, 8)] * 2
+    assert small.block_manager.num_free_blocks == 5 and small.scheduler.num_preemptions == 0
+    small.close()
+
+
 def test_n_samples_under_preemption(tiny_qwen3):
     # A 14-token prompt takes a block of 16; at its 17th token each sample needs a second one, and
     # 4 blocks do not give three samples two each.

@@ -59,31 +59,44 @@ class BlockManager:
             return None, h
         return self.blocks[block_id], h
 
-    def can_allocate(self, seq: Sequence) -> bool:
-        return self.num_free_blocks >= seq.num_blocks
-
-    def allocate(self, seq: Sequence) -> None:
-        """Give seq blocks for all its tokens, reusing cached full blocks of its prefix.
+    def _prefix_hits(self, seq: Sequence) -> list[Block]:
+        """The cached blocks allocate(seq) reuses: its longest chain of full prefix blocks in the cache.
 
         The block holding the last token is never taken from the cache, so at least one token
         is computed (a full prefix hit recomputes its last block). A prompt whose logprobs are still
         to be scored reuses none: each position's logits are computed.
         """
-        assert not seq.block_table
-        parent, hits = -1, 0
+        hits, parent = [], -1
         for i in range(0 if seq.needs_prompt_logprobs else (len(seq) - 1) // self.block_size):
             block, parent = self._cached_block(seq, i, parent)
             if block is None:
                 break
+            hits.append(block)
+        return hits
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        """Whether the free list holds seq's blocks. A prefix hit on a block that running sequences
+        hold takes none from it (the siblings of an n > 1 request, a shared system prompt), so in a
+        tight cache the prefix is walked: otherwise such a request waits until the holder finishes
+        and often finds the prefix evicted by then."""
+        if self.num_free_blocks >= seq.num_blocks:
+            return True
+        held = sum(block.ref_count > 0 for block in self._prefix_hits(seq))
+        return self.num_free_blocks >= seq.num_blocks - held
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give seq blocks for all its tokens, reusing cached full blocks of its prefix (_prefix_hits)."""
+        assert not seq.block_table
+        hits = self._prefix_hits(seq)
+        for block in hits:
             if block.ref_count == 0:
                 self.free.pop(block.block_id)
             block.ref_count += 1
             seq.block_table.append(block.block_id)
-            hits += 1
-        for _ in range(hits, seq.num_blocks):
+        for _ in range(len(hits), seq.num_blocks):
             seq.block_table.append(self._fresh_block().block_id)
-        seq.num_computed_tokens = hits * self.block_size
-        seq.num_hashed_blocks = hits
+        seq.num_computed_tokens = len(hits) * self.block_size
+        seq.num_hashed_blocks = len(hits)
         if seq.num_cached_tokens is None:  # the first allocation; a preempted one's later hits are its own blocks
             seq.num_cached_tokens = seq.num_computed_tokens
 
