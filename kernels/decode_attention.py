@@ -20,13 +20,13 @@ import triton.language as tl
 
 from tritonllm.kernels import tuning
 from tritonllm.kernels.fp8 import block_scale_offsets, fp8_dot_operand, from_e4m3, scale_strides
-from tritonllm.kernels.paged import (LOG2E, _key_blocks, _key_major_keys, _load_scales, _relative_v_scales,
+from tritonllm.kernels.paged import (LOG2E, MAX_GRID_YZ, _key_blocks, _key_major_keys, _load_scales, _relative_v_scales,
                                     cache_bucket, check_paged_inputs, dot_precision)
 
 PROGRAMS_PER_SM = 3  # resident programs per SM that hide memory latency without extra splits
 FP8_PROGRAMS_PER_SM = 6  # one-warp programs over an e4m3 cache: twice as many an SM keep bytes in flight
 ONE_WARP_MAX_BATCH = 8  # up to this many rows the bf16 tuning space also holds one-warp tiles
-MAX_BATCH = 65535  # sequences are the grid's third dimension, which CUDA caps there
+MAX_BATCH = MAX_GRID_YZ  # sequences are the grid's third dimension
 MERGE_BLOCK_D = 64  # head-dim columns a merge program takes
 
 

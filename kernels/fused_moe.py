@@ -269,9 +269,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     check_dtype("topk_ids", topk_ids, INDICES)
     if not x.dtype == w13.dtype == w2.dtype:
         raise ValueError(f"x, w13 and w2 must share a dtype, got {x.dtype}, {w13.dtype}, {w2.dtype}")
-    top_k = topk_ids.shape[-1]
-    if topk_ids.shape != (num_tokens, top_k) or topk_weights.shape != topk_ids.shape:
-        raise ValueError(f"topk_weights and topk_ids must be [T = {num_tokens}, k], got "
+    top_k = topk_ids.shape[-1] if topk_ids.dim() else 0
+    if top_k < 1 or topk_ids.shape != (num_tokens, top_k) or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_weights and topk_ids must be [T = {num_tokens}, k >= 1], got "
                          f"{tuple(topk_weights.shape)}, {tuple(topk_ids.shape)}")
     if topk_weights.dtype != torch.float32 or not (topk_weights.is_contiguous() and topk_ids.is_contiguous()):
         raise ValueError("topk_weights must be float32, and both routing tensors contiguous")

@@ -272,6 +272,8 @@ def gather_kv_blocks(k_cache, v_cache, blocks, dtype, *, k_scale=None, v_scale=N
     if k_cache.dim() != 4:
         raise ValueError(f"k_cache must be [num_blocks, block_size, Hkv, D], got shape {tuple(k_cache.shape)}")
     _, block_size, num_heads, head_dim = k_cache.shape
+    if block_size < 1 or block_size & (block_size - 1):  # a copy is cut into runs of tokens that divide the block
+        raise ValueError(f"k_cache block_size must be a power of two, got {block_size}")
     key_major = check_store_caches(k_cache, v_cache, num_heads, head_dim)
     fp8 = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
     if out is None:

@@ -58,7 +58,7 @@ def rms_norm_bucket(dtype: torch.dtype, n_cols: int, n_rows: int) -> tuple:
 
 def _norm(tunable, x, residual, weight, y, h, eps):
     n_rows, n_cols = x.shape
-    if n_rows == 0:
+    if n_rows == 0 or n_cols == 0:
         return
     block_n = triton.next_power_of_2(n_cols)
     has_residual = residual is not None
@@ -78,6 +78,8 @@ def _norm(tunable, x, residual, weight, y, h, eps):
 
 
 def _check(x, weight):
+    if x.dim() == 0:
+        raise ValueError("x must be [..., N], got a 0-d tensor")
     check_dtype("x", x, FLOATS)
     check_rows(x.shape[-1], FLOATS, weight=weight)  # the kernel reads weight[n] at weight_ptr + n
 
@@ -86,7 +88,7 @@ def _rows_in_place(name: str, t: torch.Tensor) -> torch.Tensor:
     """t [..., N] as a [rows, N] view, which the kernel writes in place: ValueError naming `name`
     unless its rows are contiguous and evenly spaced (no copy could be written back)."""
     try:
-        rows = t.view(-1, t.shape[-1])
+        rows = t.view(t.shape[:-1].numel(), t.shape[-1])
     except RuntimeError:
         rows = None
     if rows is None or (t.shape[-1] > 1 and rows.stride(1) != 1):
@@ -104,7 +106,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
     _check(x, weight)
     if out is not None and (out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous()):
         raise ValueError(f"out must be a contiguous {tuple(x.shape)} {x.dtype}, got {tuple(out.shape)} {out.dtype}")
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x.reshape(x.shape[:-1].numel(), x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     y = torch.empty_like(x2) if out is None else out.view(x2.shape)

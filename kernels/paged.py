@@ -24,6 +24,7 @@ from tritonllm.kernels.fp8 import block_scale_offsets, check_kv_scales, from_e4m
 from tritonllm.kernels.kv_cache import check_cache_layouts
 
 LOG2E = 1.4426950408889634
+MAX_GRID_YZ = 65535  # CUDA caps a grid's second and third dimensions here
 
 
 @triton.jit

@@ -25,7 +25,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from tritonllm.kernels import tuning
 from tritonllm.kernels.checks import check_rows
 from tritonllm.kernels.fp8 import fp8_dot_operand, scale_strides
-from tritonllm.kernels.paged import LOG2E, _attend_tile, cache_bucket, check_paged_inputs, dot_precision
+from tritonllm.kernels.paged import LOG2E, MAX_GRID_YZ, _attend_tile, cache_bucket, check_paged_inputs, dot_precision
 from tritonllm.kernels.prefill_attention_hopper import HOPPER_TUNABLE, prefill_attention_hopper, supports
 
 PATHS = ("auto", "portable", "hopper")
@@ -187,14 +187,14 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
     head-major (kernels/fp8.empty_kv_scales), the scale of each stored row (its value is
     cache_row.float() * scale); the new tokens' K/V already stored; block_size a power of two; D a
     power of two >= 16; Hq a multiple of Hkv.
-    cu_seqlens_q: [B + 1] int32, sequence b owns q rows cu[b] .. cu[b+1] - 1.
+    cu_seqlens_q: [B + 1] int32, sequence b owns q rows cu[b] .. cu[b+1] - 1; B <= 65535.
     seq_lens: [B] int32, cached plus new tokens. block_tables: [B, max_blocks] int32, physical
     block of each logical block; entries past a sequence's length are never read.
     Query i of sequence b sits at position seq_lens[b] - q_len_b + i and attends to every key at
     or before it. scale defaults to D ** -0.5; math in float32.
 
-    max_q_len: at least the longest query (it sizes the grid; a larger value only adds programs
-    that exit at once); if None, one `.max().item()` reads it (a host sync: prefill is not
+    max_q_len: at least the longest query (it sizes the grid, capped at T; a larger value only adds
+    programs that exit at once); if None, one `.max().item()` reads it (a host sync: prefill is not
     graph-captured). out: optional [T, Hq, D] output buffer written in
     place. config: launch config overriding the tuned/default one (tests, benchmarks).
     path: "hopper" runs the warp-specialized Gluon kernel (kernels/prefill_attention_hopper.py; an
@@ -213,13 +213,16 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
                          "block_size >= 16 and Hq / Hkv <= 64")
     batch = seq_lens.shape[0]
     check_rows(batch + 1, (torch.int32,), cu_seqlens_q=cu_seqlens_q)
+    if batch > MAX_GRID_YZ:
+        raise ValueError(f"seq_lens holds {batch} sequences, at most {MAX_GRID_YZ} (the grid's second dimension)")
     out = torch.empty_like(q) if out is None else out
-    if batch == 0 or q.shape[0] == 0:
+    if batch == 0 or q.shape[0] == 0 or q.shape[1] == 0:
         return out
     if max_q_len is None:
         max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())
     if max_q_len <= 0:
         return out
+    max_q_len = min(max_q_len, q.shape[0])  # no query is longer than all of them: a loose bound adds no programs
     hopper = applies and (path == "hopper" or enough_work_for_hopper(q.shape[0], max_q_len))
     head_dim = q.shape[2]
     num_kv_heads = k_cache.shape[2]
@@ -229,6 +232,9 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
         cfg = dict(cfg)
         block_q = cfg["BLOCK_M"] // group
         grid = (num_kv_heads, batch, triton.cdiv(max_q_len, block_q))
+        if grid[2] > MAX_GRID_YZ:
+            raise ValueError(f"a query of max_q_len {max_q_len} tokens needs {grid[2]} tiles of {block_q}, more than "
+                             f"the grid's {MAX_GRID_YZ}: give the query in chunks or a config with a larger BLOCK_M")
         descriptors = _cache_descriptors(k_cache, v_cache, cfg["BLOCK_N"], v_key_major)
         _prefill_attention_kernel[grid](
             q, *(descriptors or (k_cache, v_cache)), k_scale, v_scale, out, cu_seqlens_q, seq_lens, block_tables,

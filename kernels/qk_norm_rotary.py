@@ -284,8 +284,8 @@ def qk_norm_rotary_store(positions, qkv, q_weight, k_weight, eps, cos_sin_cache,
     """Qwen3's attention prologue on the packed QKV GEMM output, in one launch; returns q [T, Hq, D].
 
     qkv [T, (Hq + 2*Hkv) * D] float32/float16/bfloat16: per token the Hq q heads, then the Hkv k
-    heads, then the Hkv v heads; any row stride, last dim contiguous. q_weight, k_weight [D] (any
-    float dtype); eps float; positions [T] int32/int64; cos_sin_cache [max_pos, D] float32 (cos in
+    heads, then the Hkv v heads; any row stride, last dim contiguous. q_weight, k_weight [D] contiguous
+    float32/float16/bfloat16; eps float; positions [T] int32/int64; cos_sin_cache [max_pos, D] float32 (cos in
     [:, :D/2], sin in [:, D/2:], rows contiguous); k_cache, v_cache [num_blocks, block_size, Hkv, D]
     (k_cache contiguous, v_cache contiguous or key-major: kernels/kv_cache.py); slot_mapping [T] int32/int64 (slot = block * block_size + offset); num_heads = Hq,
     num_kv_heads = Hkv. D even (a power of two, 64 or 128, for Qwen3).

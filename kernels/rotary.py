@@ -62,7 +62,12 @@ def rotary_embedding(positions, q, k, cos_sin_cache):
     [:, D/2:]. q and k may be strided views (of a packed qkv tensor) with a contiguous last dim;
     the math is float32 with one rounding to q's dtype.
     """
+    for name, t, dims in (("q", q, 3), ("k", k, 3), ("cos_sin_cache", cos_sin_cache, 2)):
+        if t.dim() != dims:
+            raise ValueError(f"{name} must have {dims} dimensions, got shape {tuple(t.shape)}")
     n_tokens, num_q_heads, head_dim = q.shape
+    if head_dim % 2:
+        raise ValueError(f"head_dim must be even (cos and sin take half of it each), got {head_dim}")
     if k.shape[0] != n_tokens or k.shape[2] != head_dim or q.stride(2) != 1 or k.stride(2) != 1:
         raise ValueError(f"q [T, Hq, D] and k [T, Hkv, D] need one T and D and contiguous rows, got {tuple(q.shape)}, {tuple(k.shape)}")
     if cos_sin_cache.shape[1] != head_dim or cos_sin_cache.stride(1) != 1:
@@ -71,7 +76,7 @@ def rotary_embedding(positions, q, k, cos_sin_cache):
     check_dtype("k", k, FLOATS)
     check_dtype("cos_sin_cache", cos_sin_cache, (torch.float32,))
     check_rows(n_tokens, INDICES, positions=positions)
-    if n_tokens == 0:
+    if n_tokens == 0 or head_dim == 0:
         return q, k
     half = head_dim // 2
     block_qh, block_kh = triton.next_power_of_2(num_q_heads), triton.next_power_of_2(k.shape[1])

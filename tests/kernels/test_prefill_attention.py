@@ -262,6 +262,18 @@ def test_prefill_rejects_bad_inputs():
         prefill_attention(q, padded, key_major(v_cache), cu, seq_lens, tables)
 
 
+def test_a_loose_max_q_len_sizes_the_grid_by_the_tokens():
+    # max_q_len only needs to bound the longest query; one far past every query (past what the grid
+    # can hold) gives the same output, and more sequences than the grid holds is a named error.
+    q, k_cache, v_cache, cu, seq_lens, tables, _ = prefill_inputs([0, 3], [4, 5], 4, 2, 64, 16, torch.float32)
+    exact_bound = prefill_attention(q, k_cache, v_cache, cu, seq_lens, tables, max_q_len=5)
+    assert torch.equal(prefill_attention(q, k_cache, v_cache, cu, seq_lens, tables, max_q_len=2**40), exact_bound)
+    many = 65536
+    with pytest.raises(ValueError, match="seq_lens"):
+        prefill_attention(q[:0], k_cache, v_cache, torch.zeros(many + 1, dtype=torch.int32),
+                          torch.zeros(many, dtype=torch.int32), torch.zeros(many, 1, dtype=torch.int32))
+
+
 def test_prefill_rejects_bad_scales():
     # Every check names the argument at fault; all raise before any launch.
     q, k_cache, v_cache, cu, seq_lens, tables, scales = prefill_inputs([0, 3], [4, 5], 4, 2, 64, 16, torch.bfloat16,
