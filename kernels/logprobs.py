@@ -121,7 +121,7 @@ def _top_logprobs_kernel(logits_ptr, stride, values_ptr, ids_ptr, V, k, BLOCK: t
             best_x, best_i = _best(x, ids)
             worst_x, worst_i, slot = _worst(top_x, top_i, live, SLOTS)
             beats = (best_x > worst_x) | ((best_x == worst_x) & (best_i < worst_i))
-    lse = m + tl.log(z)
+    lse = tl.where(m == float("inf"), m, m + tl.log(z))  # a +inf logit: z is inf - inf = NaN, the others -inf
     out = row.to(tl.int64) * k
     for j in range(0, k):  # the list in order: the best live entry each time
         best_x, best_i = _best(tl.where(live, top_x, NEG_INF), tl.where(live, top_i, INT_MAX))

@@ -250,7 +250,8 @@ def sampling_probs(logits, temperature, top_k, top_p, min_p):
         row = logits[b].double()
         row = row.masked_fill(row.isnan(), float("-inf"))
         t = float(temperature[b])
-        if t < MIN_TEMPERATURE or bool((row == float("inf")).any()) or bool((row == float("-inf")).all()):
+        greedy = bool(temperature[b] < MIN_TEMPERATURE)  # in temperature's dtype, as the kernel and sample compare
+        if greedy or bool((row == float("inf")).any()) or bool((row == float("-inf")).all()):
             out[b, int(torch.argmax(row))] = 1.0
             continue
         probs = torch.softmax(row / t, dim=-1)

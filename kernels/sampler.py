@@ -28,6 +28,7 @@ from tritonllm.kernels.tuning import Tunable, dtype_name, pow2
 
 # The noise is g = -log(E) with E = max(-log(u), 5e-8), so g <= -log(5e-8) = 16.8 < G_MAX.
 E_MIN = tl.constexpr(5e-8)
+U_MIN = tl.constexpr(2.0**-32)
 G_MAX = tl.constexpr(17.0)
 RACE_CHUNK_TILES = 4  # tiles of a row one _race_chunks_kernel program races (8192 tokens at BLOCK 2048)
 MIN_TEMPERATURE = 1e-5  # below it, greedy (vLLM's _SAMPLING_EPS)
@@ -43,7 +44,8 @@ def _gumbel(seed, quad, lane):
     """
     r0, r1, r2, r3 = tl.randint4x(seed, quad)
     r = tl.where(lane == 0, r0, tl.where(lane == 1, r1, tl.where(lane == 2, r2, r3)))
-    u = tl.uint_to_uniform_float(r)  # [0, 1 - 2^-24]
+    # u is 0 for 2 of the 2^32 outputs: its noise would be -inf and a row's only candidate would lose.
+    u = tl.maximum(tl.uint_to_uniform_float(r), U_MIN)  # [2^-32, 1 - 2^-24]
     return -tl.log(tl.maximum(-tl.log(u), E_MIN))
 
 

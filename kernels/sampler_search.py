@@ -270,6 +270,18 @@ def _search(row_ptr, V, vals_ptr, idx_ptr, n_s, complete, lo, cnt_lo, mass_lo, h
 
 
 @triton.jit
+def _min_p_bound(m, t, inv_t, log_min_p):
+    """The smallest float32 x with (x - m) / t >= log(min_p): m + t log(min_p) rounds to the grid of
+    m, which at large |m| and a small t is coarse in units of t, so step one key either way (x - m
+    is exact near m)."""
+    tau = m + t * log_min_p
+    key = _key(tau).to(tl.int64)
+    above, below = _unkey(key + 1), _unkey(key - 1)
+    tau = tl.where((tau - m) * inv_t < log_min_p, above, tau)
+    return tl.where((below - m) * inv_t >= log_min_p, below, tau)
+
+
+@triton.jit
 def _threshold(row_ptr, V, lanes, m, z, t, k, p, min_p, inv_t, k_on, p_on, min_p_on, row_vals, row_idx,
                CAP: tl.constexpr, BLOCK: tl.constexpr):
     """The threshold T of a filtered row with a finite max m, from pass 1's lanes, m and z.
@@ -277,7 +289,8 @@ def _threshold(row_ptr, V, lanes, m, z, t, k, p, min_p, inv_t, k_on, p_on, min_p
     row_vals, row_idx: the row's CAP scratch slots. Returns (T, n, complete): complete when the
     first n scratch slots hold every element >= T (the race then reads them, else the row).
     """
-    tau_min_p = tl.where(min_p_on, m + t * tl.log(tl.where(min_p_on, min_p, 1.0)), NEG_INF)
+    log_min_p = tl.log(tl.where(min_p_on, min_p, 1.0))
+    tau_min_p = tl.where(min_p_on, _min_p_bound(m, t, inv_t, log_min_p), NEG_INF)
     mass_bound = tl.where(p_on & ~k_on, (1.0 - p) * z / V, 0.0)
     low = tl.where(mass_bound > 0, m + t * tl.log(tl.where(mass_bound > 0, mass_bound, 1.0)), NEG_INF)
     if k_on & (k <= BLOCK) & (V > CAP):  # a row that fits the scratch needs no bound

@@ -47,9 +47,9 @@ def replica(x, threshold, temperature, seeds):
     tokens = np.flatnonzero(x >= threshold)
     r = np.select([tokens % 4 == lane for lane in range(4)], philox(np.asarray(seeds)[:, None], tokens // 4))
     bits = r.astype(np.uint32).view(np.int32)
-    u = np.where(bits < 0, -bits - 1, bits).astype(np.float32) * np.float32(4.6566127342e-10)
-    with np.errstate(divide="ignore"):
-        noise = -np.log(np.maximum(-np.log(u), np.float32(5e-8)))
+    u = np.maximum(np.where(bits < 0, -bits - 1, bits).astype(np.float32) * np.float32(4.6566127342e-10),
+                   np.float32(2.0**-32))
+    noise = -np.log(np.maximum(-np.log(u), np.float32(5e-8)))
     inv_t = np.float32(1) / np.float32(temperature)
     return tokens[np.argmax((x[tokens] - x.max()) * inv_t + noise, axis=1)]
 

@@ -67,6 +67,12 @@ def test_compute_top_logprobs_ties_infinities_and_nan():
     assert ids[2].tolist() == list(range(6)) and (values[2] == -math.inf).all()
     assert (ids[3] >= 3000).all()
     check_top(logits[:, :4097], 1)  # k = 1, a one-element last tile
+    infinite = randn(1, 300)
+    infinite[0, 7] = math.inf  # all the mass: its own logprob NaN (inf - inf, as log_softmax), the others -inf
+    values, ids = compute_top_logprobs(infinite, 5)
+    want_values, want_ids = reference.compute_top_logprobs(infinite.double(), 5)
+    assert torch.equal(ids, want_ids) and ids[0, 0] == 7
+    assert values[0, 0].isnan() and want_values[0, 0].isnan() and (values[0, 1:] == want_values[0, 1:]).all()
     with pytest.raises(ValueError, match="k=21"):
         compute_top_logprobs(logits, 21)
     with pytest.raises(ValueError, match="k=8"):

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 from kernel_utils import DEVICE, DTYPES, randn
-from sampler_utils import assert_allowed_sets, assert_frequencies, draws, flat_row, params, replica
+from sampler_utils import assert_allowed_sets, assert_frequencies, draws, flat_row, params, philox, replica
 
 from tritonllm.kernels import reference, sample
 from tritonllm.kernels.sampler import sample_with_threshold
@@ -108,6 +108,11 @@ def test_temperatures_below_min_temperature_are_greedy():
     assert sample(logits, temperature, top_k, top_p, min_p, seeds).tolist() == [15000] * len(rows)
     assert reference.sample(logits, temperature, top_k, top_p, min_p, seeds).tolist() == [15000] * len(rows)
     assert (reference.sampling_probs(logits, temperature, top_k, top_p, min_p)[:, 15000] == 1).all()
+    # At float32(1e-5) itself every form samples: two logits 1e-5 apart share the mass (1 : e).
+    edge = torch.zeros(1, 8, device=DEVICE)
+    edge[0, 3], edge[0, 4] = 1e-5, 2e-5
+    probs = reference.sampling_probs(edge, *params(1, 1e-5))[0]
+    assert probs[4] / probs[3] == pytest.approx(math.e, rel=1e-3) and probs[3] > probs[0] > 0
 
 
 def test_a_tie_across_race_chunks_at_a_small_temperature():
@@ -185,6 +190,20 @@ def test_a_seeded_row_ignores_its_batch(backend):
                 assert int(ids[position]) == int(alone[0]), (row, seed, batch, position)
             tokens.append(int(alone[0]))
         assert len(set(tokens)) > 1, "the seed must matter"
+
+
+def test_a_zero_uniform_does_not_lose_the_only_candidate():
+    # Philox gives 0 for token 3 under this seed (2 of the 2^32 outputs map to u = 0): its noise must
+    # stay finite, or a row whose only candidate is token 3 would return token 0, a -inf logit.
+    seed = 1343428
+    assert int(philox([seed], [0])[3][0]) == 0
+    row = torch.full((1, 100), -math.inf, device=DEVICE)
+    row[0, 3] = 0.5
+    assert sample(row, *params(1), torch.tensor([seed], device=DEVICE)).tolist() == [3]
+    row = randn(1, 100, dtype=torch.float32)
+    row[0, 3] = 10.0
+    for filters in ((1.0, 1), (1.0, 0, 1e-6), (1.0, 0, 1.0, 1.0)):  # top_k 1, top_p tiny, min_p 1
+        assert sample(row, *params(1, *filters), torch.tensor([seed], device=DEVICE)).tolist() == [3], filters
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered")  # -inf - -inf, computed and then discarded

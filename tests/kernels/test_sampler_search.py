@@ -130,6 +130,21 @@ def extreme_rows(vocab=2000):
     return rows.to(DEVICE), filters
 
 
+def test_min_p_at_large_logits_and_a_small_temperature():
+    # m + t log(min_p) rounds to the grid of m: at 1e4 and t = 0.01 a grid step is about 10% of the
+    # ratio p / p_max, so the rounded bound kept a token at ratio 0.458 for min_p 0.476.
+    for top, min_p in ((1e4, 0.4759), (6e4, 0.5)):
+        row = torch.tensor([top], dtype=torch.float32)
+        for _ in range(10):
+            row = torch.cat([row, torch.nextafter(row[-1:], torch.tensor(-math.inf))])
+        logits = row[None].to(DEVICE)
+        filters = params(1, 0.01, 0, 1.0, min_p)
+        ids, thr = sample_with_threshold(logits, *filters, torch.arange(1, device=DEVICE))
+        probs = reference.sampling_probs(logits, *filters)
+        assert_allowed_sets(logits, thr, probs)
+        assert probs[0, ids[0]] > 0
+
+
 @pytest.mark.parametrize("config", [None, {"BLOCK": 256, "CAP": 64, "num_warps": 4},
                                     {"BLOCK": 128, "CAP": 512, "num_warps": 4}])
 def test_allowed_sets_on_extreme_values(config):
