@@ -329,7 +329,7 @@ def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale=None, *,
     if batch > MAX_BATCH:
         raise ValueError(f"q's batch must be at most {MAX_BATCH} (the grid's third dimension), got {batch}")
     out = torch.empty_like(q) if out is None else out
-    if batch == 0:
+    if batch == 0 or num_q_heads == 0:
         return out
     num_kv_heads = k_cache.shape[2]
     context = block_tables.shape[1] * block_size if max_seq_len is None else max_seq_len

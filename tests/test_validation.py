@@ -38,15 +38,33 @@ def test_bad_sampling_params_name_the_field(field, value, error):
 
 
 def test_vllm_spellings_are_accepted():
-    """vLLM's top_k=-1 (off) and logprobs=k (the chosen token's logprob and the k most likely)."""
+    """vLLM's top_k=-1 (off) and logprobs=k (the chosen token's logprob and the k most likely) or None (off)."""
     p = SamplingParams(top_k=-1, logprobs=3)
-    assert (p.top_k, p.logprobs, p.top_logprobs) == (0, True, 3) and p.wants_logprobs
+    assert (p.top_k, p.logprobs, p.num_top_logprobs) == (0, 3, 3) and p.wants_logprobs
     p.validate()
-    assert (p.top_k, p.logprobs, p.top_logprobs) == (0, True, 3)
-    assert (SamplingParams(logprobs=0).logprobs, SamplingParams(logprobs=0).top_logprobs) == (True, 0)
-    assert SamplingParams(logprobs=np.int64(2), top_logprobs=2).top_logprobs == 2
+    assert (p.top_k, p.logprobs, p.num_top_logprobs) == (0, 3, 3)
+    zero = SamplingParams(logprobs=0)
+    assert zero.wants_logprobs and zero.num_top_logprobs == 0
+    assert type(SamplingParams(logprobs=np.int64(2), top_logprobs=2).logprobs) is int
+    assert SamplingParams(logprobs=True, top_logprobs=4).num_top_logprobs == 4
+    off = SamplingParams(logprobs=None)
+    assert off.logprobs is False and not off.wants_logprobs and off.num_top_logprobs == 0
     with pytest.raises(ValueError, match=r"SamplingParams\.logprobs=2 and top_logprobs=5 disagree"):
         SamplingParams(logprobs=2, top_logprobs=5)
+
+
+def test_logprobs_can_be_changed_after_construction():
+    """The engine validates a copy of the fields as they are when a request is added: a logprobs
+    set as k and changed later means its new value, with no stale top_logprobs left behind."""
+    p = SamplingParams(logprobs=5)
+    p.logprobs = False
+    p.validate()
+    assert not p.wants_logprobs and p.num_top_logprobs == 0
+    p.logprobs = 2
+    p.validate()
+    assert p.wants_logprobs and p.num_top_logprobs == 2
+    assert dataclasses.replace(SamplingParams(logprobs=5), logprobs=2).num_top_logprobs == 2
+    assert not dataclasses.replace(SamplingParams(logprobs=5), logprobs=None).wants_logprobs
 
 
 def test_validate_normalizes_and_is_idempotent():

@@ -1,6 +1,33 @@
 """Conversations as prompt text through the model's chat template, with vLLM's chat options."""
 
 
+class MessageError(ValueError):
+    """A chat message the templates cannot take; `param` names it (messages[2], messages[2].content)."""
+
+    def __init__(self, param: str, problem: str):
+        super().__init__(f"{param} {problem}")
+        self.param = param
+
+
+def text_message(message, name: str = "message") -> dict:
+    """A copy of an OpenAI-style message as the chat templates take it: content a string (text parts
+    [{"type": "text", "text": ...}] joined, None as ""), and vLLM's `reasoning` also as
+    `reasoning_content`, which Qwen3's templates read. MessageError naming `name` otherwise."""
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise MessageError(name, "must be an object with a string role")
+    content = message.get("content")
+    if isinstance(content, list):
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            raise MessageError(f"{name}.content", "may hold only text parts ({'type': 'text', 'text': ...})")
+        content = "".join(p["text"] for p in content)
+    if content is not None and not isinstance(content, str):
+        raise MessageError(f"{name}.content", "must be a string or a list of text parts")
+    checked = {**message, "content": content or ""}
+    if isinstance(message.get("reasoning"), str):
+        checked.setdefault("reasoning_content", message["reasoning"])
+    return checked
+
+
 def has_chat_template(tokenizer, chat_template: str | None = None) -> bool:
     """Whether messages can be rendered: a tokenizer, and a template given or its own."""
     return tokenizer is not None and bool(chat_template or getattr(tokenizer, "chat_template", None))
@@ -22,6 +49,8 @@ def chat_prompt(tokenizer, messages: list[dict], *, add_generation_prompt: bool 
         raise TypeError(f"chat_template must be a string (Jinja), got {type(chat_template).__name__}")
     if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
         raise TypeError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
+    if tokenizer is None:
+        raise ValueError("this model has no tokenizer to render messages with: give prompts as token ids")
     if not has_chat_template(tokenizer, chat_template):
         raise ValueError("this model's tokenizer has no chat template: give chat_template")
     options = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,

@@ -1,6 +1,7 @@
 """The offline API: LLM(model).generate / stream / chat, thin loops over the engine's steps."""
 import threading
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -8,7 +9,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from tritonllm.chat import chat_prompt
+from tritonllm.chat import chat_prompt, text_message
 from tritonllm.distributed import collect, hand_out
 from tritonllm.engine.engine import LLMEngine
 from tritonllm.engine.output import GenerationOutput, RequestOutput
@@ -183,7 +184,8 @@ class LLM(LLMEngine):
              chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
              tools: list[dict] | None = None):
-        """Replies to one conversation (a list of {"role", "content"}) or a list of them, through the
+        """Replies to one conversation (a list of {"role", "content"}, content a string or OpenAI text
+        parts) or a list of them, through the
         tokenizer's chat template: GenerationOutputs, or with stream=True the StreamOutputs of stream().
         The keywords are vLLM's (tritonllm.chat.chat_prompt), e.g. chat_template_kwargs={"enable_thinking": False};
         tools (OpenAI's function tools) go to the template, the replies stay text."""
@@ -192,6 +194,8 @@ class LLM(LLMEngine):
         if not isinstance(conversations, list) or not all(isinstance(c, list) for c in conversations):
             raise TypeError("messages must be a list of {'role', 'content'} dicts or a list of such lists, "
                             f"got {type(messages).__name__}")
+        conversations = [[text_message(m, f"messages[{i}]" if one else f"messages[{j}][{i}]") for i, m in enumerate(c)]
+                         for j, c in enumerate(conversations)]
         prompts = [chat_prompt(self.tokenizer, c, add_generation_prompt=add_generation_prompt,
                                continue_final_message=continue_final_message, chat_template=chat_template,
                                chat_template_kwargs=chat_template_kwargs, tools=tools) for c in conversations]
@@ -219,11 +223,12 @@ def _params_list(sampling_params, count: int) -> list:
 
 
 def _prompt_list(prompts) -> list:
-    """prompts as a list of prompts: one string or one token-id list counts as a single prompt."""
-    if isinstance(prompts, str):
+    """prompts as a list of prompts: one string, one token-id list or one prompt dict counts as a single prompt."""
+    if isinstance(prompts, (str, Mapping)):
         return [prompts]
     if not isinstance(prompts, (list, tuple, np.ndarray, torch.Tensor)) or getattr(prompts, "ndim", 1) == 0:
-        raise TypeError(f"prompts must be a string, a list of token ids, or a list of those; got {type(prompts).__name__}")
+        raise TypeError(f"prompts must be a string, a list of token ids, a prompt dict or a list of those; "
+                        f"got {type(prompts).__name__}")
     if len(prompts) and as_int(prompts[0]) is not None:  # one prompt of token ids
         return [prompts]
     return list(prompts)

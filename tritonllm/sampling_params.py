@@ -18,8 +18,8 @@ class SamplingParams:
     stop string (cut from the text); none of these before min_tokens (EOS and the stop tokens are not drawn,
     their logits masked; a stop string counts past their text). seed makes the request's draws reproducible
     whatever else runs beside it (None, or vLLM's -1: drawn afresh). logprobs returns each chosen token's
-    log-probability under the model's raw distribution; as an int k (vLLM's form) it also sets top_logprobs = k,
-    the k most likely tokens a step. The text leaves out special tokens unless skip_special_tokens is false, and
+    log-probability under the model's raw distribution; as an int k (vLLM's form, where None is off) it also
+    returns the k most likely tokens a step, as top_logprobs = k does (num_top_logprobs). The text leaves out special tokens unless skip_special_tokens is false, and
     the stop string, or the EOS or stop token's text, that ended it unless include_stop_str_in_output (vLLM's
     two flags). logit_bias (OpenAI's) adds a bias in [-100, 100] to a token id's logit before the penalties and
     every filter (logprobs stay those of the raw distribution); allowed_token_ids (vLLM's) are the only tokens
@@ -40,7 +40,7 @@ class SamplingParams:
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     seed: int | None = None
-    logprobs: bool = False
+    logprobs: bool | int | None = False
     n: int = 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -75,15 +75,18 @@ class SamplingParams:
         if self.seed == -1:  # vLLM's "no seed"
             self.seed = None
         field("top_logprobs", int, lambda k: 0 <= k <= MAX_TOP_LOGPROBS, f"in [0, {MAX_TOP_LOGPROBS}] (0 = off)")
-        top = as_int(self.logprobs)  # vLLM's logprobs=k: the chosen token's logprob and the k most likely
-        if top is not None:
-            check("SamplingParams.logprobs", top, int, lambda k: 0 <= k <= MAX_TOP_LOGPROBS,
-                  f"a bool, or an int k in [0, {MAX_TOP_LOGPROBS}] (vLLM's: top_logprobs = k)")
-            if self.top_logprobs not in (0, top):
-                raise ValueError(f"SamplingParams.logprobs={top} and top_logprobs={self.top_logprobs} disagree: "
-                                 "give one")
-            self.logprobs, self.top_logprobs = True, top
-        field("logprobs", bool)
+        # vLLM's logprobs: None (off) or k, the chosen token's logprob and the k most likely; kept as given,
+        # so that changing it later (p.logprobs = False) means what it says.
+        if self.logprobs is None:
+            self.logprobs = False
+        if as_int(self.logprobs) is not None:
+            self.logprobs = check("SamplingParams.logprobs", self.logprobs, int, lambda k: 0 <= k <= MAX_TOP_LOGPROBS,
+                                  f"a bool, None, or an int k in [0, {MAX_TOP_LOGPROBS}] (vLLM's: top_logprobs = k)")
+            if self.top_logprobs not in (0, self.logprobs):
+                raise ValueError(f"SamplingParams.logprobs={self.logprobs} and top_logprobs={self.top_logprobs} "
+                                 "disagree: give one")
+        else:
+            field("logprobs", bool)
         field("n", int, lambda n: 1 <= n <= 128, "in [1, 128]")
         field("presence_penalty", float, lambda p: -2 <= p <= 2, "in [-2, 2] (0 = off)")
         field("frequency_penalty", float, lambda p: -2 <= p <= 2, "in [-2, 2] (0 = off)")
@@ -111,9 +114,14 @@ class SamplingParams:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
+    def num_top_logprobs(self) -> int:
+        """The likeliest tokens returned a step: top_logprobs, or vLLM's int logprobs."""
+        return self.top_logprobs or (0 if isinstance(self.logprobs, bool) else self.logprobs)
+
+    @property
     def wants_logprobs(self) -> bool:
-        """Whether the chosen tokens' logprobs are returned (logprobs, or top_logprobs > 0)."""
-        return self.logprobs or self.top_logprobs > 0
+        """Whether the chosen tokens' logprobs are returned (logprobs True or an int, or top_logprobs > 0)."""
+        return self.logprobs is not False or self.top_logprobs > 0
 
 
 GENERATION_CONFIG_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")

@@ -19,6 +19,8 @@ def _convert(value, kind: type):
         return value if isinstance(value, kind) else None
     if isinstance(value, bool) or str(getattr(value, "dtype", "")) == "torch.bool":  # numpy's bool has no __index__
         return None
+    if getattr(value, "ndim", 0):  # a one-element tensor has __index__ too, but is not a scalar
+        return None
     try:
         return operator.index(value)
     except TypeError:

@@ -126,6 +126,22 @@ def test_chat_uses_the_template(tiny_qwen3):
     assert out.token_ids == hf_greedy(tiny_qwen3, out.prompt_token_ids, 6)
 
 
+def test_chat_takes_openai_text_parts(tiny_qwen3):
+    """Text parts are joined as the server joins them; other parts and a message without a role are
+    errors naming the message."""
+    llm = LLM(str(tiny_qwen3), **SMALL, num_kv_blocks=64)
+    plain = [{"role": "user", "content": "hi"}]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]}]
+    want = llm.chat(plain, GREEDY, use_tqdm=False)[0]
+    got = llm.chat(parts, GREEDY, use_tqdm=False)[0]
+    assert (got.prompt_token_ids, got.token_ids) == (want.prompt_token_ids, want.token_ids)
+    with pytest.raises(ValueError, match=r"messages\[0\]\.content"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], GREEDY)
+    with pytest.raises(ValueError, match=r"messages\[1\]\[0\]"):
+        llm.chat([plain, [{"content": "no role"}]], GREEDY)
+    llm.close()
+
+
 @two_ranks
 def test_tensor_parallel_2_equals_1(tiny_qwen3, expected):
     with LLM(str(tiny_qwen3), **SMALL, tensor_parallel_size=2, num_kv_blocks=64) as llm:
@@ -258,8 +274,8 @@ def test_unknown_option_and_bad_requests(tiny_qwen3):
         llm.generate([""], use_tqdm=False)
     with pytest.raises(ValueError, match="token ids"):
         llm.generate([[1, 10**6]], use_tqdm=False)
-    with pytest.raises(ValueError, match="max_model_len"):
-        llm.generate([[1] * 100], SamplingParams(max_tokens=100), use_tqdm=False)
+    with pytest.raises(ValueError, match="max_model_len=128"):  # a prompt past it; a max_tokens past it is capped
+        llm.generate([[1] * 129], SamplingParams(max_tokens=1), use_tqdm=False)
     with pytest.raises(ValueError, match="never fit"):
         llm.generate([[1] * 60], SamplingParams(max_tokens=20), use_tqdm=False)
 

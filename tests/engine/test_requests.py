@@ -18,7 +18,8 @@ def llm(tiny_qwen3):
 
 
 @pytest.mark.parametrize("prompts", [None, 123, [None], [1.5], [[1, None]], [[1, True]], [[1, torch.tensor(True)]], {"a": 1},
-                                     torch.tensor(5), np.array(5)])
+                                     torch.tensor(5), np.array(5), [b"hello"], [{5: "a", 6: "b"}], [{5, 6}],
+                                     {"prompt": [5, 6]}, {"prompt": "a", "prompt_token_ids": [5]}])
 def test_prompts_of_the_wrong_type_are_type_errors(llm, prompts):
     with pytest.raises(TypeError, match="prompt"):
         llm.generate(prompts, GREEDY, use_tqdm=False)
@@ -26,11 +27,42 @@ def test_prompts_of_the_wrong_type_are_type_errors(llm, prompts):
 
 
 def test_a_bad_stream_raises_at_the_call(llm):
-    with pytest.raises(ValueError, match="max_tokens"):
-        llm.stream([[5, 6]], SamplingParams(max_tokens=10**6))
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.stream([[5] * 100_000], SamplingParams(max_tokens=2))
     with pytest.raises(TypeError, match="prompt"):
         llm.stream([[5, None]])
     assert not llm.has_unfinished()
+
+
+def test_a_completion_ends_at_max_model_len(tiny_qwen3):
+    """vLLM's LLM: max_tokens past max_model_len is capped there (finish "length"), a prompt of
+    max_model_len tokens still gets one token (its K/V is never computed), a longer one is refused;
+    truncate_prompt_tokens=-1 keeps the last max_model_len tokens. The server's form refuses."""
+    prompt = list(range(3, 13))  # 10 tokens
+    greedy = SamplingParams(temperature=0, max_tokens=50, min_tokens=40, ignore_eos=True)
+    with LLM(str(tiny_qwen3), max_num_seqs=2, max_model_len=16) as small:
+        capped = small.generate([prompt], greedy, use_tqdm=False)[0]
+        assert capped.token_ids == hf_greedy(tiny_qwen3, prompt, 6) and capped.finish_reason == "length"
+        full = list(range(3, 19))  # 16 tokens
+        assert small.generate([full], greedy, use_tqdm=False)[0].token_ids == hf_greedy(tiny_qwen3, full, 1)
+        with pytest.raises(ValueError, match="max_model_len=16"):
+            small.generate([full + [3]], greedy, use_tqdm=False)
+        truncated = SamplingParams(temperature=0, max_tokens=2, truncate_prompt_tokens=-1)
+        out = small.generate([[7] * 5 + full], truncated, use_tqdm=False)[0]
+        assert out.prompt_token_ids == full and out.token_ids == hf_greedy(tiny_qwen3, full, 1)
+        with pytest.raises(ValueError, match=r"max_tokens \(50\) exceeds max_model_len=16"):
+            small.make_sequence(prompt, greedy, strict_length=True)
+        assert not small.has_unfinished() and small.block_manager.num_free_blocks == len(small.block_manager.blocks)
+
+
+def test_prompts_of_one_token_each_and_vllm_prompt_dicts(llm):
+    # A one-element tensor is not a token id: [[4], [5]] as a tensor or as tensors are two prompts.
+    for prompts in (torch.tensor([[4], [5]]), [torch.tensor([4]), torch.tensor([5])], np.array([[4], [5]])):
+        assert [o.prompt_token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == [[4], [5]]
+    want = [o.token_ids for o in llm.generate([[5, 6, 7], "hi"], GREEDY, use_tqdm=False)]
+    dicts = [{"prompt_token_ids": [5, 6, 7]}, {"prompt": "hi"}]
+    assert [o.token_ids for o in llm.generate(dicts, GREEDY, use_tqdm=False)] == want
+    assert llm.generate(dicts[0], GREEDY, use_tqdm=False)[0].token_ids == want[0]
 
 
 def test_numpy_and_torch_token_ids_are_prompts(llm):
@@ -94,6 +126,8 @@ def test_stop_strings_need_a_tokenizer(tiny_qwen3, tmp_path):
         assert bare.tokenizer is None
         with pytest.raises(ValueError, match=r"SamplingParams\.stop\b.*tokenizer"):
             bare.generate([[5, 6, 7]], SamplingParams(max_tokens=2, stop=["a"]), use_tqdm=False)
+        with pytest.raises(ValueError, match="no tokenizer"):  # a template given does not make one
+            bare.chat([{"role": "user", "content": "hi"}], GREEDY, chat_template="{{ messages[0]['content'] }}")
         out = bare.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0]
         assert len(out.token_ids) == 4 and out.text is None
 
@@ -162,7 +196,7 @@ def test_truncate_prompt_tokens_keeps_the_last_k(llm, tiny_qwen3):
     whole = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, truncate_prompt_tokens=-1),
                          use_tqdm=False)[0]
     assert whole.prompt_token_ids == prompt  # -1: up to max_model_len
-    with pytest.raises(ValueError, match=r"max_model_len=512"):  # truncated to the model's length, no room is left
+    with pytest.raises(ValueError, match=r"can never fit the KV cache"):  # 512 tokens kept, 256 slots
         llm.add_request(list(range(1, 300)) * 2, SamplingParams(max_tokens=4, truncate_prompt_tokens=-1))
     for value, error in ((0, ValueError), (-2, ValueError), ("3", TypeError)):
         with pytest.raises(error, match="truncate_prompt_tokens"):

@@ -255,6 +255,16 @@ def test_top_logprobs(llm, hf):
     assert_clean(llm)
 
 
+def test_logprobs_given_as_k_then_turned_off(llm):
+    params = greedy(logprobs=3, max_tokens=2)
+    on = llm.generate([SHORT], params, use_tqdm=False)[0]
+    assert len(on.logprobs) == 2 and [len(top) for top in on.top_logprobs] == [3, 3]
+    params.logprobs = False
+    off = llm.generate([SHORT], params, use_tqdm=False)[0]
+    assert off.logprobs is None and off.top_logprobs is None and off.token_ids == on.token_ids
+    assert_clean(llm)
+
+
 @pytest.mark.parametrize("field, value", [
     ("n", 0), ("n", 129), ("presence_penalty", 2.5), ("frequency_penalty", -2.01), ("repetition_penalty", 0.0),
     ("repetition_penalty", -1.0), ("top_logprobs", 21), ("top_logprobs", -1),

@@ -112,7 +112,7 @@ def test_temperatures_below_min_temperature_are_greedy():
     edge = torch.zeros(1, 8, device=DEVICE)
     edge[0, 3], edge[0, 4] = 1e-5, 2e-5
     probs = reference.sampling_probs(edge, *params(1, 1e-5))[0]
-    assert probs[4] / probs[3] == pytest.approx(math.e, rel=1e-3) and probs[3] > probs[0] > 0
+    assert float(probs[4] / probs[3]) == pytest.approx(math.e, rel=1e-3) and probs[3] > probs[0] > 0
 
 
 def test_a_tie_across_race_chunks_at_a_small_temperature():

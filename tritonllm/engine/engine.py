@@ -23,8 +23,8 @@ from tritonllm.engine.model_runner import ModelRunner, SampledTokens
 from tritonllm.engine.output import RequestOutput
 from tritonllm.engine.prompt_logprobs import PromptSpan, add_prompt_logprobs, prompt_logprob_spans
 from tritonllm.engine.ranks import check_ranks, shut_down, start_ranks
-from tritonllm.engine.requests import (Request, Sample, check_for_model, encode_prompt, finish_reason, make_request,
-                                      step_output)
+from tritonllm.engine.requests import (Request, Sample, check_for_model, encode_prompt, finish_reason, fit_length,
+                                      make_request, step_output)
 from tritonllm.engine.scheduler import ScheduledBatch, Scheduler
 from tritonllm.engine.sequence import Sequence, SequenceStatus
 from tritonllm.engine.step_inputs import build_step_inputs
@@ -114,9 +114,11 @@ class LLMEngine:
         `stream`: step() reports each sample's new tokens and text; otherwise only final outputs."""
         return self.queue(self.make_sequence(prompt, params), stream)
 
-    def make_sequence(self, prompt, params: SamplingParams | None = None) -> Sequence:
-        """The checked, not yet queued, request: its prompt encoded, its params validated and copied
-        (fields may have changed since construction) and its length checked."""
+    def make_sequence(self, prompt, params: SamplingParams | None = None, *, strict_length: bool = False) -> Sequence:
+        """The checked, not yet queued, request: prompt encoded, params validated and copied (fields may
+        change after construction), length checked. As vLLM's LLM, max_tokens is capped where the sequence
+        reaches max_model_len (finish "length"; a prompt of that length still gets one token); strict_length
+        refuses it instead, as the OpenAI servers do."""
         self._check_open()
         if params is None:  # vLLM's: the checkpoint's generation_config where it sets a field
             params = SamplingParams(**self.sampling_defaults)
@@ -128,21 +130,9 @@ class LLMEngine:
         if params.truncate_prompt_tokens is not None:  # the last k (vLLM's; -1: max_model_len)
             token_ids = token_ids[-(self.config.max_model_len if params.truncate_prompt_tokens == -1
                                     else params.truncate_prompt_tokens):]
-        num_blocks, block_size = len(self.block_manager.blocks), self.config.kv_block_size
-        if params.max_tokens is None:  # as many as fit: the model's length, and the K/V of all but the last token
-            room = min(self.config.max_model_len, num_blocks * block_size + 1) - len(token_ids)
-            if room < 1:
-                raise ValueError(f"prompt ({len(token_ids)} tokens) leaves no room for a completion: max_model_len="
-                                 f"{self.config.max_model_len}, KV cache {num_blocks} blocks of {block_size}")
-            params.max_tokens = room
-            params.validate()  # min_tokens against it
-        total = len(token_ids) + params.max_tokens
-        if total > self.config.max_model_len:
-            raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                             f"max_model_len={self.config.max_model_len}")
-        if -(-(total - 1) // block_size) > num_blocks:  # the last token's K/V is never computed
-            raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) can never fit the "
-                             f"KV cache of {num_blocks} blocks of {block_size} ({total - 1} tokens' K/V)")
+        block_size = self.config.kv_block_size
+        fit_length(params, len(token_ids), self.config.max_model_len, len(self.block_manager.blocks), block_size,
+                   strict_length)
         return Sequence(token_ids, params, block_size)
 
     def queue(self, seq: Sequence, stream: bool = True) -> int:
@@ -318,8 +308,8 @@ class LLMEngine:
                 seq.append_token(token)
                 if params.wants_logprobs:
                     seq.logprobs.append(logprobs[row])
-                if params.top_logprobs:
-                    seq.top_logprobs.append(dict(zip(top[1][row][:params.top_logprobs], top[0][row][:params.top_logprobs])))
+                if k := params.num_top_logprobs:
+                    seq.top_logprobs.append(dict(zip(top[1][row][:k], top[0][row][:k])))
                 self.block_manager.register_computed_blocks(seq)
                 reason = finish_reason(sample, self.eos_ids, self.eos_id)
                 output = (step_output(request, sample, reason is not None, self.tokenizer)

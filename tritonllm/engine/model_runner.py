@@ -275,9 +275,9 @@ class ModelRunner:
             ones = torch.ones(batch, device=self.device)
             top_k, seeds = (50 * ones).to(torch.int32), ones.to(torch.int64)
             ids = self.ops.sample(logits, ones, top_k, 0.9 * ones, 0.05 * ones, seeds)
+            self.ops.sample(logits.float(), ones, top_k, 0.9 * ones, 0.05 * ones, seeds)  # after a bias or penalties
             self.ops.compute_logprobs(logits, ids)
-            # The penalties (on float32 logits) and top logprobs, with the argument dtypes sample()
-            # passes; sampling from float32 logits compiles on a bucket's first such step.
+            # The penalties (on float32 logits) and top logprobs, with the argument dtypes sample() passes.
             counts = torch.zeros(1, vocab, dtype=torch.int32, device=self.device)
             mask = torch.zeros(1, vocab, dtype=torch.uint8, device=self.device)
             self.ops.apply_penalties(logits.float(), counts, mask, 0 * seeds, ones, ones, ones)
@@ -319,7 +319,7 @@ class ModelRunner:
         if rows is not None:
             self.ops.count_tokens(self.penalties.counts, ints[2], ids)
         logprobs = self.ops.compute_logprobs(raw, ids) if wants_logprobs else None
-        k = min(max(p.top_logprobs for p in params), vocab)
+        k = min(max(p.num_top_logprobs for p in params), vocab)
         return SampledTokens(ids, logprobs, self.ops.compute_top_logprobs(raw, k) if k else None)
 
     # ---- tensor-parallel driving

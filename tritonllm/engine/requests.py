@@ -1,5 +1,6 @@
 """A request's bookkeeping: its n samples (one Sequence each), their text, and what each reported."""
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import xxhash
@@ -48,8 +49,52 @@ class Request:
         return self.samples[self.num_queued:]
 
 
+def fit_length(params: SamplingParams, prompt_len: int, max_model_len: int, num_blocks: int, block_size: int,
+               strict: bool) -> None:
+    """Set or check params.max_tokens (in place) for a prompt of prompt_len tokens (LLMEngine.make_sequence).
+
+    max_tokens None: as many as max_model_len and the KV cache leave (the last token's K/V is never
+    computed). Past max_model_len, max_tokens is capped there, and a prompt of max_model_len tokens
+    still gets one (vLLM's LLM); strict: a ValueError instead (the OpenAI servers'). A sequence the
+    cache can never hold is a ValueError either way.
+    """
+    model_room = max_model_len - prompt_len
+    if not strict and prompt_len == max_model_len:
+        model_room = 1
+    if params.max_tokens is None:
+        room = min(model_room, num_blocks * block_size + 1 - prompt_len)
+        if room < 1:
+            raise ValueError(f"prompt ({prompt_len} tokens) leaves no room for a completion: max_model_len="
+                             f"{max_model_len}, KV cache {num_blocks} blocks of {block_size}")
+        params.max_tokens = room
+        params.validate()  # min_tokens against it
+    elif params.max_tokens > model_room:
+        if strict or model_room < 1:
+            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                             f"max_model_len={max_model_len}")
+        params.max_tokens, params.min_tokens = model_room, min(params.min_tokens, model_room)
+    total = prompt_len + params.max_tokens
+    if -(-(total - 1) // block_size) > num_blocks:
+        raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) can never fit the "
+                         f"KV cache of {num_blocks} blocks of {block_size} ({total - 1} tokens' K/V)")
+
+
+PROMPT_KEYS = ("prompt", "prompt_token_ids")  # vLLM's TextPrompt and TokensPrompt dicts
+
+
 def encode_prompt(prompt, tokenizer, vocab: int, add_special_tokens: bool = True) -> list[int]:
-    """A prompt (a string, or a sequence of token ids) as checked token ids (LLMEngine.encode)."""
+    """A prompt (a string, a sequence of token ids, or vLLM's {"prompt": text} or {"prompt_token_ids":
+    ids}) as checked token ids (LLMEngine.encode)."""
+    if isinstance(prompt, Mapping):
+        if len(prompt) != 1 or next(iter(prompt)) not in PROMPT_KEYS:
+            raise TypeError(f"a prompt dict holds one of the keys {PROMPT_KEYS}, got {sorted(map(str, prompt))}")
+        text = prompt.get("prompt")
+        if "prompt" in prompt and not isinstance(text, str):
+            raise TypeError(f"a prompt dict's 'prompt' must be a string, got {type(text).__name__}")
+        return encode_prompt(text if text is not None else prompt["prompt_token_ids"], tokenizer, vocab,
+                             add_special_tokens)
+    if isinstance(prompt, (bytes, bytearray, set, frozenset)):  # iterable, but not token ids
+        raise TypeError(f"a prompt must be a string or a sequence of int token ids, got {type(prompt).__name__}")
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("this model has no tokenizer: give prompts as lists of token ids")
@@ -163,7 +208,7 @@ def final_output(sample: Sample, tokenizer, prompt: tuple) -> GenerationOutput:
         text = None
     return GenerationOutput(seq.token_ids[:seq.num_prompt_tokens], seq.completion_token_ids, text, seq.finish_reason,
                             seq.num_cached_tokens or 0, seq.logprobs if params.wants_logprobs else None,
-                            seq.top_logprobs if params.top_logprobs else None, sample.index, seq.stop_reason, *prompt)
+                            seq.top_logprobs if params.num_top_logprobs else None, sample.index, seq.stop_reason, *prompt)
 
 
 def step_output(request: Request, sample: Sample, finished: bool, tokenizer) -> RequestOutput:
@@ -176,5 +221,5 @@ def step_output(request: Request, sample: Sample, finished: bool, tokenizer) -> 
     return RequestOutput(request.request_id, seq.token_ids[seq.num_prompt_tokens + start:], delta, finished,
                          final_output(sample, tokenizer, prompt) if finished else None, sample.index,
                          seq.logprobs[start:] if params.wants_logprobs else None,
-                         seq.top_logprobs[start:] if params.top_logprobs else None,
+                         seq.top_logprobs[start:] if params.num_top_logprobs else None,
                          *(prompt if start == 0 else NO_SCORES))

@@ -93,7 +93,8 @@ class EngineWorker:
         self.keys[key], prompt_ids = [], []
         try:
             for i, prompt in enumerate(prompts):
-                seq = self.engine.make_sequence(self.engine.encode(prompt, add_special_tokens), params)
+                seq = self.engine.make_sequence(self.engine.encode(prompt, add_special_tokens), params,
+                                                strict_length=True)
                 prompt_ids.append(seq.token_ids[:])  # as the engine runs it (truncate_prompt_tokens)
                 request_id = self.engine.queue(seq, stream)
                 self.keys[key].append(request_id)

@@ -8,7 +8,7 @@ implement (response_format, a chat's echo, ...) is an error unless it holds its 
 import re
 from dataclasses import dataclass
 
-from tritonllm.chat import chat_prompt, has_chat_template
+from tritonllm.chat import MessageError, chat_prompt, has_chat_template, text_message
 from tritonllm.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 
 
@@ -306,22 +306,10 @@ def _messages(body: dict) -> list[dict]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("messages must be a non-empty array of {role, content} objects", "messages")
-    checked = []
-    for i, message in enumerate(messages):
-        name = f"messages[{i}]"
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise bad(f"{name} must be an object with a string role", name)
-        content = message.get("content")
-        if isinstance(content, list):  # content parts: only text ones
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-                raise bad(f"{name}.content: only text parts are supported", f"{name}.content")
-            content = "".join(p["text"] for p in content)
-        if content is not None and not isinstance(content, str):
-            raise bad(f"{name}.content must be a string or an array of text parts", f"{name}.content")
-        checked.append({**message, "content": content or ""})
-        if isinstance(message.get("reasoning"), str):  # vLLM's field; Qwen3's templates read reasoning_content
-            checked[-1].setdefault("reasoning_content", message["reasoning"])
-    return checked
+    try:
+        return [text_message(message, f"messages[{i}]") for i, message in enumerate(messages)]
+    except MessageError as e:
+        raise bad(str(e), e.param) from None
 
 
 def _request(body: dict, chat: bool, prompts: list, params: SamplingParams, logprobs, has_tokenizer: bool) -> GenerateRequest:
