@@ -18,8 +18,10 @@ E4M3_MAX = tl.constexpr(448.0)
 
 @triton.jit
 def e4m3_scale(amax):
-    """The float32 scale of rows whose largest magnitude is amax: amax / 448, 1.0 where amax == 0."""
-    return tl.where(amax == 0.0, 1.0, tl.div_rn(amax, E4M3_MAX))
+    """The float32 scale of rows whose largest magnitude is amax: amax / 448, or 1.0 where that is 0
+    (an all-zero row, or one below float32's smallest scale: 0 / 0 would store NaN codes)."""
+    scale = tl.div_rn(amax, E4M3_MAX)
+    return tl.where(scale == 0.0, 1.0, scale)
 
 
 @triton.jit

@@ -296,7 +296,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         up, down = _split(cfg)
         pair_blocks = bool(cfg.get("PAIR_BLOCKS", 0))
         if pair_blocks:  # block b is pair b: its expert is topk_ids' b-th entry, no slot table
-            block_expert = sorted_ids = topk_ids.view(-1)
+            block_expert = sorted_ids = topk_ids.view(-1).to(torch.int32)  # TMA offsets are 32-bit
         else:
             sorted_ids, block_expert, _ = moe_align(topk_ids, experts, up["BLOCK_M"])
         num_blocks = block_expert.shape[0]

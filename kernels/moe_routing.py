@@ -38,8 +38,12 @@ def _moe_route_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, num_experts,
     x = tl.load(logits_ptr + offsets, mask=row_mask[:, None] & expert_mask[None, :], other=0.0).to(tl.float32)
     x = tl.where(expert_mask[None, :], x, float("-inf"))
     e = tl.exp(x - tl.max(x, 1)[:, None])
+    total = tl.sum(e, 1)
+    # A NaN or +inf logit, or no finite one, makes the whole softmax NaN (as torch's): such a row
+    # takes experts 0, 1, ... (a stable sort of equal values) with NaN weights.
+    nan_row = total != total
     # Probabilities are >= 0, so -1 marks lanes that are no expert or already taken.
-    p = tl.where(expert_mask[None, :], e / tl.sum(e, 1)[:, None], -1.0)
+    p = tl.where(expert_mask[None, :], tl.where(nan_row[:, None], 1.0, e / total[:, None]), -1.0)
     cols = tl.arange(0, BLOCK_K)
     weights = tl.zeros([ROWS, BLOCK_K], tl.float32)
     ids = tl.zeros([ROWS, BLOCK_K], tl.int32)
@@ -47,10 +51,10 @@ def _moe_route_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, num_experts,
         best = tl.max(p, 1)
         # Ties: the lowest expert index first.
         pick = tl.min(tl.where(p == best[:, None], experts[None, :], BLOCK_E), 1)
-        pick = tl.minimum(pick, num_experts - 1)  # a NaN row matches nothing: keep its ids in range
         p = tl.where(experts[None, :] == pick[:, None], -1.0, p)
         weights = tl.where(cols[None, :] == j, best[:, None], weights)
         ids = tl.where(cols[None, :] == j, pick[:, None], ids)
+    weights = tl.where(nan_row[:, None], float("nan"), weights)
     if RENORMALIZE:
         weights = weights / tl.sum(weights, 1)[:, None]
     out = rows.to(tl.int64)[:, None] * TOP_K + cols[None, :]

@@ -16,13 +16,15 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def quantize_e4m3(x):
     """Per-row e4m3 over the last dim of x: (q float8_e4m3fn of x's shape, scale float32 x.shape[:-1]),
-    scale = max|x| / 448 (1.0 for an all-zero row), q = x / scale in float32, saturated to +-448."""
+    scale = max|x| / 448 (1.0 where that is 0: an all-zero row, or one too small for a float32 scale),
+    q = x / scale in float32, saturated to +-448."""
     xf = x.float()
     e4m3_max = torch.finfo(torch.float8_e4m3fn).max
     amax = xf.abs().amax(-1)
     # Divided by a tensor: on CUDA torch divides by a Python scalar through its reciprocal, which is
     # not the correctly rounded amax / 448 the kernels compute.
-    scale = torch.where(amax == 0, 1.0, amax / torch.full_like(amax, e4m3_max))
+    scale = amax / torch.full_like(amax, e4m3_max)
+    scale = torch.where(scale == 0, 1.0, scale)
     return (xf / scale[..., None]).clamp(-e4m3_max, e4m3_max).to(torch.float8_e4m3fn), scale
 
 

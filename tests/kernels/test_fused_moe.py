@@ -87,6 +87,12 @@ def test_fused_moe_is_deterministic_and_takes_strided_rows():
     assert torch.equal(y, fused_moe(x, w13, w2, weights, ids))
 
 
+@pytest.mark.parametrize("tokens", [1, 2, 3])  # pair blocks (the default at 1-2 tokens), then moe_align
+def test_fused_moe_takes_int64_ids(tokens):
+    x, w13, w2, weights, ids = moe_inputs(tokens, 8, 2, 48, 32, torch.float16)
+    assert torch.equal(check(x, w13, w2, weights, ids.long()), fused_moe(x, w13, w2, weights, ids))
+
+
 def test_fused_moe_same_expert_for_every_token():
     x, w13, w2, weights, _ = moe_inputs(17, 4, 2, 48, 32, torch.bfloat16)
     ids = torch.tensor([[2, 0]] * 17, dtype=torch.int32, device=DEVICE)

@@ -95,6 +95,21 @@ def test_store_kv_cache_fp8_stores_nonfinite_values_as_nan():
         assert cache[0, :3, 0, 3].float().isnan().all()
 
 
+def test_store_kv_cache_fp8_a_row_too_small_for_a_scale():
+    # amax / 448 underflows float32 below about 6e-43: that row takes scale 1, as an all-zero one, not
+    # a 0 scale that stores 0 / 0 = NaN codes; gathered back it is (close to) the row, never NaN.
+    k = torch.zeros(2, 1, 16, dtype=torch.float32, device=DEVICE)
+    k[0, 0, 0], k[1, 0, 5] = 1e-44, 3.0
+    k_cache, v_cache, k_scale, v_scale = fp8_caches(1, 16, 1, 16)
+    store_kv_cache(k, k.clone(), k_cache, v_cache, torch.arange(2, device=DEVICE), k_scale=k_scale, v_scale=v_scale)
+    codes, scales = reference.quantize_e4m3(k)
+    assert scales[0, 0] == 1.0 and k_scale[0, 0, 0] == 1.0 and not codes.float().isnan().any()
+    assert torch.equal(k_cache[0, :2].view(torch.uint8), codes.view(torch.uint8))
+    back, _ = gather_kv_blocks(k_cache, v_cache, torch.zeros(1, dtype=torch.int32, device=DEVICE), torch.float32,
+                               k_scale=k_scale, v_scale=v_scale)
+    assert back[0, :2].isfinite().all() and back[0, 1, 0, 5] == 3.0
+
+
 @pytest.mark.parametrize("v_layout", V_LAYOUTS)
 def test_store_kv_cache_fp8_strided_rows(v_layout):
     # k with a head stride past D (a view of wider rows), v from a packed qkv row.

@@ -30,12 +30,20 @@ def test_moe_route_ties_take_the_lower_expert():
     torch.testing.assert_close(weights[1], torch.full((4,), 0.25, device=DEVICE))
 
 
-def test_moe_route_nan_rows_keep_ids_in_range():
-    logits = randn(3, 60)
-    logits[1, 7] = float("nan")
-    _, ids = moe_route(logits, 8, True)
-    assert ((ids >= 0) & (ids < 60)).all()
-    assert ids[[0, 2]].tolist() == reference.moe_route(logits[[0, 2]], 8, True)[1].tolist()
+@pytest.mark.parametrize("experts, renormalize", [(60, True), (6, False), (8, False)])
+def test_moe_route_rows_without_a_softmax(experts, renormalize):
+    # A NaN logit, a +inf one, or only -inf ones: torch's softmax is NaN throughout, so the weights
+    # are NaN (never the kernel's -1 marker) and the ids those of a stable sort, 0, 1, ...
+    logits = randn(5, experts)
+    logits[1, 3] = float("nan")
+    logits[2, 1] = float("inf")
+    logits[3] = float("-inf")
+    top_k = min(3, experts)
+    weights, ids = moe_route(logits, top_k, renormalize)
+    ref_weights, ref_ids = reference.moe_route(logits, top_k, renormalize)
+    assert ids.tolist() == ref_ids.tolist() and ids[1:4].tolist() == [list(range(top_k))] * 3
+    assert weights[1:4].isnan().all() and ref_weights[1:4].isnan().all()
+    torch.testing.assert_close(weights[[0, 4]], ref_weights[[0, 4]])
 
 
 def test_moe_route_strided_rows_and_empty():
