@@ -29,6 +29,12 @@ def check_rows(length: int, dtypes, **tensors: torch.Tensor) -> None:
         check_dtype(name, tensor, dtypes)
 
 
+def check_block_size(block_size: int) -> None:
+    """A cache's block_size (k_cache.shape[1]) must be a power of two: tiles and copies divide it."""
+    if block_size < 1 or block_size & (block_size - 1):
+        raise ValueError(f"k_cache block_size must be a power of two, got {block_size}")
+
+
 def check_logits(logits: torch.Tensor) -> tuple[int, int]:
     """logits must be [B, V] float32/float16/bfloat16; returns (B, V)."""
     if logits.dim() != 2:

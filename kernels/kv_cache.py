@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tritonllm.kernels.checks import FLOATS, INDICES, check_dtype, check_rows
+from tritonllm.kernels.checks import FLOATS, INDICES, check_block_size, check_dtype, check_rows
 from tritonllm.kernels.fp8 import (block_scale_offsets, check_kv_scales, e4m3_scale, from_e4m3, scale_offsets,
                                   scale_strides, to_e4m3)
 from tritonllm.kernels.tuning import INTERPRET, Tunable, dtype_name, pow2
@@ -272,8 +272,7 @@ def gather_kv_blocks(k_cache, v_cache, blocks, dtype, *, k_scale=None, v_scale=N
     if k_cache.dim() != 4:
         raise ValueError(f"k_cache must be [num_blocks, block_size, Hkv, D], got shape {tuple(k_cache.shape)}")
     _, block_size, num_heads, head_dim = k_cache.shape
-    if block_size < 1 or block_size & (block_size - 1):  # a copy is cut into runs of tokens that divide the block
-        raise ValueError(f"k_cache block_size must be a power of two, got {block_size}")
+    check_block_size(block_size)  # a copy is cut into runs of tokens that divide the block
     key_major = check_store_caches(k_cache, v_cache, num_heads, head_dim)
     fp8 = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
     if out is None:

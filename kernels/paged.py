@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from tritonllm.kernels import tuning
-from tritonllm.kernels.checks import FLOATS, check_dtype, check_rows
+from tritonllm.kernels.checks import FLOATS, check_block_size, check_dtype, check_rows
 from tritonllm.kernels.fp8 import block_scale_offsets, check_kv_scales, from_e4m3
 from tritonllm.kernels.kv_cache import check_cache_layouts
 
@@ -209,8 +209,7 @@ def check_paged_inputs(q, k_cache, v_cache, seq_lens, block_tables, out, k_scale
         raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
     if q.shape[1] % num_kv_heads:
         raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of k_cache heads ({num_kv_heads})")
-    if block_size & (block_size - 1):
-        raise ValueError(f"k_cache block_size must be a power of two, got {block_size}")
+    check_block_size(block_size)
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1:
         raise ValueError("q and k_cache/v_cache must be contiguous in the last (head_dim) dimension")
     if seq_lens.dim() != 1:
