@@ -11,11 +11,14 @@ unless TRITONLLM_AUTOTUNE=1; bench/kernels.py tunes with `Tunable.tune` and writ
 A config is a dict of the kernel's constexpr meta-parameters plus `num_warps` / `num_stages`,
 passed straight to the launch: `kernel[grid](*args, **config)`.
 """
+import copy
+import fcntl
 import functools
 import json
 import math
 import os
 import re
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -27,6 +30,7 @@ CONFIG_DIR = Path(__file__).with_name("configs")
 REGISTRY: dict[str, "Tunable"] = {}
 
 _table: dict[str, dict[str, dict]] | None = None  # kernel name -> bucket key -> config
+_loaded: dict[str, dict[str, dict]] = {}  # the table as read from the file, to tell what save() must write
 _tuning: set[str] = set()  # kernels whose buckets are tuned afresh on first use (start_tuning)
 
 
@@ -104,9 +108,29 @@ def nearest_config_file(path: Path, traits: dict | None = None) -> Path | None:
     found = _nearest_version(list(path.parent.glob(f"{gpu}__triton-*.json")), version)
     if found is not None or traits is None:
         return found
-    siblings = [p for p in path.parent.glob("*__triton-*.json")
-                if all(json.loads(p.read_text()).get(key) == value for key, value in traits.items())]
+    siblings = []
+    for p in path.parent.glob("*__triton-*.json"):
+        try:
+            body = read_config_file(p)
+        except ValueError as error:  # another GPU's broken file must not stop this one from loading
+            warnings.warn(f"skipped {error}", stacklevel=2)
+            continue
+        if all(body.get(key) == value for key, value in traits.items()):
+            siblings.append(p)
     return _nearest_version(siblings, version)
+
+
+def read_config_file(path: Path) -> dict:
+    """The body of a tuned-config file: a JSON object whose "kernels" maps kernel -> bucket key ->
+    config; a ValueError naming the file where it is not one."""
+    try:
+        body = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise ValueError(f"tuned-config file {path}: {error}") from None
+    kernels = body.get("kernels") if isinstance(body, dict) else None
+    if not (isinstance(kernels, dict) and all(isinstance(rows, dict) for rows in kernels.values())):
+        raise ValueError(f"tuned-config file {path}: not an object with \"kernels\": {{kernel: {{bucket: config}}}}")
+    return body
 
 
 def config_file_in_use() -> Path | None:
@@ -121,15 +145,18 @@ def config_file_in_use() -> Path | None:
 def tuned_table() -> dict[str, dict[str, dict]]:
     """The tuned configs, loaded from `config_file_in_use()` on first use (a warning names the file
     where it is another version's or another GPU's); empty where there is none."""
-    global _table
+    global _table, _loaded
     if _table is None:
-        path = config_file_in_use()
-        _table = {}
+        path, wanted = config_file_in_use(), config_path()
+        table = {}
         if path is not None:
-            wanted = config_path()
             if path != wanted:
                 warnings.warn(f"no tuned configs for {wanted.name}; using those of {path.name}", stacklevel=2)
-            _table = json.loads(path.read_text())["kernels"]
+            table = read_config_file(path)["kernels"]
+        elif not INTERPRET and "TRITONLLM_TUNED_CONFIGS" in os.environ:
+            warnings.warn(f"TRITONLLM_TUNED_CONFIGS names {wanted}, which does not exist: every kernel runs "
+                          "its default configs", stacklevel=2)
+        _table, _loaded = table, copy.deepcopy(table)
     return _table
 
 
@@ -144,19 +171,44 @@ def start_tuning(names) -> None:
 
 
 def save(path: Path | None = None) -> Path:
-    """Merge the configs tuned in this process into the tuned-config file; returns its path."""
+    """Merge the configs tuned in this process into the tuned-config file; returns its path.
+
+    Into an existing file go only the rows this process changed since it loaded the table, so two
+    tuning runs that save one after the other keep each other's rows; a new file (this Triton
+    version's first) starts from the whole table, the rows borrowed from another file included. The
+    file is replaced whole (a reader never sees half of it), under a lock on its folder."""
     path = Path(path or config_path())
-    kernels = json.loads(path.read_text())["kernels"] if path.exists() else {}
-    for name, rows in tuned_table().items():
-        kernels[name] = dict(sorted({**kernels.get(name, {}), **rows}.items()))
-    body = {
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        **(gpu_traits() if torch.cuda.is_available() else {}),
-        "triton": triton.__version__,
-        "kernels": dict(sorted(kernels.items())),
-    }
+    table = tuned_table()
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(body, indent=1) + "\n")
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(folder, fcntl.LOCK_EX)
+        if path.exists():
+            kernels = read_config_file(path)["kernels"]
+            table = {name: {key: config for key, config in rows.items() if _loaded.get(name, {}).get(key) != config}
+                     for name, rows in table.items()}
+        else:
+            kernels = {}
+        for name, rows in table.items():
+            if rows:
+                kernels[name] = dict(sorted({**kernels.get(name, {}), **rows}.items()))
+        body = {
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            **(gpu_traits() if torch.cuda.is_available() else {}),
+            "triton": triton.__version__,
+            "kernels": dict(sorted(kernels.items())),
+        }
+        mode = path.stat().st_mode & 0o777 if path.exists() else 0o644
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=path.name, suffix=".tmp", delete=False) as f:
+            f.write(json.dumps(body, indent=1) + "\n")
+        try:
+            os.chmod(f.name, mode)
+            os.replace(f.name, path)
+        except BaseException:
+            os.unlink(f.name)
+            raise
+    finally:
+        os.close(folder)
     return path
 
 
@@ -204,6 +256,7 @@ class Tunable:
         self.default = default
         self.results: dict[str, list[tuple[dict, float]]] = {}  # bucket key -> timings of the last tune
         self.last_key: str | None = None  # the bucket of the latest call, for reports
+        self._checked: dict[str, tuple[dict, bool]] = {}  # bucket key -> (tuned config, whether it is valid)
         REGISTRY[name] = self
 
     def config(self, bucket: tuple, launch=None, restore=()) -> dict:
@@ -211,10 +264,26 @@ class Tunable:
         self.last_key = bucket_key(bucket)
         tuned = tuned_table().get(self.name, {}).get(self.last_key)
         if tuned is not None:
-            return tuned
+            checked = self._checked.get(self.last_key)
+            if checked is None or checked[0] is not tuned:
+                checked = self._checked[self.last_key] = (tuned, self._valid(bucket, tuned))
+            if checked[1]:
+                return tuned
         if launch is not None and autotune_enabled(self.name):
             return self.tune(bucket, launch, restore)[0][0]
         return self.default(*bucket)
+
+    def _valid(self, bucket: tuple, tuned) -> bool:
+        """Whether a tuned config carries the meta-parameters the kernel takes (those of the default
+        or of a config of the bucket's space, plus at most a register cap) as ints; else a warning
+        naming it, and the default serves (a stale or hand-edited file must not fail a launch)."""
+        if isinstance(tuned, dict) and all(isinstance(value, int) for value in tuned.values()):
+            allowed = [set(self.default(*bucket))] + [set(c) - {"maxnreg"} for c in self.space(*bucket)]
+            if set(tuned) - {"maxnreg"} in allowed:
+                return True
+        warnings.warn(f"tuned config {tuned!r} of {self.name} bucket {self.last_key} in {config_file_in_use()} does "
+                      f"not match the kernel's parameters: the default serves", stacklevel=3)
+        return False
 
     def tune(self, bucket: tuple, launch, restore=()) -> list[tuple[dict, float]]:
         """Time `launch(config)` for every config of the space; record and return the results.

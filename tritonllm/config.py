@@ -92,7 +92,8 @@ class EngineConfig:
         field("max_model_len", int, lambda n: n >= 1, ">= 1", optional=True)
         # A decode step runs every scheduled sequence in one attention launch, whose grid caps the batch.
         field("max_num_seqs", int, lambda n: 1 <= n <= MAX_BATCH, f"in 1..{MAX_BATCH}")
-        field("max_num_batched_tokens", int, lambda n: n >= 1, ">= 1")
+        field("max_num_batched_tokens", int, lambda n: n >= self.max_num_seqs,
+              f">= max_num_seqs ({self.max_num_seqs}): a decode step takes a token of every running sequence")
         field("kv_block_size", int, lambda n: n in (16, 32, 64, 128, 256), "a power of two from 16 to 256")
         field("num_kv_blocks", int, lambda n: n >= 1, ">= 1", optional=True)
         field("gpu_memory_utilization", float, lambda u: 0 < u <= 1, "in (0, 1]")

@@ -15,6 +15,8 @@ NAMES = {int: "an int", float: "a number", bool: "a bool (True or False)", str: 
 def _convert(value, kind: type):
     """`value` as `kind`, or None if it is not one. Integer scalars of numpy and torch count as ints
     (through __index__); bools count only as bools, never as numbers."""
+    if kind is bool and str(getattr(value, "dtype", "")) in ("bool", "torch.bool") and not getattr(value, "ndim", 1):
+        return bool(value)  # numpy's and torch's scalar bools
     if kind is bool or kind is str:
         return value if isinstance(value, kind) else None
     if isinstance(value, bool) or str(getattr(value, "dtype", "")) == "torch.bool":  # numpy's bool has no __index__

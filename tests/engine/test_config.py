@@ -20,7 +20,7 @@ BUNDLED = str(BUNDLED_MODEL)
     ({"gpu_memory_utilization": "0.5"}, TypeError), ({"gpu_memory_utilization": math.nan}, ValueError),
     ({"enforce_eager": "yes"}, TypeError), ({"seed": 1.0}, TypeError), ({"max_num_seqs": True}, TypeError),
     ({"max_num_seqs": 65536}, ValueError), ({"seed": 2**64}, ValueError), ({"seed": -2**63 - 1}, ValueError),
-    ({"gpu_memory_utilization": 10**400}, ValueError),
+    ({"gpu_memory_utilization": 10**400}, ValueError), ({"max_num_batched_tokens": 255}, ValueError),
     ({"tensor_parallel_size": 0}, ValueError), ({"dtype": torch.int8}, ValueError), ({"dtype": 16}, TypeError),
     ({"kernels": "cuda"}, ValueError), ({"device": "tpu"}, ValueError), ({"load_format": "pt"}, ValueError),
 ])
@@ -37,8 +37,9 @@ def test_llm_checks_its_options_before_loading():
 
 def test_options_are_normalized():
     config = EngineConfig.from_options(BUNDLED_MODEL, max_model_len=np.int64(32), num_kv_blocks=torch.tensor(4),
-                                       gpu_memory_utilization=1, dtype=torch.bfloat16)
+                                       gpu_memory_utilization=1, dtype=torch.bfloat16, enforce_eager=np.bool_(True))
     assert config.model == BUNDLED and type(config.max_model_len) is int and config.num_kv_blocks == 4
+    assert config.enforce_eager is True
     assert config.gpu_memory_utilization == 1.0 and config.dtype is torch.bfloat16
     assert EngineConfig.from_options(BUNDLED, dtype="float16").dtype is torch.float16
     # vLLM's names: "auto" is the checkpoint's dtype (resolved later), "half" and "float" torch's aliases

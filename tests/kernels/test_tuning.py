@@ -145,6 +145,50 @@ def test_another_versions_configs_load_and_save_writes_this_versions_file(tmp_pa
     assert json.loads(ours.read_text())["kernels"] == {"a": {"1": {"X": 1}, "2": {"X": 2}}}
 
 
+def test_save_keeps_rows_another_process_saved_since(tuned_file):
+    # Two tuning runs load the same file; each saves only what it changed, so neither reverts the other's rows.
+    tuned_file.write_text(json.dumps({"gpu": "x", "triton": "y", "kernels": {"a": {"1": {"X": 1}}, "b": {"1": {"Y": 1}}}}))
+    tuning.tuned_table()["a"]["1"] = {"X": 2}
+    other = json.loads(tuned_file.read_text())
+    other["kernels"]["b"]["1"] = {"Y": 2}  # the other run's save, after this one loaded the file
+    tuned_file.write_text(json.dumps(other))
+    tuning.save()
+    assert json.loads(tuned_file.read_text())["kernels"] == {"a": {"1": {"X": 2}}, "b": {"1": {"Y": 2}}}
+    assert list(tuned_file.parent.iterdir()) == [tuned_file]  # no temporary file left beside it
+
+
+@pytest.mark.parametrize("text", ['{"gpu": "x", "kernels": {"a": {"1": {"X"', '{"gpu": "x"}', '[1]', '{"kernels": [1]}'])
+def test_a_broken_file_is_an_error_naming_it_every_time(tuned_file, text):
+    tuned_file.write_text(text)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="tuned.json"):
+            tuning.tuned_table()
+
+
+def test_another_gpus_broken_file_is_skipped(tmp_path):
+    h200 = {"capability": "9.0", "sm_count": 132}
+    (tmp_path / "H200__triton-3.6.0.json").write_text(json.dumps({**h200, "kernels": {}}))
+    (tmp_path / "BROKEN__triton-3.6.0.json").write_text('{"capability": "9.0", "kern')
+    with pytest.warns(UserWarning, match="BROKEN"):
+        found = tuning.nearest_config_file(tmp_path / "H100__triton-3.6.0.json", h200)
+    assert found.name == "H200__triton-3.6.0.json"
+
+
+def test_a_missing_override_file_warns(tuned_file):
+    with pytest.warns(UserWarning, match="does not exist"):
+        assert tuning.tuned_table() == {}
+
+
+@pytest.mark.parametrize("row", [{"X": 1, "EXTRA": 2}, {}, {"X": "8"}, {"X": 1.5}, [8]])
+def test_a_tuned_config_the_kernel_cannot_take_gives_the_default(tuned_file, monkeypatch, row):
+    monkeypatch.setattr(tuning, "REGISTRY", {})
+    tunable = tuning.Tunable("k", lambda n: [{"X": 4}, {"X": 8, "maxnreg": 128}], lambda n: {"X": n})
+    tuned_file.write_text(json.dumps({"kernels": {"k": {"2": row, "4": {"X": 8, "maxnreg": 128}}}}))
+    with pytest.warns(UserWarning, match="tuned config .* of k bucket 2 .*tuned.json"):
+        assert tunable.config((2,)) == {"X": 2}
+    assert tunable.config((4,)) == {"X": 8, "maxnreg": 128}
+
+
 def test_interpreter_never_tunes(monkeypatch):
     monkeypatch.setenv("TRITONLLM_AUTOTUNE", "1")
     monkeypatch.setattr(tuning, "INTERPRET", True)
