@@ -86,11 +86,17 @@ class SamplingParams:
                 raise ValueError(f"SamplingParams.logprobs={self.logprobs} and top_logprobs={self.top_logprobs} "
                                  "disagree: give one")
         else:
-            field("logprobs", bool)
+            try:
+                field("logprobs", bool)
+            except TypeError:
+                raise TypeError(f"SamplingParams.logprobs must be a bool, None, or an int k in [0, {MAX_TOP_LOGPROBS}]; "
+                                f"got {type(self.logprobs).__name__} {self.logprobs!r}") from None
         field("n", int, lambda n: 1 <= n <= 128, "in [1, 128]")
         field("presence_penalty", float, lambda p: -2 <= p <= 2, "in [-2, 2] (0 = off)")
         field("frequency_penalty", float, lambda p: -2 <= p <= 2, "in [-2, 2] (0 = off)")
-        field("repetition_penalty", float, lambda p: p > 0, "> 0 (1 = off)")
+        # The kernels scale float32 logits by it: outside float32's normal range it would be 0 or inf.
+        field("repetition_penalty", float, lambda p: 2.0**-126 <= p <= 3.4e38, "> 0 and a normal float32, in "
+              "[1.2e-38, 3.4e38] (1 = off)")
         field("prompt_logprobs", int, lambda k: 0 <= k <= MAX_TOP_LOGPROBS,
               f"in [0, {MAX_TOP_LOGPROBS}] (None = off; 0 = the prompt tokens' own)", optional=True)
         field("truncate_prompt_tokens", int, lambda k: k >= 1 or k == -1, ">= 1, or -1 (max_model_len)",

@@ -18,12 +18,12 @@ def llm(tiny_qwen3):
 
 def hf_scores(hf, prompt: list[int], k: int) -> tuple[list, list, list]:
     """Each prompt token's logprob after the tokens before it, the k likeliest at each position, and
-    each token's rank there (1 + the tokens likelier than it), in float64."""
+    each token's rank there (the tokens at least as likely, itself included), in float64."""
     with torch.no_grad():
         logprobs = hf(torch.tensor([prompt])).logits[0, :-1].double().log_softmax(-1)
     own = logprobs.gather(1, torch.tensor(prompt[1:])[:, None])
     values, ids = logprobs.topk(k) if k else (logprobs[:, :0], logprobs[:, :0].long())
-    ranks = ((logprobs > own).sum(1) + 1).tolist()
+    ranks = (logprobs >= own).sum(1).tolist()
     return own[:, 0].tolist(), [dict(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())], ranks
 
 
@@ -209,3 +209,17 @@ def test_tensor_parallel_2_scores_as_hf(tiny_qwen3, hf):
 def test_bad_values_name_the_field(value, error):
     with pytest.raises(error, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=value)
+
+
+def test_tied_logits_rank_as_vllm_v1():
+    # vLLM v1 counts the logits at or above the token's own: a token tied with others ranks after them.
+    class Head:
+        def compute_logits(self, hidden):
+            return hidden
+
+    from tritonllm.engine.prompt_logprobs import score_positions
+    from tritonllm.layers.ops import backend
+    logits = torch.tensor([[2.0, 1.0, 1.0, 1.0, 0.0]] * 4)
+    ranks, logprobs, _ = score_positions(Head(), backend("reference"), logits, torch.arange(4), torch.tensor([0, 3, 1, 4]), 0)
+    assert ranks.tolist() == [1, 4, 4, 5]
+    assert torch.allclose(logprobs, logits.log_softmax(-1)[0, [0, 3, 1, 4]])

@@ -267,7 +267,8 @@ def test_logprobs_given_as_k_then_turned_off(llm):
 
 @pytest.mark.parametrize("field, value", [
     ("n", 0), ("n", 129), ("presence_penalty", 2.5), ("frequency_penalty", -2.01), ("repetition_penalty", 0.0),
-    ("repetition_penalty", -1.0), ("top_logprobs", 21), ("top_logprobs", -1),
+    ("repetition_penalty", -1.0), ("repetition_penalty", 1e39), ("repetition_penalty", 1e-39), ("top_logprobs", 21),
+    ("top_logprobs", -1),
 ])
 def test_invalid_values_name_their_field(field, value):
     with pytest.raises(ValueError, match=field):
@@ -277,6 +278,8 @@ def test_invalid_values_name_their_field(field, value):
 def test_wrong_types_are_type_errors(llm):
     with pytest.raises(TypeError, match="n must be an int"):
         SamplingParams(n=2.0)
+    with pytest.raises(TypeError, match=r"logprobs must be a bool, None, or an int k in \[0, 20\]; got float 3.0"):
+        SamplingParams(logprobs=3.0)
     params = greedy()
     params.top_logprobs = 30
     with pytest.raises(ValueError, match="top_logprobs"):

@@ -15,7 +15,7 @@ class GenerationOutput:
     stop_reason: int | str | None = None  # the stop_token_ids entry or stop string that ended it; None for EOS
     # With params.prompt_logprobs (vLLM's), led by None, as the first prompt token has none: each prompt
     # token's logprob, and with prompt_logprobs > 0 the likeliest tokens at its position: id -> logprob;
-    # each prompt token's rank there (1: the likeliest; vLLM's Logprob.rank).
+    # each prompt token's rank there (the tokens at least as likely, itself included: vLLM v1's Logprob.rank).
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[dict[int, float] | None] | None = None
     prompt_ranks: list[int | None] | None = None

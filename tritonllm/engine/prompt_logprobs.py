@@ -45,8 +45,8 @@ def prompt_logprob_spans(batch: ScheduledBatch) -> list[PromptSpan]:
 def score_positions(model, ops, hidden: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor,
                     k: int) -> tuple | None:
     """Every rank: the LM head over hidden[rows], ROWS_PER_PASS rows at a time. Rank 0 (where
-    compute_logits gives logits) returns (the ranks of token_ids [M] int64, 1 for the likeliest (vLLM's:
-    1 + the logits above it), their logprobs [M] float32, and with k > 0 the k likeliest per row as
+    compute_logits gives logits) returns (the ranks of token_ids [M] int64: the logits at or above
+    each one's, itself included, as vLLM v1 counts, so ties rank last and the likeliest alone is 1), their logprobs [M] float32, and with k > 0 the k likeliest per row as
     (values [M, k], ids [M, k])); the other ranks None."""
     ranks, logprobs, values, ids = [], [], [], []
     for i in range(0, len(rows), ROWS_PER_PASS):
@@ -54,7 +54,7 @@ def score_positions(model, ops, hidden: torch.Tensor, rows: torch.Tensor, token_
         if logits is None:
             continue
         targets = token_ids[i:i + ROWS_PER_PASS]
-        ranks.append((logits > logits.gather(1, targets[:, None])).sum(1) + 1)
+        ranks.append((logits >= logits.gather(1, targets[:, None])).sum(1).clamp_min(1))  # 1 for a NaN logit
         logprobs.append(ops.compute_logprobs(logits, targets))
         if k:
             top = ops.compute_top_logprobs(logits, min(k, logits.shape[1]))
