@@ -75,17 +75,20 @@ class IncrementalText:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
-    def update(self, ids: list[int], final: bool = False) -> str | None:
-        """Decode the completion `ids` past what is decoded already (all of it when final). Returns
-        the stop string found, if any; the text is then cut before it (after it with include_stop)."""
-        before = self._decode(ids[self.prefix:self.read])
-        after = self._decode(ids[self.prefix:])
+    def update(self, ids: list[int], final: bool = False, start: int = 0, end: int | None = None) -> str | None:
+        """Decode the completion ids[start:end] (a sequence's tokens past its prompt, read in place:
+        copying them each token would cost the whole length) past what is decoded already (all of
+        it when final). Returns the stop string found, if any; the text is then cut before it (after
+        it with include_stop)."""
+        count = (len(ids) if end is None else end) - start
+        before = self._decode(ids[start + self.prefix:start + self.read])
+        after = self._decode(ids[start + self.prefix:start + count])
         if final:
             after = after.rstrip("\ufffd")
         if len(after) > len(before) and (final or not after.endswith("\ufffd")):
             self.text += after[len(before):]
-            self.prefix, self.read = self.read, len(ids)
-        if self.stop_from is None and len(ids) >= self.min_tokens:
+            self.prefix, self.read = self.read, count
+        if self.stop_from is None and count >= self.min_tokens:
             self.stop_from = len(self.text)
         if self.stop_from is None or not self.stop:
             return None

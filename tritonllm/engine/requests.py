@@ -157,11 +157,13 @@ def make_request(seq: Sequence, stream: bool, tokenizer) -> Request:
     return Request(seq.seq_id, samples, stream)
 
 
-def text_token_ids(sample: Sample) -> list[int]:
-    """The completion tokens its text is decoded from: as vLLM, the EOS or stop token that ended it
-    stays in token_ids but not in the text, unless include_stop_str_in_output."""
-    ids = sample.seq.completion_token_ids
-    return ids[:-1] if sample.stopped_by_token and not sample.seq.params.include_stop_str_in_output else ids
+def text_span(sample: Sample) -> tuple[int, int]:
+    """Where in seq.token_ids the tokens its text is decoded from lie: the completion, less the EOS or
+    stop token that ended it (as vLLM, it stays in token_ids but not in the text) unless
+    include_stop_str_in_output."""
+    seq = sample.seq
+    dropped = sample.stopped_by_token and not seq.params.include_stop_str_in_output
+    return seq.num_prompt_tokens, len(seq.token_ids) - dropped
 
 
 NO_SCORES = (None, None, None)
@@ -189,7 +191,10 @@ def finish_reason(sample: Sample, eos_ids: set[int], eos_id: int | None) -> str 
         seq.stop_reason = token
     sample.stopped_by_token = by_token
     last = by_token or num_completion >= params.max_tokens
-    matched = sample.text.update(text_token_ids(sample), final=last) if sample.text is not None else None
+    matched = None
+    if sample.text is not None:
+        start, end = text_span(sample)
+        matched = sample.text.update(seq.token_ids, final=last, start=start, end=end)
     if matched is not None:
         reason, seq.stop_reason = "stop", matched
     if reason is None and last:
@@ -203,7 +208,8 @@ def final_output(sample: Sample, tokenizer, prompt: tuple) -> GenerationOutput:
     if sample.text is not None:
         text = sample.text.text
     elif tokenizer is not None:
-        text = tokenizer.decode(text_token_ids(sample), skip_special_tokens=params.skip_special_tokens).rstrip("\ufffd")
+        start, end = text_span(sample)
+        text = tokenizer.decode(seq.token_ids[start:end], skip_special_tokens=params.skip_special_tokens).rstrip("\ufffd")
     else:
         text = None
     return GenerationOutput(seq.token_ids[:seq.num_prompt_tokens], seq.completion_token_ids, text, seq.finish_reason,
