@@ -67,15 +67,22 @@ def graph_batch(rows: int, sizes: list[int]) -> int:
 
 
 def rows_at(requests, step: int) -> int:
-    """The requests still decoding at decode step `step`."""
-    return sum(o > step for _, o in requests)
+    """The requests still decoding at decode step `step` (a request of o output tokens decodes o - 1
+    of them: its prefill samples the first)."""
+    return sum(o - 1 > step for _, o in requests)
+
+
+def contexts_at(requests, step: int) -> list[int]:
+    """The keys each decoding row reads at decode step `step`, longest first (the engine's row order,
+    engine/scheduler.py): the prompt, the tokens sampled so far and the new one."""
+    return sorted((p + step + 1 for p, o in requests if o - 1 > step), reverse=True)
 
 
 def sampled_steps(requests, stride: int, sizes: list[int]) -> list[tuple[int, int]]:
     """The decode steps timed, each with the number of the workload's steps it stands for: every
     stride-th step, plus the first step of each graph batch that those miss (the run's last and
     smallest batches, whose buckets a stride would leave untuned)."""
-    last = max(o for _, o in requests)
+    last = max(o for _, o in requests) - 1
     steps = set(range(0, last, stride))
     seen = {graph_batch(rows_at(requests, step), sizes) for step in steps}
     for step in range(last):
@@ -134,15 +141,22 @@ def main():
     by_bucket = defaultdict(lambda: defaultdict(lambda: defaultdict(float)))
     engine_keys = {}  # (context bound, batch bucket) -> the key of the config the engine runs there
     table_width = -(-args.max_model_len // block_size)
-    for step, weight in sampled_steps(requests, args.stride, sizes):
-        # In the engine's row order: longest context first (engine/scheduler.py).
-        lens = sorted((p + step + 1 for p, o in requests if o > step), reverse=True)
+    for step, span in sampled_steps(requests, args.stride, sizes):
+        lens = contexts_at(requests, step)
         batch = graph_batch(len(lens), sizes)
         seq_lens = torch.zeros(batch, dtype=torch.int32, device="cuda")
         seq_lens[: len(lens)] = torch.tensor(lens, dtype=torch.int32)
-        tables = torch.randint(0, num_blocks, (batch, table_width), dtype=torch.int32, device="cuda")
+        # Each row its own blocks, as the engine's are (shared ones would be read from L2).
+        tables = torch.zeros(batch, table_width, dtype=torch.int32)
+        free = torch.randperm(num_blocks, dtype=torch.int32)
+        for row, n in enumerate(-(-length // block_size) for length in lens):
+            tables[row, :n], free = free[:n], free[n:]
+        tables = tables.cuda()
         q = randn(batch, 16, 128)
         moved = sum(lens) * token_bytes
+        # The step stands for the `span` steps from it, whose contexts shrink or grow: its time counts
+        # in proportion to their bytes (time follows bytes at these sizes).
+        weight = sum(sum(contexts_at(requests, s)) for s in range(step, step + span)) / sum(lens)
         bound = graph_context_bound(args.max_model_len, lens[0])
         bucket = bound, tuning.pow2(batch)
         step_bucket = engine_bucket(batch, k_cache.dtype, block_size, bound)
@@ -187,7 +201,8 @@ def main():
             if name != "installed":
                 print(f"   {name}: engine config {other[engine_keys[bucket]] * 1e3:7.1f} us, best "
                       f"{other[fastest(other)] * 1e3:7.1f} us, error {errors[name]:.1e}", flush=True)
-    floor_total = sum(r["floor_us"] * r["weight"] for r in rows) * 1e-6 * LAYERS
+    floor_total = sum(sum(contexts_at(requests, s)) for s in range(max(o for _, o in requests) - 1)) * token_bytes \
+        / COPY_BYTES_PER_S * LAYERS  # every step's bytes, not only the sampled ones
     for name, buckets in by_bucket.items():
         engine_total = best_total = 0.0
         print(f"\n{name}\n\n| context bound, batch bucket | engine config (s) | best single config (s) | that config |\n"

@@ -59,8 +59,8 @@ def decode_floor(model, cache_dtype, prompt_lens: list[int], output_lens: list[i
                for m in model.modules() if isinstance(m, FusedMoE)]
     kv_token = kv_bytes_per_token(model, cache_dtype)
     seconds = 0.0
-    for step in range(max(output_lens)):
-        contexts = [p + step for p, o in zip(prompt_lens, output_lens) if o > step]
+    for step in range(max(output_lens) - 1):  # the prefill samples each request's first token
+        contexts = [p + step + 1 for p, o in zip(prompt_lens, output_lens) if o - 1 > step]
         picked = sum(size * (1 - (1 - k / e) ** len(contexts)) for size, e, k in experts)
         seconds += (dense + picked + kv_token * sum(contexts)) / COPY_BYTES_PER_S
     return sum(output_lens) / seconds
