@@ -98,15 +98,14 @@ def with_scales(fn):
 
 def with_plain_v(fn):
     """fn with a contiguous e4m3 V cache in place of the key-major one at position 7 (fp8_caches's
-    inputs of qk_norm_rotary_store): what writing V key-major costs the store. The plain cache is
-    allocated once per shape."""
+    inputs of qk_norm_rotary_store): what writing V key-major costs the store. Each input set's V
+    cache gets its own plain one, so the anchor's writes rotate through memory as ours do."""
     held = {}
 
     def run(*args):
         v_cache = args[7]
-        key = (tuple(v_cache.shape), v_cache.device)
+        key = (v_cache.data_ptr(), tuple(v_cache.shape), v_cache.device)
         if key not in held:
-            held.clear()
             held[key] = torch.empty(v_cache.shape, dtype=v_cache.dtype, device=v_cache.device)
         return fn(*args[:7], held[key], *args[8:])
     return run

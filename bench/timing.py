@@ -14,7 +14,7 @@ from triton.testing import do_bench
 COPY_BYTES_PER_S = 4.24e12  # device-to-device copy: the ceiling of memory-bound kernels
 BF16_FLOPS_PER_S = 690e12  # bf16 GEMM: the ceiling of compute-bound kernels
 L2_BYTES = 50 * 2**20
-MAX_INPUT_SETS = 64  # the most input sets a graph timing cycles through
+MAX_INPUT_SETS = 256  # the most input sets a graph timing cycles through (3x L2 down to sets of 600 KB)
 WARM_UP_S = 0.1  # seconds of graph replays before the timed ones (see graph_time_ms)
 
 
