@@ -12,7 +12,7 @@ import torch
 from kernel_utils import ATTN, HOPPER, assert_close, prefill_inputs
 from test_prefill_attention import PREFILL_CASES, check_chunked, run_prefill
 
-from tritonllm.kernels import prefill_attention
+from tritonllm.kernels import prefill_attention, reference
 from tritonllm.kernels.prefill_attention import prefill_attention_bucket
 from tritonllm.kernels.prefill_attention_hopper import HOPPER_TUNABLE
 
@@ -95,6 +95,37 @@ def test_auto_takes_hopper_only_where_it_applies(monkeypatch):
         out, ref = run_prefill(*inputs)
         assert taken == expected, (dtype, fp8, v_layout)
         assert_close(out, ref, dtype, ATTN)
+
+
+def off_boundary(t: torch.Tensor, offset: int) -> torch.Tensor:
+    """A copy of t (NaN if it is None) that starts `offset` elements past a 16-byte boundary."""
+    shifted = torch.empty(t.numel() + offset, dtype=t.dtype, device=t.device)[offset:].view(t.shape)
+    return shifted.copy_(t)
+
+
+@needs_hopper
+@pytest.mark.parametrize("offset", [1, 4, 8])
+def test_q_and_out_off_16_byte_boundaries(offset, monkeypatch):
+    # Rows 2 or 8 bytes off a 16-byte boundary: the Hopper kernel's 16-byte cp.async cannot read
+    # such a q (its compile failed), so auto takes the portable kernel; an out written there is fine.
+    taken = spy_paths(monkeypatch)
+    monkeypatch.setattr(prefill_module, "HOPPER_MIN_WORK", 0)
+    q, k_cache, v_cache, cu, seq_lens, tables, _ = prefill_inputs([3, 0], [40, 9], 4, 2, 64, 16, torch.bfloat16)
+    ref = reference.prefill_attention(q.double(), k_cache.double(), v_cache.double(), cu, seq_lens, tables)
+    nan = torch.full_like(q, float("nan"))
+    for q_in, out in ((off_boundary(q, offset), nan.clone()), (q, off_boundary(nan, offset))):
+        taken.clear()
+        prefill_attention(q_in, k_cache, v_cache, cu, seq_lens, tables, out=out)
+        assert taken == ([] if q_in is not q else ["hopper"])
+        assert_close(out, ref, torch.bfloat16, ATTN)
+    with pytest.raises(ValueError, match="16-byte boundaries"):
+        prefill_attention(off_boundary(q, offset), k_cache, v_cache, cu, seq_lens, tables, path="hopper")
+    wide = torch.empty(*q.shape[:2], q.shape[2] + offset, dtype=q.dtype, device=q.device)[..., :q.shape[2]]
+    wide.copy_(q)  # rows q.shape[2] + offset elements apart
+    taken.clear()
+    out = prefill_attention(wide, k_cache, v_cache, cu, seq_lens, tables, out=nan.clone())
+    assert taken == ([] if offset % 8 else ["hopper"])
+    assert_close(out, ref, torch.bfloat16, ATTN)
 
 
 def test_path_errors():
