@@ -274,15 +274,16 @@ def _is_sm90(device_index: int) -> bool:
 
 def supports(q, k_cache, v_cache, group, v_key_major, fp8) -> bool:
     """Whether the Hopper path takes these inputs: an sm_90 GPU, bf16/fp16 q and cache, contiguous
-    16-byte-aligned caches in the plain (not key-major) layout, q rows on 16-byte boundaries (its
-    cp.async copies move 16 bytes), D 64 or 128, blocks of 16 keys or more (whole 128-byte swizzle
+    16-byte-aligned caches in the plain (not key-major) layout, q 16-byte aligned with strides of
+    multiples of 16 elements (its cp.async copies move 16 bytes, and only such strides let Triton
+    prove it), D 64 or 128, blocks of 16 keys or more (whole 128-byte swizzle
     atoms), a GQA group (Hq / Hkv) of at most 64."""
     if not q.is_cuda or fp8 or v_key_major or q.dtype not in (torch.bfloat16, torch.float16):
         return False
     if not _is_sm90(q.device.index):
         return False
     return (q.shape[2] in (64, 128) and k_cache.shape[1] >= 16 and group <= 64
-            and q.data_ptr() % 16 == 0 and q.stride(0) % 8 == 0 and q.stride(1) % 8 == 0
+            and q.data_ptr() % 16 == 0 and q.stride(0) % 16 == 0 and q.stride(1) % 16 == 0
             and k_cache.is_contiguous() and v_cache.is_contiguous()
             and k_cache.data_ptr() % 16 == 0 and v_cache.data_ptr() % 16 == 0)
 
