@@ -7,7 +7,10 @@ has its own tensor-parallel group (the collectives below run in it), and the rep
 (their leaders) share a gloo group over which rank 0 hands out prompts and collects outputs.
 """
 import os
+import signal
 import socket
+import threading
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -70,6 +73,23 @@ def init_distributed(rank: int, world_size: int, device: str, init_method: str |
             # for the running step, and forever if a peer died. Over gloo they stay on the host.
             _control_group = dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
     return torch.device(device)
+
+
+@contextmanager
+def interrupt_after():
+    """Hold Ctrl-C (SIGINT, in the main thread) until the block ends, then raise KeyboardInterrupt:
+    a rank that left a step midway would leave its peers waiting in a collective forever."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda *_: caught.append(1))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt
 
 
 def broadcast_object(obj=None):

@@ -10,7 +10,7 @@ import torch
 from tqdm.auto import tqdm
 
 from tritonllm.chat import chat_prompt, text_message
-from tritonllm.distributed import collect, hand_out
+from tritonllm.distributed import collect, hand_out, interrupt_after
 from tritonllm.engine.engine import LLMEngine
 from tritonllm.engine.output import GenerationOutput, RequestOutput
 from tritonllm.engine.sequence import Sequence
@@ -50,6 +50,8 @@ class LLM(LLMEngine):
     them: step() returns the outputs of requests no loop follows, those made inside a loop included.
     """
 
+    SERVES_REPLICAS = True
+
     def __init__(self, model: str, **options):
         super().__init__(model, **options)
         self._owners: dict[int, deque] = {}  # request id -> the output queue of the loop that follows it
@@ -57,10 +59,20 @@ class LLM(LLMEngine):
         self._dealing = threading.Lock()  # one data-parallel generate at a time: its scatter and gather pair up
         if getattr(self, "dp_rank", 0) > 0:
             self._serve_replica()
+        elif getattr(self, "dp_size", 1) > 1:
+            try:  # every replica built: one that failed to load is an error here, not at the first generate
+                collect(None)
+            except BaseException:
+                try:
+                    self._check_workers(wait=1.0)  # names the rank that died
+                finally:
+                    self.close()
+                raise
 
     def _serve_replica(self) -> None:
         """A replica leader other than rank 0: generate the prompts rank 0 hands out, send back the
         outputs (or the error), until it says stop; then close."""
+        collect(True)  # built
         while (work := hand_out()) is not None:
             try:
                 result = self._generate(self._sequences(*work), use_tqdm=False)
@@ -110,6 +122,8 @@ class LLM(LLMEngine):
         try:
             while live:
                 if not queue:
+                    if self.dp_rank > 0 and self.share_stop is not None and self.share_stop.value:
+                        raise RuntimeError("rank 0 left this generate: the replica dropped its share")
                     self._step_and_route()
                     continue
                 output = queue.popleft()
@@ -151,12 +165,22 @@ class LLM(LLMEngine):
         params = _params_list(sampling_params, len(prompts))
         seqs = self._sequences(prompts, params)  # every error here, before any replica starts
         dealt = self.dp_size
+        # Each hand_out pairs with one collect, which the replicas wait in: Ctrl-C (twice, even) is held
+        # where it could come between them.
         with self._dealing:
-            hand_out([None] + [(prompts[r::dealt], params[r::dealt]) for r in range(1, dealt)])
             try:
+                with interrupt_after():
+                    hand_out([None] + [(prompts[r::dealt], params[r::dealt]) for r in range(1, dealt)])
                 mine = self._generate(seqs[::dealt], use_tqdm)
+            except BaseException:
+                if self.share_stop is not None:  # the others drop their shares rather than finish them
+                    self.share_stop.value = 1
+                raise
             finally:
-                results = collect(None)
+                with interrupt_after():
+                    results = collect(None)
+                    if self.share_stop is not None:
+                        self.share_stop.value = 0
         results[0] = mine
         for result in results:
             if isinstance(result, Exception):

@@ -1,13 +1,13 @@
 """Data-parallel replicas, LLM(data_parallel_size=D): greedy outputs equal HF's, in input order, with
 the replicas spawned by the engine or started by torchrun; under gloo on CPU."""
 import json
-import os
 import subprocess
 import sys
 import threading
 
 import pytest
 import torch
+from parallel import ranks, running
 from tiny_qwen3 import hf_greedy
 
 from tritonllm import LLM, SamplingParams
@@ -15,19 +15,6 @@ from tritonllm.distributed import free_port
 
 PROMPTS = ["hello world", "12 + 34 = 46, 100 + 7 =", [5], list(range(40, 80)), [7, 8, 9]]  # uneven shares
 SMALL = {"max_num_seqs": 8, "num_kv_blocks": 64}
-
-
-def ranks(n):
-    return pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < n,
-                              reason=f"{n} ranks on GPUs need {n} of them; on CPU they run under gloo")
-
-
-def running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 @pytest.fixture(scope="module")

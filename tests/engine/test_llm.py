@@ -3,10 +3,10 @@ import shutil
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from parallel import ranks, running
 from safetensors.torch import load_file, save_file
 from tiny_qwen3 import hf_greedy
 from transformers.models.qwen3 import Qwen3ForCausalLM as HFQwen3
@@ -19,8 +19,7 @@ from tritonllm.kernels import reference
 PROMPTS = ["hello world", "12 + 34 = 46, 100 + 7 =", [5], list(range(40, 80))]  # 2..40 tokens
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 SMALL = {"max_num_seqs": 8}  # few CUDA graphs to capture on a GPU
-two_ranks = pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2,
-                               reason="TP=2 on GPUs needs two of them; on CPU it runs under gloo")
+two_ranks = ranks(2)
 
 
 @pytest.fixture(scope="module")
@@ -203,11 +202,6 @@ def test_a_closed_llm_says_so(tiny_qwen3):
                  lambda: next(llm.stream(PROMPTS))):
         with pytest.raises(RuntimeError, match="this LLM is closed"):
             call()
-
-
-def running(pid: int) -> bool:
-    stat = Path(f"/proc/{pid}/stat")
-    return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
 
 
 @two_ranks

@@ -22,7 +22,7 @@ from tritonllm.engine.block_manager import BlockManager
 from tritonllm.engine.model_runner import ModelRunner, SampledTokens
 from tritonllm.engine.output import RequestOutput
 from tritonllm.engine.prompt_logprobs import PromptSpan, add_prompt_logprobs, prompt_logprob_spans
-from tritonllm.engine.ranks import check_ranks, shut_down, start_ranks
+from tritonllm.engine.ranks import abandon, check_ranks, shut_down, start_ranks
 from tritonllm.engine.requests import (Request, Sample, check_for_model, encode_prompt, finish_reason, fit_length,
                                       make_request, step_output)
 from tritonllm.engine.scheduler import ScheduledBatch, Scheduler
@@ -48,9 +48,19 @@ class InFlight:
 class LLMEngine:
     """One model and its requests. Thread-safe: calls from several threads are serialized."""
 
-    def __init__(self, model: str, **options):
+    SERVES_REPLICAS = False  # whether the class deals work out to data-parallel replicas (LLM does)
+
+    def __init__(self, model: str, *, share_stop=None, **options):
+        """share_stop: on a data-parallel replica that rank 0 spawned, the shared byte telling it to drop
+        its share of a generate (ranks.start_ranks); passed by the engine, not by callers."""
         self.config = config = EngineConfig.from_options(model, **options)
         world_size = config.tensor_parallel_size * config.data_parallel_size
+        if config.data_parallel_size > 1 and not self.SERVES_REPLICAS:
+            raise ValueError(f"data_parallel_size={config.data_parallel_size} needs tritonllm.LLM, whose generate deals "
+                             f"prompts out to the replicas; {type(self).__name__} runs one replica (data_parallel_size=1)")
+        if world_size > 1 and "RANK" not in os.environ and torch.distributed.is_initialized():
+            raise RuntimeError("a process group is open in this process (another tensor- or data-parallel LLM): "
+                               "close() it before making this one")
         self.hf_config = hf_config = load_config(config.model)
         config.resolve(hf_config)
         self.tokenizer = None
@@ -66,7 +76,8 @@ class LLMEngine:
             if world_size > 1 and "RANK" not in os.environ:
                 port = free_port()
                 init_method = f"tcp://127.0.0.1:{port}"
-                start_ranks(self._workers, type(self), model, options, config, hf_config, init_method, port)
+                share_stop = start_ranks(self._workers, type(self), model, options, config, hf_config, init_method,
+                                         port)
             self.runner = ModelRunner(config, hf_config, rank, init_method)
         except BaseException:  # the workers would wait for rank 0 forever
             for process in self._workers:
@@ -81,9 +92,12 @@ class LLMEngine:
         group = dp_group()
         self.dp_rank = 0 if group is None else torch.distributed.get_rank(group)
         self.dp_size = config.data_parallel_size
+        self.share_stop = share_stop
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.kv_block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.rng = random.Random(config.seed)
+        # Requests without a seed draw one from here: each replica its own stream (replica 0's as with one).
+        self.rng = random.Random(config.seed if self.dp_rank == 0 else f"{config.seed}/{self.dp_rank}")
+        self._broken: str | None = None  # why this engine can no longer serve
         self._lock = threading.RLock()
         self._requests: dict[int, Request] = {}  # the unfinished ones
         self._samples: dict[int, tuple[Request, Sample]] = {}  # seq_id -> the unfinished sample, its request
@@ -235,7 +249,12 @@ class LLMEngine:
                 self._in_flight = None
                 self.scheduler.recompute_all()
                 self.runner.penalties.reset()  # the counts may hold tokens the host never got
-                if isinstance(error, RuntimeError) and self._workers:  # a collective failed: name a dead worker
+                if self.runner.stranded:
+                    self._finalizer.detach()
+                    abandon(self.runner, self._workers)
+                    self._broken = (f"a step failed on rank 0 ({type(error).__name__}) while the tensor-parallel ranks "
+                                    "ran it, and they cannot be brought back in step")
+                elif isinstance(error, RuntimeError) and self._workers:  # a collective failed: name a dead worker
                     self._check_workers(wait=1.0)
                 raise
             self.last_step = (batch.num_tokens, batch.is_prefill, time.perf_counter() - start) if batch else None
@@ -281,6 +300,8 @@ class LLMEngine:
                 for token in seq.params.stop_token_ids + sorted(self.eos_ids)]
 
     def _check_open(self) -> None:
+        if self._broken:
+            raise RuntimeError(f"this LLM can no longer serve: {self._broken}; make a new one")
         if not self._finalizer.alive:  # its workers and process group are gone
             raise RuntimeError("this LLM is closed (close(), or the end of its with block): make a new one")
 

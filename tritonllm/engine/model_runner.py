@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 from tritonllm.config import EngineConfig
 from tritonllm.context import Context, set_context
 from tritonllm.distributed import (all_reduce, broadcast, broadcast_object, close_distributed, init_distributed,
-                                   tp_rank)
+                                   interrupt_after, tp_rank)
 from tritonllm.engine.penalties import PenaltyRows, add_logit_bias
 from tritonllm.engine.prompt_logprobs import score_positions
 from tritonllm.engine.sequence import Sequence
@@ -76,6 +76,7 @@ class ModelRunner:
         self.num_kv_blocks = self._allocate_kv_cache()
         self.penalties = PenaltyRows(self.ops, hf_config.vocab_size, config.max_num_seqs, self.device, self._to_device)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (context bound, batch) -> decode graph
+        self.stranded = False  # rank 0 left a step midway: the other ranks cannot be brought back in step
         # The references index with boolean masks, which syncs the host: they cannot be captured.
         if self.device.type == "cuda" and not config.enforce_eager and config.kernels == "triton":
             self._capture_decode_graphs()
@@ -330,8 +331,15 @@ class ModelRunner:
         order; bans as sample's); returns the samples (None if no row samples) and the prompt scores
         (execute's) without waiting for them."""
         if self.world_size > 1:
-            broadcast_object(("execute", inputs))
-        logits, scored = self.execute(inputs, previous_ids)
+            with interrupt_after():
+                broadcast_object(("execute", inputs))
+                try:
+                    logits, scored = self.execute(inputs, previous_ids)
+                except BaseException:
+                    self.stranded = True  # the other ranks wait in a collective this one left
+                    raise
+        else:
+            logits, scored = self.execute(inputs, previous_ids)
         return self.sample(logits, seqs, seeds, bans) if seqs else None, scored
 
     def worker_loop(self) -> None:
@@ -346,6 +354,9 @@ class ModelRunner:
     def shutdown(self, peers_alive: bool = True) -> None:
         """Release the graphs and the process group; rank 0 first tells live workers to exit."""
         if self.rank == 0 and self.world_size > 1 and peers_alive:
-            broadcast_object(("exit", None))
+            try:
+                broadcast_object(("exit", None))
+            except RuntimeError:  # a peer died since the caller looked
+                peers_alive = False
         self.graphs.clear()
         close_distributed(peers_alive)

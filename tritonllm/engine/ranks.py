@@ -6,6 +6,7 @@ class itself (an LLM, which serves rank 0's share of the prompts); every other r
 runner's worker loop for its leader. Ranks started by torchrun instead never come through here.
 """
 import os
+import signal
 
 import torch.multiprocessing as mp
 
@@ -15,33 +16,40 @@ from tritonllm.engine.model_runner import ModelRunner
 
 
 def _worker(config: EngineConfig, hf_config, rank: int, init_method: str, started) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in a terminal reaches every rank: rank 0 handles it
     started.set()
     ModelRunner(config, hf_config, rank, init_method).worker_loop()
 
 
-def _replica(engine_class, model: str, options: dict, rank: int, world_size: int, port: int, started) -> None:
+def _replica(engine_class, model: str, options: dict, rank: int, world_size: int, port: int, started,
+             share_stop) -> None:
     """The leader of data-parallel replica rank // TP: joins the group as torchrun would start it,
-    then runs engine_class(model, **options), which serves rank 0 (tritonllm/llm.py)."""
+    then runs engine_class(model, **options), which serves rank 0 (tritonllm/llm.py); share_stop (a
+    shared byte) is 1 while rank 0 has left a generate, whose share this replica then drops."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     started.set()
-    engine_class(model, **options)
+    engine_class(model, share_stop=share_stop, **options)
 
 
 def start_ranks(processes: list, engine_class, model: str, options: dict, config: EngineConfig, hf_config,
-                init_method: str, port: int) -> None:
+                init_method: str, port: int):
     """Spawn ranks 1..N-1, appending each process to `processes` as it starts (the caller kills
     them if anything fails), and wait until each runs. A rank that dies while starting (as when the
-    script lacks its main guard and the spawned rank re-runs it) is an error, not a hang."""
+    script lacks its main guard and the spawned rank re-runs it) is an error, not a hang. Returns
+    the shared byte that tells the other replicas to drop their shares of a generate (None without any)."""
     context = mp.get_context("spawn")
     tp = config.tensor_parallel_size
     world_size = tp * config.data_parallel_size
     started = [context.Event() for _ in range(1, world_size)]
+    # A lock-free shared byte, not an Event: a second Ctrl-C inside Event.set() can leave its lock held forever.
+    share_stop = context.RawValue("b", 0) if config.data_parallel_size > 1 else None
     for rank, event in enumerate(started, start=1):
         if rank % tp:
             target, args = _worker, (config, hf_config, rank, init_method, event)
         else:
-            target, args = _replica, (engine_class, model, options, rank, world_size, port, event)
+            target, args = _replica, (engine_class, model, options, rank, world_size, port, event, share_stop)
         process = context.Process(target=target, args=args, daemon=True)
         process.start()
         processes.append(process)
@@ -52,6 +60,7 @@ def start_ranks(processes: list, engine_class, model: str, options: dict, config
                     f"parallel worker rank {rank} exited while starting (exit code {process.exitcode}). "
                     "Workers are spawned and import the main module again: a script that makes a "
                     "tensor- or data-parallel LLM must do so under `if __name__ == \"__main__\":`.")
+    return share_stop
 
 
 def check_ranks(processes: list, wait: float = 0.0) -> None:
@@ -61,7 +70,7 @@ def check_ranks(processes: list, wait: float = 0.0) -> None:
         process.join(wait)
     dead = [(rank, p.exitcode) for rank, p in enumerate(processes, start=1) if not p.is_alive()]
     if dead:
-        raise RuntimeError(f"tensor-parallel worker(s) exited: {', '.join(f'rank {r} (exit code {c})' for r, c in dead)}")
+        raise RuntimeError(f"parallel rank(s) exited: {', '.join(f'rank {r} (exit code {c})' for r, c in dead)}")
 
 
 def shut_down(runner: ModelRunner, processes: list, replicas: bool) -> None:
@@ -69,9 +78,23 @@ def shut_down(runner: ModelRunner, processes: list, replicas: bool) -> None:
     then leave the process group."""
     alive = all(p.is_alive() for p in processes)
     if replicas and alive:
-        release_replicas()
+        try:
+            release_replicas()
+        except RuntimeError:  # a replica died since
+            alive = False
     runner.shutdown(peers_alive=alive)
     for process in processes:
-        process.join(timeout=30)
+        if alive:  # told to exit; where a rank died the others cannot be told
+            process.join(timeout=30)
         if process.is_alive():
             process.kill()
+            process.join()
+
+
+def abandon(runner: ModelRunner, processes: list) -> None:
+    """Kill the other ranks and leave the process group without a word to them: they wait in a
+    collective that rank 0 left (runner.stranded), which nothing can finish."""
+    for process in processes:
+        process.kill()
+        process.join()
+    runner.shutdown(peers_alive=False)
