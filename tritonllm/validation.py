@@ -14,7 +14,7 @@ NAMES = {int: "an int", float: "a number", bool: "a bool (True or False)", str: 
 
 def _convert(value, kind: type):
     """`value` as `kind`, or None if it is not one. Integer scalars of numpy and torch count as ints
-    (through __index__); bools count only as bools, never as numbers."""
+    (through __index__), their float scalars as floats; bools count only as bools, never as numbers."""
     if kind is bool and str(getattr(value, "dtype", "")) in ("bool", "torch.bool") and not getattr(value, "ndim", 1):
         return bool(value)  # numpy's and torch's scalar bools
     if kind is bool or kind is str:
@@ -26,6 +26,8 @@ def _convert(value, kind: type):
     try:
         return operator.index(value)
     except TypeError:
+        if kind is float and getattr(value, "is_floating_point", lambda: False)():  # a 0-d float tensor
+            return value.item()
         return value if kind is float and isinstance(value, numbers.Real) else None
 
 

@@ -37,10 +37,13 @@ def test_llm_checks_its_options_before_loading():
 
 def test_options_are_normalized():
     config = EngineConfig.from_options(BUNDLED_MODEL, max_model_len=np.int64(32), num_kv_blocks=torch.tensor(4),
-                                       gpu_memory_utilization=1, dtype=torch.bfloat16, enforce_eager=np.bool_(True))
+                                       gpu_memory_utilization=torch.tensor(0.5), dtype=torch.bfloat16,
+                                       enforce_eager=np.bool_(True))
     assert config.model == BUNDLED and type(config.max_model_len) is int and config.num_kv_blocks == 4
     assert config.enforce_eager is True
-    assert config.gpu_memory_utilization == 1.0 and config.dtype is torch.bfloat16
+    assert config.gpu_memory_utilization == 0.5 and type(config.gpu_memory_utilization) is float
+    assert EngineConfig.from_options(BUNDLED, gpu_memory_utilization=1).gpu_memory_utilization == 1.0
+    assert config.dtype is torch.bfloat16
     assert EngineConfig.from_options(BUNDLED, dtype="float16").dtype is torch.float16
     # vLLM's names: "auto" is the checkpoint's dtype (resolved later), "half" and "float" torch's aliases
     assert EngineConfig.from_options(BUNDLED, dtype="auto").dtype is None
