@@ -103,7 +103,8 @@ def _default(dtype, n_bucket, k_bucket, rows_bucket):
     return TORCH
 
 
-LINEAR_TUNABLE = Tunable("linear", _space, _default)
+TILE_KEYS = {"BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages"}
+LINEAR_TUNABLE = Tunable("linear", _space, _default, key_sets=[set(TORCH), TILE_KEYS])
 
 
 def linear_bucket(dtype: torch.dtype, n: int, k: int, rows: int) -> tuple:

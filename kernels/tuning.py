@@ -248,12 +248,15 @@ class Tunable:
     """A kernel's config space and heuristic default, keyed by bucket.
 
     space(*bucket) -> list of configs to try; default(*bucket) -> the config used untuned.
+    key_sets: the sets of keys a config of the kernel may carry, where a bucket's default and space do
+    not show them all (linear: cuBLAS, or tiles that small buckets' spaces leave out).
     """
 
-    def __init__(self, name: str, space, default):
+    def __init__(self, name: str, space, default, key_sets: list[set] | None = None):
         self.name = name
         self.space = space
         self.default = default
+        self.key_sets = key_sets
         self.results: dict[str, list[tuple[dict, float]]] = {}  # bucket key -> timings of the last tune
         self.last_key: str | None = None  # the bucket of the latest call, for reports
         self._checked: dict[str, tuple[dict, bool]] = {}  # bucket key -> (tuned config, whether it is valid)
@@ -274,11 +277,12 @@ class Tunable:
         return self.default(*bucket)
 
     def _valid(self, bucket: tuple, tuned) -> bool:
-        """Whether a tuned config carries the meta-parameters the kernel takes (those of the default
-        or of a config of the bucket's space, plus at most a register cap) as ints; else a warning
+        """Whether a tuned config carries the meta-parameters the kernel takes (one of key_sets, else
+        those of the default or of a config of the bucket's space; plus at most a register cap) as
+        ints; else a warning
         naming it, and the default serves (a stale or hand-edited file must not fail a launch)."""
         if isinstance(tuned, dict) and all(isinstance(value, int) for value in tuned.values()):
-            allowed = [set(self.default(*bucket))] + [set(c) - {"maxnreg"} for c in self.space(*bucket)]
+            allowed = self.key_sets or [set(self.default(*bucket))] + [set(c) - {"maxnreg"} for c in self.space(*bucket)]
             if set(tuned) - {"maxnreg"} in allowed:
                 return True
         warnings.warn(f"tuned config {tuned!r} of {self.name} bucket {self.last_key} in {config_file_in_use()} does "

@@ -189,6 +189,16 @@ def test_a_tuned_config_the_kernel_cannot_take_gives_the_default(tuned_file, mon
     assert tunable.config((4,)) == {"X": 8, "maxnreg": 128}
 
 
+def test_key_sets_admit_configs_a_buckets_space_leaves_out(tuned_file, monkeypatch):
+    # linear's small buckets offer only cuBLAS, yet its tiles run there too.
+    monkeypatch.setattr(tuning, "REGISTRY", {})
+    tunable = tuning.Tunable("k", lambda n: [], lambda n: {"X": n}, key_sets=[{"X"}, {"Y", "Z"}])
+    tuned_file.write_text(json.dumps({"kernels": {"k": {"2": {"Y": 1, "Z": 2}, "4": {"Y": 1}}}}))
+    assert tunable.config((2,)) == {"Y": 1, "Z": 2}
+    with pytest.warns(UserWarning, match="of k bucket 4"):
+        assert tunable.config((4,)) == {"X": 4}
+
+
 def test_interpreter_never_tunes(monkeypatch):
     monkeypatch.setenv("TRITONLLM_AUTOTUNE", "1")
     monkeypatch.setattr(tuning, "INTERPRET", True)
