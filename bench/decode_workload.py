@@ -124,6 +124,7 @@ def main():
     fp8 = args.kv_cache_dtype == "fp8"
     prompts, params = workload(256, 1024, 1024)
     requests = [(len(p), sp.max_tokens) for p, sp in zip(prompts, params)]
+    step_keys = [sum(contexts_at(requests, s)) for s in range(max(o for _, o in requests) - 1)]  # keys read a step
     sizes = graph_batch_sizes(256)
     total_tokens = sum(p + o for p, o in requests)
     k_cache, v_cache, _ = paged_cache(total_tokens + 64 * block_size, 1, block_size)
@@ -156,7 +157,7 @@ def main():
         moved = sum(lens) * token_bytes
         # The step stands for the `span` steps from it, whose contexts shrink or grow: its time counts
         # in proportion to their bytes (time follows bytes at these sizes).
-        weight = sum(sum(contexts_at(requests, s)) for s in range(step, step + span)) / sum(lens)
+        weight = sum(step_keys[step:step + span]) / sum(lens)
         bound = graph_context_bound(args.max_model_len, lens[0])
         bucket = bound, tuning.pow2(batch)
         step_bucket = engine_bucket(batch, k_cache.dtype, block_size, bound)
@@ -201,8 +202,7 @@ def main():
             if name != "installed":
                 print(f"   {name}: engine config {other[engine_keys[bucket]] * 1e3:7.1f} us, best "
                       f"{other[fastest(other)] * 1e3:7.1f} us, error {errors[name]:.1e}", flush=True)
-    floor_total = sum(sum(contexts_at(requests, s)) for s in range(max(o for _, o in requests) - 1)) * token_bytes \
-        / COPY_BYTES_PER_S * LAYERS  # every step's bytes, not only the sampled ones
+    floor_total = sum(step_keys) * token_bytes / COPY_BYTES_PER_S * LAYERS  # every step, not only the sampled
     for name, buckets in by_bucket.items():
         engine_total = best_total = 0.0
         print(f"\n{name}\n\n| context bound, batch bucket | engine config (s) | best single config (s) | that config |\n"

@@ -183,7 +183,8 @@ def save(path: Path | None = None) -> Path:
     folder = os.open(path.parent, os.O_RDONLY)
     try:
         fcntl.flock(folder, fcntl.LOCK_EX)
-        if path.exists():
+        exists = path.exists()
+        if exists:
             kernels = read_config_file(path)["kernels"]
             table = {name: {key: config for key, config in rows.items() if _loaded.get(name, {}).get(key) != config}
                      for name, rows in table.items()}
@@ -198,7 +199,7 @@ def save(path: Path | None = None) -> Path:
             "triton": triton.__version__,
             "kernels": dict(sorted(kernels.items())),
         }
-        mode = path.stat().st_mode & 0o777 if path.exists() else 0o644
+        mode = path.stat().st_mode & 0o777 if exists else 0o644
         with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=path.name, suffix=".tmp", delete=False) as f:
             f.write(json.dumps(body, indent=1) + "\n")
         try:
@@ -276,14 +277,18 @@ class Tunable:
             return self.tune(bucket, launch, restore)[0][0]
         return self.default(*bucket)
 
+    def bucket_key_sets(self, bucket: tuple) -> list[set]:
+        """The key sets of the bucket's default and of each config of its space, less the register cap
+        (`maxnreg`) that some spaces add."""
+        return [set(self.default(*bucket))] + [set(c) - {"maxnreg"} for c in self.space(*bucket)]
+
     def _valid(self, bucket: tuple, tuned) -> bool:
         """Whether a tuned config carries the meta-parameters the kernel takes (one of key_sets, else
         those of the default or of a config of the bucket's space; plus at most a register cap) as
         ints; else a warning
         naming it, and the default serves (a stale or hand-edited file must not fail a launch)."""
         if isinstance(tuned, dict) and all(isinstance(value, int) for value in tuned.values()):
-            allowed = self.key_sets or [set(self.default(*bucket))] + [set(c) - {"maxnreg"} for c in self.space(*bucket)]
-            if set(tuned) - {"maxnreg"} in allowed:
+            if set(tuned) - {"maxnreg"} in (self.key_sets or self.bucket_key_sets(bucket)):
                 return True
         warnings.warn(f"tuned config {tuned!r} of {self.name} bucket {self.last_key} in {config_file_in_use()} does "
                       f"not match the kernel's parameters: the default serves", stacklevel=3)
