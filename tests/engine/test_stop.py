@@ -2,6 +2,7 @@
 min_tokens, EOS and stop tokens on the last allowed token."""
 import dataclasses
 import json
+import random
 import shutil
 
 import pytest
@@ -214,6 +215,24 @@ def test_incremental_text_holds_back_a_possible_stop_and_partial_characters():
     # "g" could start "gd", "x" and "xy" "xyz"; the lone first byte waits; "\u00e9" could start "\u00e9!", which then stops.
     assert shown == ["e", "", "g", "", "xy", "", "g", ""]
     assert found == "\u00e9!" and text.text == "egxyg" == "".join(shown)
+
+
+def test_each_delta_holds_back_exactly_the_longest_tail_that_could_begin_a_stop():
+    # The held tail is searched only past the text already handed out; against the whole text's
+    # longest tail, on random texts over two letters, where partial stops come and go.
+    rng = random.Random(0)
+    pieces = ["a", "b", "ab", "ba", "bab", "aab"]
+    for _ in range(200):
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randint(2, 7))) for _ in range(rng.randint(1, 3))]
+        text, ids, shown = IncrementalText(PieceTokenizer(pieces), stops, 0), [], ""
+        for _ in range(rng.randint(1, 12)):
+            ids.append(rng.randrange(len(pieces)))
+            if text.update(ids) is not None:
+                break
+            shown += text.delta(False)
+            held = max((k for k in range(1, len(text.text) + 1) for stop in stops
+                        if len(stop) > k and stop.startswith(text.text[-k:])), default=0)
+            assert shown == text.text[:len(text.text) - held], (stops, text.text)
 
 
 def test_incremental_text_keeps_the_stop_string_and_special_tokens_when_asked():

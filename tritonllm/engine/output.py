@@ -41,10 +41,12 @@ class RequestOutput:
     prompt_ranks: list[int | None] | None = None
 
 
-def tail_that_could_begin(text: str, strings: list[str]) -> int:
+def tail_that_could_begin(text: str, strings: list[str], start: int = 0) -> int:
     """The length of the longest tail of `text` that begins one of `strings` and is shorter than it:
-    what a stream holds back until the next piece shows whether that string follows."""
-    for k in range(min(len(text), max(map(len, strings), default=1) - 1), 0, -1):
+    what a stream holds back until the next piece shows whether that string follows. Only tails
+    from `start` on are tried: where the longest such tail of a shorter text began, no longer one
+    can begin earlier (so a long stop string costs its length once, not at every token)."""
+    for k in range(min(len(text) - start, max(map(len, strings), default=1) - 1), 0, -1):
         tail = text[-k:]
         if any(s.startswith(tail) for s in strings):
             return k
@@ -115,4 +117,4 @@ class IncrementalText:
     def _held(self) -> int:
         """The tail that could still begin a stop string (none is held when the stop string stays in
         the text)."""
-        return 0 if self.include_stop else tail_that_could_begin(self.text, self.stop)
+        return 0 if self.include_stop else tail_that_could_begin(self.text, self.stop, self.emitted)
