@@ -33,9 +33,13 @@ def test_help_and_bad_arguments():
 
 
 def test_counts_are_checked_as_arguments(capsys):
-    with pytest.raises(SystemExit) as exited:
-        cli.main(["generate", "--num-problems", "0"])
-    assert exited.value.code == 2 and "argument --num-problems: must be >= 1, got 0" in capsys.readouterr().err
+    for option in ("--num-problems", "--tp"):
+        with pytest.raises(SystemExit) as exited:
+            cli.main(["generate", option, "0"])
+        assert exited.value.code == 2 and f"argument {option}: must be >= 1, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--help"])
+    assert "qwen3-30b-a3b, qwen3-235b-a22b" in " ".join(capsys.readouterr().out.split())  # every preset
     script = Path(__file__).parents[1] / "bench" / "throughput.py"
     result = subprocess.run([sys.executable, script, "--max-input-len", "8"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and "argument --max-input-len: must be >= 100, got 8" in result.stderr
@@ -111,6 +115,18 @@ def test_chat_streams_replies_and_goes_on_after_a_bad_message(monkeypatch, capsy
     assert history == [{"role": "user", "content": "abc"}, {"role": "assistant", "content": "cba"},
                        {"role": "user", "content": "xy"}]
     assert max_tokens == 8 and stream  # an eighth of the 64 positions
+
+
+def test_chat_refuses_a_tokenizer_without_a_chat_template_before_loading(monkeypatch, capsys, tmp_path):
+    # It loaded the model, then answered every message with an error.
+    monkeypatch.setattr("tritonllm.LLM", None)  # never called
+    tokenizer = AutoTokenizer.from_pretrained(BUNDLED_MODEL)
+    tokenizer.chat_template = None
+    tokenizer.save_pretrained(tmp_path)
+    (tmp_path / "chat_template.jinja").unlink(missing_ok=True)
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["chat", "--model", str(tmp_path)])
+    assert exited.value.code == 2 and "has no chat template" in capsys.readouterr().err
 
 
 def test_chat_refuses_a_max_tokens_that_leaves_no_room(monkeypatch, capsys):

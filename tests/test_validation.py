@@ -137,6 +137,8 @@ UNSUPPORTED = {  # a config field these models do not implement -> the error nam
     "sliding": ({"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1, "layer_types": None},
                 r"use_sliding_window is true \(sliding_window=8, layers 1-1\).*max_model_len=512 must be <= 8"),
     "head_dim 48": ({"head_dim": 48}, r"head_dim=48 is invalid for kernels='triton'"),
+    "heads not in groups": ({"num_key_value_heads": 3},
+                            r"num_attention_heads=4 is invalid: it must be a multiple of num_key_value_heads=3"),
     "linear rope": ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}},
                     r"rope_parameters rope_type 'linear' is not supported"),
 }
@@ -148,6 +150,16 @@ def test_an_unsupported_config_is_named_before_loading(tiny_qwen3, tmp_path, cas
     fields, error = UNSUPPORTED[case]
     with pytest.raises(ValueError, match=error):
         LLM(str(_with_config(tiny_qwen3, tmp_path, **fields)))
+
+
+@pytest.mark.parametrize("moe, field", [(False, "intermediate_size"), (True, "moe_intermediate_size")])
+def test_a_width_tensor_parallelism_cannot_split_is_named_before_loading(tiny_qwen3, tiny_qwen3_moe, tmp_path, moe,
+                                                                         field):
+    # It failed in the spawned ranks' model build, without the field's name.
+    path = _with_config(tiny_qwen3_moe if moe else tiny_qwen3, tmp_path, **{field: 47})
+    config = EngineConfig.from_options(str(path), tensor_parallel_size=2, device="cpu")
+    with pytest.raises(ValueError, match=rf"tensor_parallel_size=2 is invalid: it must divide {field}=47"):
+        config.resolve(load_config(str(path)))
 
 
 def test_sliding_window_runs_where_it_cannot_slide(tiny_qwen3, tmp_path):
@@ -178,10 +190,11 @@ def _replace(key, change):
 
 DAMAGE = {  # damage -> (a MoE checkpoint?, edit, the error)
     "a packed part missing (k of qkv)": (False, lambda t: t.pop(LAYER + "self_attn.k_proj.weight"),
-                                         r"lacks 1 weights, e.g. \['model.layers.0.self_attn.qkv_proj.weight part k'\]"),
-    "up of gate/up missing": (False, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"), r"gate_up_proj.weight part 1"),
+                                         r"lacks 1 tensors, e.g. \['model.layers.0.self_attn.k_proj.weight'\]"),
+    "up of gate/up missing": (False, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"),
+                              r"\['model.layers.1.mlp.up_proj.weight'\]"),
     "one expert's up missing": (True, lambda t: t.pop(LAYER + "mlp.experts.3.up_proj.weight"),
-                                r"experts.w13 part \(3, 'up'\)"),
+                                r"\['model.layers.0.mlp.experts.3.up_proj.weight'\]"),
     "a q_proj of one row (would broadcast)": (False, _replace(LAYER + "self_attn.q_proj.weight", lambda w: w[:1]),
                                               r"q_proj.weight': its shape \(1, 64\) is not the \(128, 64\)"),
     "an o_proj too wide (would be cut)": (False, _replace(LAYER + "self_attn.o_proj.weight", lambda w: w.repeat(1, 2)),

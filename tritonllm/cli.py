@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from tritonllm.config import DEVICES, DTYPES, KERNEL_BACKENDS, KV_CACHE_DTYPES
+from tritonllm.models.presets import PRESETS
 from tritonllm.server.reply import REASONING_PARSERS, TOOL_CALL_PARSERS
 from tritonllm.tiny_tasks import BUNDLED_MODEL, EVAL_SEED, problems
 
@@ -109,12 +110,18 @@ def fit_history(llm, history: list[dict], max_tokens: int) -> None:
 
 
 def chat(args) -> None:
+    from transformers import AutoTokenizer
+
     from tritonllm import LLM
+    from tritonllm.chat import has_chat_template
     from tritonllm.loader import has_tokenizer
 
     params = sampling(args, default_max_tokens=64)
     if not has_tokenizer(args.model):
         raise ValueError(f"model {args.model!r} has no tokenizer to chat with")
+    if not has_chat_template(AutoTokenizer.from_pretrained(args.model)):  # before the weights load
+        raise ValueError(f"model {args.model!r} has no chat template (tokenizer_config.json's chat_template): "
+                         "chat needs one; generate completes plain prompts")
     llm = LLM(args.model, **engine_options(args))
     if args.max_tokens is None:  # leave room for the prompt: 8 tokens on the bundled model's 64 positions
         params.max_tokens = min(params.max_tokens, max(1, llm.config.max_model_len // 8))
@@ -174,8 +181,9 @@ def parser() -> argparse.ArgumentParser:
 
     def add_engine_options(p):
         p.add_argument("--model", default=str(BUNDLED_MODEL),
-                       help="checkpoint folder or preset (qwen3-0.6b ... qwen3-32b, random weights); default: the bundled tiny model")
-        p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (GPUs)")
+                       help=f"checkpoint folder or preset ({', '.join(PRESETS)}: random weights); default: the "
+                            "bundled tiny model")
+        p.add_argument("--tp", type=int_at_least(1), default=1, help="tensor-parallel size (GPUs)")
         p.add_argument("--device", choices=DEVICES, help="default: cuda when available, else cpu (interpreter)")
         p.add_argument("--dtype", choices=list(DTYPES), help="default: the checkpoint's")
         p.add_argument("--max-model-len", type=int, help="longest prompt + completion (default: the model's)")

@@ -11,7 +11,7 @@ from tritonllm.kernels.decode_attention import MAX_BATCH
 from tritonllm.layers.ops import BACKENDS
 from tritonllm.layers.rotary import max_positions
 from tritonllm.loader import safetensors_files
-from tritonllm.models import check_model_config
+from tritonllm.models import check_model_config, tensor_parallel_fields
 from tritonllm.models.presets import is_preset
 from tritonllm.validation import check_field
 
@@ -140,10 +140,10 @@ class EngineConfig:
             default = DTYPES[default] if isinstance(default, str) else default
             self.dtype = torch.float32 if self.device == "cpu" else default
         check_model_config(hf_config, self.max_model_len, self.kernels)
-        for name in ("num_attention_heads", "num_key_value_heads"):
-            heads = getattr(hf_config, name)
-            if heads % self.tensor_parallel_size:
-                raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} is invalid: it must divide {name}={heads}")
+        for name in tensor_parallel_fields(hf_config):
+            size = getattr(hf_config, name)
+            if size % self.tensor_parallel_size:
+                raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} is invalid: it must divide {name}={size}")
         if self.load_format == "dummy":
             print(f"tritonllm: {self.model} runs with random weights (load_format='dummy'): its outputs mean nothing",
                   file=sys.stderr)

@@ -23,9 +23,9 @@ def load_config(model: str):
         return preset_config(model)
     if not Path(model, "config.json").exists():
         raise ValueError(f"model folder {model!r} has no config.json")
-    try:
+    try:  # may fail as: not JSON, an unknown model_type, a field missing, a dtype torch lacks ("auto")
         config = AutoConfig.from_pretrained(model, trust_remote_code=False)
-    except (OSError, ValueError, KeyError, TypeError) as error:  # not JSON, an unknown model_type, a field missing
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         raise ValueError(f"model folder {model!r}: config.json is unreadable: {error!r}") from None
     # A quantized checkpoint (Qwen3-*-FP8, AWQ, GPTQ) stores codes plus scale tensors; read as plain
     # weights it would fail on the first scale tensor, after loading gigabytes.
@@ -44,7 +44,7 @@ def load_generation_config(model: str) -> GenerationConfig | None:
         return None
     try:
         return GenerationConfig.from_pretrained(model)
-    except (OSError, ValueError, KeyError, TypeError) as error:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         raise ValueError(f"model folder {model!r}: generation_config.json is unreadable: {error!r}") from None
 
 
@@ -147,11 +147,11 @@ def load_weights(model: nn.Module, path: str | Path) -> None:
                 except ValueError as error:
                     raise ValueError(f"checkpoint tensor {name!r}: {error}") from None
                 loaded.add((target, shard_id))
-    missing = [name if part is None else f"{name} part {part}" for name, param in params.items()
+    missing = [model.checkpoint_name(name, part) for name, param in params.items()
                if not (tied and name == "lm_head.weight")
                for part in getattr(param, "shard_ids", (None,)) if (name, part) not in loaded]
     if missing:
-        raise ValueError(f"checkpoint {str(path)!r} lacks {len(missing)} weights, e.g. {missing[:3]}")
+        raise ValueError(f"checkpoint {str(path)!r} lacks {len(missing)} tensors, e.g. {missing[:3]}")
     if stored_head is not None and not torch.equal(stored_head, embedding):
         # transformers 5 would then use the stored head; tied, the model would compute other logits.
         raise ValueError(f"checkpoint {str(path)!r}: config.json sets tie_word_embeddings, but its lm_head.weight "

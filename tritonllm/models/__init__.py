@@ -1,7 +1,7 @@
 """Model classes by an HF config's `model_type`, and the checks of what the models implement."""
 from tritonllm.kernels.paged import supported_head_dim
 from tritonllm.models.qwen3 import Qwen3ForCausalLM, head_dim_of
-from tritonllm.models.qwen3_moe import Qwen3MoeForCausalLM
+from tritonllm.models.qwen3_moe import Qwen3MoeForCausalLM, is_sparse_layer
 
 MODELS = {"qwen3": Qwen3ForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM}
 
@@ -33,10 +33,26 @@ def sliding_layers(config) -> list[int]:
     return [i for i in layers if (types[i] == "sliding_attention" if types else i >= config.max_window_layers)]
 
 
+def tensor_parallel_fields(config) -> list[str]:
+    """The config's sizes that tensor parallelism splits across ranks (each must divide evenly): the
+    heads, the dense MLP's width where a layer has one, the experts' width where a layer has them."""
+    fields = ["num_attention_heads", "num_key_value_heads"]
+    layers = range(config.num_hidden_layers)
+    sparse = [config.model_type == "qwen3_moe" and is_sparse_layer(config, i) for i in layers]
+    if not all(sparse):
+        fields.append("intermediate_size")
+    if any(sparse):
+        fields.append("moe_intermediate_size")
+    return fields
+
+
 def check_model_config(config, max_model_len: int, kernels: str) -> None:
     """What a config asks for and these models (or the `kernels` backend) do not implement is a
     ValueError naming the field."""
     model_class(config)
+    if config.num_attention_heads % config.num_key_value_heads:
+        raise ValueError(f"num_attention_heads={config.num_attention_heads} is invalid: it must be a multiple of "
+                         f"num_key_value_heads={config.num_key_value_heads} (grouped-query attention)")
     head_dim = head_dim_of(config)
     if kernels == "triton" and not supported_head_dim(head_dim):
         raise ValueError(f"head_dim={head_dim} is invalid for kernels='triton': the attention kernels take a "

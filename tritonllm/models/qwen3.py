@@ -110,6 +110,13 @@ class Qwen3ForCausalLM(nn.Module):
                 return name.replace(checkpoint_name, param_name), shard
         return name, None
 
+    def checkpoint_name(self, target: str, shard) -> str:
+        """The checkpoint tensor that checkpoint_target maps to (target, shard): what a checkpoint lacks."""
+        for checkpoint_name, (param_name, param_shard) in self.packed_modules_mapping.items():
+            if f".{param_name}." in target and param_shard == shard:
+                return target.replace(param_name, checkpoint_name)
+        return target
+
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Hidden states [T, hidden] of the step's tokens (the forward context says where they sit)."""
         return self.model(token_ids, positions)

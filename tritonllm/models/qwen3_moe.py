@@ -28,3 +28,8 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
             return super().checkpoint_target(name)
         stacked = "w2" if expert[2] == "down" else "w13"
         return f"{name[:expert.start()]}.experts.{stacked}", (int(expert[1]), expert[2])
+
+    def checkpoint_name(self, target: str, shard) -> str:
+        if not isinstance(shard, tuple):
+            return super().checkpoint_name(target, shard)
+        return f"{target[:target.rindex('.experts.')]}.experts.{shard[0]}.{shard[1]}_proj.weight"
