@@ -1,7 +1,7 @@
 """The offline API: LLM(model).generate / stream / chat, thin loops over the engine's steps."""
 import threading
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -115,9 +115,11 @@ class LLM(LLMEngine):
             for output in super().step():
                 self._owners.get(output.request_id, self._unowned).append(output)
 
-    def _follow(self, requests: dict[int, tuple[int, int]], queue: deque) -> Iterator[RequestOutput]:
+    def _follow(self, requests: dict[int, tuple[int, int]], queue: deque,
+                after_each_step: Callable[[], None] | None = None) -> Iterator[RequestOutput]:
         """Outputs of `requests` (from _add) as the engine makes them, stepping it while none are
-        queued. However the loop ends, its unfinished requests are aborted and forgotten."""
+        queued (after_each_step runs after each step). However the loop ends, its unfinished
+        requests are aborted and forgotten."""
         live = {request_id: n for request_id, (_, n) in requests.items()}
         try:
             while live:
@@ -125,6 +127,8 @@ class LLM(LLMEngine):
                     if self.dp_rank > 0 and self.share_stop is not None and self.share_stop.value:
                         raise RuntimeError("rank 0 left this generate: the replica dropped its share")
                     self._step_and_route()
+                    if after_each_step is not None:
+                        after_each_step()
                     continue
                 output = queue.popleft()
                 if output.finished:
@@ -195,13 +199,16 @@ class LLM(LLMEngine):
         rates = {True: 0.0, False: 0.0}
         total = sum(n for _, n in requests.values())
         with tqdm(total=total, desc="Generating", dynamic_ncols=True, disable=not use_tqdm) as bar:
-            for out in self._follow(requests, queue):
-                outputs[requests[out.request_id][0] + out.index] = out.output
+            def show_rates():  # every step's rate: a step that finishes a request has launched the next one
                 if self.last_step is not None:
                     num_tokens, is_prefill, seconds = self.last_step
                     rates[is_prefill] = num_tokens / max(seconds, 1e-9)
+                    bar.set_postfix(prefill=f"{rates[True]:.0f}tok/s", decode=f"{rates[False]:.0f}tok/s",
+                                    refresh=False)
+                    bar.update(0)  # redrawn at most every bar.mininterval
+            for out in self._follow(requests, queue, show_rates if use_tqdm else None):
+                outputs[requests[out.request_id][0] + out.index] = out.output
                 bar.update(1)
-                bar.set_postfix(prefill=f"{rates[True]:.0f}tok/s", decode=f"{rates[False]:.0f}tok/s")
         return [outputs[i] for i in range(total)]
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True, stream: bool = False, *,

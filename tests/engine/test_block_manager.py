@@ -159,3 +159,24 @@ def test_can_allocate_counts_held_prefix_hits_as_free():
     assert manager.can_allocate(fits)
     manager.allocate(fits)
     assert fits.num_cached_tokens == 8 and manager.num_free_blocks == 0
+
+
+def test_a_waiting_prompt_hashes_each_block_once(monkeypatch):
+    # can_allocate walked (and hashed) the whole cached prefix at every step a request waited for blocks.
+    manager = BlockManager(16, BS)
+    a, c = seq(list(range(40))), seq(list(range(100, 116)))  # 10 blocks, computed and held; 4 more held
+    for s in (a, c):
+        manager.allocate(s)
+        compute(manager, s)
+    hashed = []
+    monkeypatch.setattr("tritonllm.engine.block_manager.block_hash",
+                        lambda tokens, parent: hashed.append(tokens) or block_hash(tokens, parent))
+    b = seq(list(range(40)) + [99] * 12)  # 13 blocks: a's 10 and 3 more, of 2 free
+    for _ in range(5):
+        assert not manager.can_allocate(b)
+    assert len(hashed) == 11  # the 10 hits and the first miss
+    manager.deallocate(c)
+    manager.allocate(b)
+    assert b.num_cached_tokens == 40 and b.block_table[:10] == a.block_table and len(hashed) == 11
+    compute(manager, b)  # 13 full blocks: 2 more hashed
+    assert len(hashed) == 13

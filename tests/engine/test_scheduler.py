@@ -78,6 +78,32 @@ def test_chunked_prefill_respects_the_budget():
     assert a.num_computed_tokens == 21 and b.num_computed_tokens == 4
 
 
+def test_running_sequences_decode_every_other_step_while_prompts_keep_arriving():
+    # Prefill went first whenever a prompt could be admitted: one-token requests arriving at every
+    # step gave the running sequence no decode step until they stopped.
+    s = make()
+    a = add(s, 5, max_tokens=20)
+    kinds = []
+    for _ in range(20):
+        add(s, 3, max_tokens=1)
+        seqs, _, is_prefill, _ = step(s)
+        kinds.append("p" if is_prefill else "d")
+    assert "".join(kinds) == "pd" * 10
+    assert a.num_completion_tokens == 11 and s.block_manager.num_free_blocks == 64 - len(a.block_table)
+
+
+def test_a_long_prompts_chunks_let_the_running_sequences_decode_between_them():
+    s = make(budget=8)
+    a = add(s, 3, max_tokens=10)
+    step(s)
+    b = add(s, 30, max_tokens=2)
+    steps = [step(s)[:3] for _ in range(9)]
+    assert [(is_prefill, num_new) for _, num_new, is_prefill in steps] == [
+        (False, [1]), (True, [8]), (False, [1]), (True, [8]), (False, [1]), (True, [8]), (False, [1]), (True, [6]),
+        (False, [1, 1])]
+    assert b.is_finished and b.num_completion_tokens == 2 and a.num_completion_tokens == 6
+
+
 def test_eos_stops_after_min_tokens_unless_ignored():
     s = make()
     a, b, c = add(s, 3, max_tokens=10), add(s, 3, max_tokens=10, ignore_eos=True), add(s, 3, max_tokens=10, min_tokens=2)

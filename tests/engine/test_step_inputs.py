@@ -38,6 +38,9 @@ def test_prefill_with_a_chunk():
     assert inputs.logit_rows.tolist() == [8] and inputs.max_q_len == 9 and inputs.max_seq_len == 9
     assert inputs.pending_rows is None
     scheduler.launched(batch)
+    decode = scheduler.schedule()  # a decodes between b's chunks
+    assert not decode.is_prefill and decode.seqs == [a]
+    scheduler.launched(decode)
     # The rest of b: positions continue from its computed tokens; it samples now.
     batch = scheduler.schedule()
     inputs = build_step_inputs(batch, {a.seq_id: 0}, BS)
@@ -99,6 +102,7 @@ def test_prefill_over_block_copies_of_a_scheduled_step():
     plain = build_step_inputs(batch, {}, BS)  # no limit: the cache is read in place
     assert plain.gather_blocks is None and plain.copy_slots is None and plain.num_copies == 0
     scheduler.launched(batch)
+    scheduler.launched(scheduler.schedule())  # the first two decode between the third's chunks
     # The third prompt's last token over its 6 cached ones, the first in a block it shares with them.
     batch = scheduler.schedule()
     assert batch.seqs == [seqs[2]] and batch.num_new == [1]

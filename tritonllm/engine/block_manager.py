@@ -51,13 +51,19 @@ class BlockManager:
         block.ref_count = 1
         return block
 
-    def _cached_block(self, seq: Sequence, i: int, parent: int) -> tuple[Block | None, int]:
-        tokens = seq.block_tokens(i)
-        h = block_hash(tokens, parent)
-        block_id = self.hash_to_block.get(h)
-        if block_id is None or self.blocks[block_id].token_ids != tokens:
-            return None, h
-        return self.blocks[block_id], h
+    def _hash(self, seq: Sequence, i: int) -> int:
+        """The hash chain's entry for seq's full block i, computed once (a request waiting for free
+        blocks asks again every step, for prefixes of thousands of blocks)."""
+        hashes = seq.block_hashes
+        while len(hashes) <= i:
+            hashes.append(block_hash(seq.block_tokens(len(hashes)), hashes[-1] if hashes else -1))
+        return hashes[i]
+
+    def _cached_block(self, seq: Sequence, i: int) -> Block | None:
+        block_id = self.hash_to_block.get(self._hash(seq, i))
+        if block_id is None or self.blocks[block_id].token_ids != seq.block_tokens(i):
+            return None
+        return self.blocks[block_id]
 
     def _prefix_hits(self, seq: Sequence) -> list[Block]:
         """The cached blocks allocate(seq) reuses: its longest chain of full prefix blocks in the cache.
@@ -66,9 +72,9 @@ class BlockManager:
         is computed (a full prefix hit recomputes its last block). A prompt whose logprobs are still
         to be scored reuses none: each position's logits are computed.
         """
-        hits, parent = [], -1
+        hits = []
         for i in range(0 if seq.needs_prompt_logprobs else (len(seq) - 1) // self.block_size):
-            block, parent = self._cached_block(seq, i, parent)
+            block = self._cached_block(seq, i)
             if block is None:
                 break
             hits.append(block)
@@ -127,8 +133,7 @@ class BlockManager:
         for i in range(seq.num_hashed_blocks, full):
             block = self.blocks[seq.block_table[i]]
             if block.hash == -1:
-                parent = self.blocks[seq.block_table[i - 1]].hash if i else -1
                 block.token_ids = seq.block_tokens(i)
-                block.hash = block_hash(block.token_ids, parent)
+                block.hash = self._hash(seq, i)
                 self.hash_to_block.setdefault(block.hash, block.block_id)
         seq.num_hashed_blocks = full

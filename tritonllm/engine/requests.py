@@ -30,6 +30,7 @@ class Sample:
         seq.finish_reason, seq.stop_reason, self.num_emitted, self.stopped_by_token = rest
         seq.num_pending += len(seq.token_ids) - num_tokens
         del seq.token_ids[num_tokens:], seq.logprobs[num_logprobs:], seq.top_logprobs[num_top:]
+        del seq.block_hashes[num_tokens // seq.block_size:]
         if text is not None:
             vars(self.text).update(text)
 

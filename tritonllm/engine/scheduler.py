@@ -1,4 +1,5 @@
-"""Continuous batching: chunked prefill under a token budget, decode otherwise, preemption by recompute.
+"""Continuous batching: chunked prefill under a token budget, decode otherwise (and after each prefill
+while sequences run), preemption by recompute.
 
 The engine schedules step N + 1 before step N's sampled tokens reach the host: `launched` counts
 a pending token for each row that samples, and the engine appends it when it arrives. A sequence
@@ -37,6 +38,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()  # the head may be partly prefilled (holding blocks)
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
+        self.after_prefill = False  # whether the last step scheduled was a prefill
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -53,11 +55,21 @@ class Scheduler:
         return not self.waiting and not self.running
 
     def schedule(self) -> ScheduledBatch | None:
-        """The next step, or None when nothing can run."""
+        """The next step, or None when nothing can run. Prefill goes first, but not twice in a row while
+        sequences run: prompts arriving at every step (or a long one's chunks) would stall their decoding."""
+        prefill_first = not (self.after_prefill and self.running)
+        batch = (prefill_first and self._prefill_batch()) or self._decode_batch() or self._prefill_batch()
+        self.after_prefill = batch is not None and batch.is_prefill
+        return batch
+
+    def _prefill_batch(self) -> ScheduledBatch | None:
         seqs, num_new = self._schedule_prefill()
-        if seqs:
-            samples = [seq.num_computed_tokens + n == len(seq) for seq, n in zip(seqs, num_new)]
-            return ScheduledBatch(seqs, num_new, True, samples)
+        if not seqs:
+            return None
+        samples = [seq.num_computed_tokens + n == len(seq) for seq, n in zip(seqs, num_new)]
+        return ScheduledBatch(seqs, num_new, True, samples)
+
+    def _decode_batch(self) -> ScheduledBatch | None:
         seqs = self._schedule_decode()
         return ScheduledBatch(seqs, [1] * len(seqs), False, [True] * len(seqs)) if seqs else None
 

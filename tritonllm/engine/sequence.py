@@ -35,6 +35,7 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_cached_tokens: int | None = None  # prompt tokens the first allocation found in the prefix cache
         self.num_hashed_blocks = 0  # leading blocks registered in the prefix cache
+        self.block_hashes: list[int] = []  # the prefix-cache hash chain of its leading full blocks (BlockManager)
         self.logprobs: list[float] = []
         self.top_logprobs: list[dict[int, float]] = []
         self.finish_reason: str | None = None
