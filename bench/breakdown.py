@@ -27,7 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 from throughput import warm_up, workload
 from tritonllm import LLM
 from tritonllm.config import KV_CACHE_DTYPES
-from tritonllm.engine.model_runner import SampledTokens
+from tritonllm.engine.sampled_tokens import SampledTokens
 from tritonllm.loader import load_config
 
 KINDS = [  # first match wins, on the kernel's name

@@ -1,8 +1,11 @@
 """The engine end to end on the tiny checkpoint: greedy completions equal HF transformers'."""
+import gc
+import re
 import shutil
 import socket
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
@@ -15,6 +18,7 @@ import tritonllm.engine.engine
 from tritonllm import LLM, SamplingParams
 from tritonllm.distributed import free_port
 from tritonllm.kernels import reference
+from tritonllm.layers.attention import Attention
 
 PROMPTS = ["hello world", "12 + 34 = 46, 100 + 7 =", [5], list(range(40, 80))]  # 2..40 tokens
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -46,9 +50,46 @@ def test_greedy_equals_hf_and_prefix_cache_hits(tiny_qwen3, expected):
     assert llm.block_manager.num_free_blocks == 64
 
 
+@pytest.mark.parametrize("max_tokens", [1, 4])
+def test_the_progress_bar_shows_each_kind_of_steps_rate(tiny_qwen3, capsys, max_tokens):
+    # The rates are read after every step: read when a request finished, the prefill rate stayed 0.
+    with LLM(str(tiny_qwen3), **SMALL, num_kv_blocks=64) as llm:
+        capsys.readouterr()
+        llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    last = capsys.readouterr().err.rstrip().split("\r")[-1]
+    rates = dict(re.findall(r"(prefill|decode)=(\d+)tok/s", last))
+    assert int(rates["prefill"]) > 0 and (int(rates["decode"]) > 0) == (max_tokens > 1), last
+
+
+def test_close_frees_the_weights_and_the_kv_cache(tiny_qwen3, expected):
+    # A closed LLM still bound to a name held them: on a GPU the next LLM found no memory to size its cache.
+    with LLM(str(tiny_qwen3), **SMALL, num_kv_blocks=64) as llm:
+        assert completions(llm) == expected[1]
+        attention = next(m for m in llm.runner.model.modules() if isinstance(m, Attention))
+        held = [weakref.ref(t) for t in (attention.k_cache, attention.v_cache, llm.runner.model.lm_head.weight)]
+        del attention
+    gc.collect()
+    assert all(ref() is None for ref in held)
+    with pytest.raises(RuntimeError, match="this LLM is closed"):
+        completions(llm)
+
+
 def test_chunked_prefill_gives_the_same_tokens(tiny_qwen3, expected):
     llm = LLM(str(tiny_qwen3), **SMALL, num_kv_blocks=64, max_num_batched_tokens=16)
     assert completions(llm) == expected[1]
+
+
+def test_prompts_queued_together_share_their_prefix(tiny_qwen3):
+    # The second prompt is admitted while the first one's chunks run: it hits the two full blocks
+    # they computed (registered when launched, not when the first token came back).
+    shared = list(range(20, 60))
+    prompts = [shared + [70, 71], shared + [80, 81]]
+    with LLM(str(tiny_qwen3), **SMALL, num_kv_blocks=16, max_num_batched_tokens=16) as llm:
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert [o.token_ids for o in outputs] == [hf_greedy(tiny_qwen3, p, GREEDY.max_tokens) for p in prompts]
+        assert [o.num_cached_tokens for o in outputs] == [0, 32]
+        assert llm.stats()["prefill_tokens_total"] == 42 + 10
+        assert llm.block_manager.num_free_blocks == 16
 
 
 def test_preemption_gives_the_same_tokens(tiny_qwen3):
@@ -183,7 +224,7 @@ def test_a_tensor_parallel_llm_that_fails_to_load_leaves_no_process_group(tiny_q
     weights = load_file(broken / "model.safetensors")
     del weights["model.layers.1.self_attn.q_proj.weight"]
     save_file(weights, broken / "model.safetensors")
-    with pytest.raises(ValueError, match="lacks 1 weights"):
+    with pytest.raises(ValueError, match=r"lacks 1 tensors, e.g. \['model.layers.1.self_attn.q_proj.weight'\]"):
         LLM(str(broken), **SMALL, tensor_parallel_size=2, num_kv_blocks=64)
     assert not torch.distributed.is_initialized()
     with LLM(str(tiny_qwen3), **SMALL, num_kv_blocks=64) as llm:

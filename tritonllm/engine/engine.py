@@ -19,12 +19,13 @@ from transformers import AutoTokenizer
 from tritonllm.config import EngineConfig
 from tritonllm.distributed import close_distributed, dp_group, free_port
 from tritonllm.engine.block_manager import BlockManager
-from tritonllm.engine.model_runner import ModelRunner, SampledTokens
+from tritonllm.engine.model_runner import ModelRunner
 from tritonllm.engine.output import RequestOutput
 from tritonllm.engine.prompt_logprobs import PromptSpan, add_prompt_logprobs, prompt_logprob_spans
 from tritonllm.engine.ranks import abandon, check_ranks, shut_down, start_ranks
 from tritonllm.engine.requests import (Request, Sample, check_for_model, encode_prompt, finish_reason, fit_length,
                                       make_request, step_output)
+from tritonllm.engine.sampled_tokens import SampledTokens
 from tritonllm.engine.scheduler import ScheduledBatch, Scheduler
 from tritonllm.engine.sequence import Sequence, SequenceStatus
 from tritonllm.engine.step_inputs import build_step_inputs
@@ -161,13 +162,12 @@ class LLMEngine:
         return request.request_id
 
     def _queue_samples(self, seqs: list[Sequence]) -> None:
-        """Queue samples 1..n-1 of the requests whose sample 0 just launched the end of its prompt. Its
-        full blocks are registered now (the device writes them before any later step reads them), so
-        the others hit them and compute only the last partial block, each sampling its first token."""
+        """Queue samples 1..n-1 of the requests whose sample 0 just launched the end of its prompt: they
+        hit its full blocks (registered at launch) and compute only the last partial block, each
+        sampling its first token."""
         for seq in seqs:
             request = self._samples[seq.seq_id][0]
             if request.unqueued:
-                self.block_manager.register_computed_blocks(seq)
                 self._counters["unqueued"] -= len(request.unqueued)
                 self.scheduler.add_first([sample.seq for sample in request.unqueued])
                 request.num_queued = len(request.samples)
@@ -288,6 +288,8 @@ class LLMEngine:
                                              previous.samples.ids if previous and previous.samples else None)
         self.scheduler.launched(batch)
         if batch.is_prefill:
+            for seq in batch.seqs:  # at launch: written before any later step reads them, a prompt admitted next hits them
+                self.block_manager.register_computed_blocks(seq)
             self._counters["prefill_tokens"] += batch.num_tokens
             self._queue_samples(seqs)
         return InFlight(seqs, samples, spans, scores) if samples is not None or scores is not None else None

@@ -3,8 +3,6 @@
 Rank 0 gets each step's inputs from the engine and broadcasts them; every rank runs the same
 forward on its shards; rank 0 samples. Ranks > 0 sit in `worker_loop` until told to exit.
 """
-import time
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -16,6 +14,7 @@ from tritonllm.distributed import (all_reduce, broadcast, broadcast_object, clos
                                    interrupt_after, tp_rank)
 from tritonllm.engine.penalties import PenaltyRows, add_logit_bias
 from tritonllm.engine.prompt_logprobs import score_positions
+from tritonllm.engine.sampled_tokens import SampledTokens
 from tritonllm.engine.sequence import Sequence
 from tritonllm.engine.step_inputs import StepInputs
 from tritonllm.engine.warmup import graph_batch_sizes, graph_context_bound, graph_context_bounds, prefill_warmup_steps
@@ -24,35 +23,6 @@ from tritonllm.layers.ops import backend
 from tritonllm.loader import build_model, init_dummy_weights, load_weights
 
 CPU_KV_CACHE_BYTES = 1 << 30
-
-
-class SampledTokens:
-    """A step's sampled ids [N] (and logprobs [N], top logprobs' values and ids [N, k], or None) on
-    the device, copied to the host in the background; `result()` waits for the copy. A step's scored
-    prompt positions come the same way, with the prompt tokens' ranks where the ids go."""
-
-    def __init__(self, ids: torch.Tensor, logprobs: torch.Tensor | None, top: tuple | None = None):
-        self.ids = ids
-        self._host = [t.to("cpu", non_blocking=True) for t in (ids, logprobs, *(top or ())) if t is not None]
-        self._copied = None
-        if ids.is_cuda:
-            self._copied = torch.cuda.Event()
-            self._copied.record()
-        self.has_logprobs, self.has_top = logprobs is not None, top is not None
-
-    def result(self, check=None) -> tuple[list[int], list[float] | None, tuple[list, list] | None]:
-        """The ids, logprobs and top logprobs (values, ids) as lists. While the copy is not done,
-        `check()` (if given) runs every 0.1 ms: it raises when a tensor-parallel worker died, whose
-        collectives would never finish."""
-        if self._copied is not None and check is None:
-            self._copied.synchronize()
-        elif self._copied is not None:
-            while not self._copied.query():
-                check()
-                time.sleep(1e-4)
-        values = [t.tolist() for t in self._host]
-        logprobs = values[1] if self.has_logprobs else None
-        return values[0], logprobs, tuple(values[-2:]) if self.has_top else None
 
 
 class ModelRunner:
@@ -76,6 +46,7 @@ class ModelRunner:
         self.num_kv_blocks = self._allocate_kv_cache()
         self.penalties = PenaltyRows(self.ops, hf_config.vocab_size, config.max_num_seqs, self.device, self._to_device)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (context bound, batch) -> decode graph
+        self.graph_inputs = self.graph_output = None  # the graphs' buffers
         self.stranded = False  # rank 0 left a step midway: the other ranks cannot be brought back in step
         # The references index with boolean masks, which syncs the host: they cannot be captured.
         if self.device.type == "cuda" and not config.enforce_eager and config.kernels == "triton":
@@ -90,7 +61,7 @@ class ModelRunner:
                 self._warmup()
                 free, total = torch.cuda.mem_get_info(self.device)
                 used_at_peak = total - free + torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
-                budget = total * self.config.gpu_memory_utilization - used_at_peak
+                budget = total * self.config.gpu_memory_utilization - used_at_peak - self._sampling_bytes()
             else:
                 budget = CPU_KV_CACHE_BYTES
             # More blocks than max_num_seqs full-length sequences hold would only keep old prefixes.
@@ -118,6 +89,14 @@ class ModelRunner:
         allocate_kv_caches(self.model, 1, self.block_size, self.config.cache_dtype, self.device, fill=0.0)
         self._dummy_prefill(lengths, self.config.prefill_gather_blocks)  # the most copies, each of block 0
         torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()  # its activations, cached, would count twice: in use and in the peak
+
+    def _sampling_bytes(self) -> int:
+        """Rank 0's most sampling memory (not in the warm-up's peak), max_num_seqs rows of the vocabulary:
+        logits, a float32 copy and allowed_token_ids mask, penalty counts (int32) and prompt mask (uint8)."""
+        if self.rank:
+            return 0
+        return self.config.max_num_seqs * self.hf_config.vocab_size * (self.config.dtype.itemsize + 4 + 4 + 4 + 1)
 
     def _compile_prefill(self) -> None:
         """Run the prefill steps of `prefill_warmup_steps` (over an fp8 cache, on copies of its blocks
@@ -360,3 +339,8 @@ class ModelRunner:
                 peers_alive = False
         self.graphs.clear()
         close_distributed(peers_alive)
+        # The weights, the KV cache and the step buffers go now, not when the last reference to the
+        # LLM does: a closed LLM still bound to a name would leave a new one no memory.
+        self.model = self.penalties = self.graph_inputs = self.graph_output = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

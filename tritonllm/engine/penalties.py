@@ -88,7 +88,7 @@ def add_logit_bias(logits: torch.Tensor, seqs: list[Sequence], to_device) -> tor
                 seq.allowed_ids_tensor = to_device(torch.tensor(seq.params.allowed_token_ids))
         mask = torch.full((len(allowed), out.shape[1]), float("-inf"), device=out.device)
         mask[_pairs(range(len(allowed)), [seq.allowed_ids_tensor for _, seq in allowed])] = 0.0
-        out[to_device(torch.tensor([row for row, _ in allowed]))] += mask
+        out.index_add_(0, to_device(torch.tensor([row for row, _ in allowed])), mask)  # no [n, V] temporary
     if biased:
         for _, seq in biased:
             if seq.logit_bias_tensors is None:
