@@ -266,6 +266,16 @@ def test_add_special_tokens_reaches_the_encoder(llm, monkeypatch):
     assert raised.value.status == 400 and raised.value.param == "add_special_tokens"
 
 
+@pytest.mark.parametrize("field, value", [("logits_processors", ["module:Processor"]), ("bad_words", ["x"]),
+                                          ("response_format", {"type": "json_object"}), ("use_beam_search", True)])
+def test_a_field_that_would_change_the_output_is_refused_by_name(field, value):
+    # vLLM refuses logits_processors unless its server allows them; this one ignored them.
+    with pytest.raises(ApiError) as raised:
+        parse_completion({"prompt": "1+1=", field: value}, True)
+    assert raised.value.status == 400 and raised.value.param == field
+    assert parse_completion({"prompt": "1+1=", field: None}, True).prompts  # the neutral value passes
+
+
 def test_tokenize_and_detokenize(server, client, llm):
     """vLLM's /tokenize and /detokenize: the ids the generation routes use, and back."""
     status, answer = server.request("POST", "/tokenize", {"model": MODEL, "prompt": "rev abcd="})

@@ -19,7 +19,7 @@ NEUTRAL = {
     "function_call": (None, "none", "auto"), "response_format": (None, {"type": "text"}),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,),
     # vLLM's extras
-    "use_beam_search": (None, False), "bad_words": (None, []),
+    "use_beam_search": (None, False), "bad_words": (None, []), "logits_processors": (None, []),
     "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
     "structured_outputs": (None,),
 }
