@@ -20,6 +20,14 @@ def check_dtype(name: str, tensor: torch.Tensor, dtypes) -> None:
         raise TypeError(f"{name} must be {'/'.join(map(dtype_name, dtypes))}, got {tensor.dtype}")
 
 
+def check_writable(name: str, tensor: torch.Tensor) -> None:
+    """ValueError naming `name` if elements of `tensor`, which a kernel writes, share memory (stride 0 in a
+    dimension of size > 1, as after expand): each would keep only one of the values written to them."""
+    if any(stride == 0 and size > 1 for size, stride in zip(tensor.shape, tensor.stride())):
+        raise ValueError(f"{name} is written, so its elements must not share memory: got shape {tuple(tensor.shape)} "
+                         f"strides {tensor.stride()}")
+
+
 def check_rows(length: int, dtypes, **tensors: torch.Tensor) -> None:
     """Each keyword tensor must be [length] with stride 1 (a kernel reads element b for row b) of one of dtypes."""
     for name, tensor in tensors.items():
@@ -40,4 +48,6 @@ def check_logits(logits: torch.Tensor) -> tuple[int, int]:
     if logits.dim() != 2:
         raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
     check_dtype("logits", logits, FLOATS)
+    if logits.shape[1] < 1:
+        raise ValueError("logits must have a vocabulary of V >= 1 columns, got V = 0")
     return logits.shape

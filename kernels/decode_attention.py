@@ -20,8 +20,8 @@ import triton.language as tl
 
 from tritonllm.kernels import tuning
 from tritonllm.kernels.fp8 import block_scale_offsets, fp8_dot_operand, from_e4m3, scale_strides
-from tritonllm.kernels.paged import (LOG2E, MAX_GRID_YZ, _key_blocks, _key_major_keys, _load_scales, _relative_v_scales,
-                                    cache_bucket, check_paged_inputs, dot_precision)
+from tritonllm.kernels.paged import (MAX_GRID_YZ, _key_blocks, _key_major_keys, _load_scales, _relative_v_scales,
+                                    cache_bucket, check_paged_inputs, dot_precision, qk_scale_of)
 
 PROGRAMS_PER_SM = 3  # resident programs per SM that hide memory latency without extra splits
 FP8_PROGRAMS_PER_SM = 6  # one-warp programs over an e4m3 cache: twice as many an SM keep bytes in flight
@@ -333,7 +333,7 @@ def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale=None, *,
         return out
     num_kv_heads = k_cache.shape[2]
     context = block_tables.shape[1] * block_size if max_seq_len is None else max_seq_len
-    qk_scale = (head_dim**-0.5 if scale is None else scale) * LOG2E
+    qk_scale = qk_scale_of(scale, head_dim)
 
     def launch(cfg):
         cfg = dict(cfg)
@@ -359,9 +359,11 @@ def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale=None, *,
                 HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
                 SPLIT_MIN=cfg["SPLIT_MIN"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=block_d)
 
+    bucket = decode_attention_bucket(q.dtype, head_dim, group, num_kv_heads, block_size, batch, context, k_cache.dtype)
     if config is None:
-        bucket = decode_attention_bucket(q.dtype, head_dim, group, num_kv_heads, block_size, batch, context,
-                                         k_cache.dtype)
         config = DECODE_TUNABLE.config(bucket, tuning.graph_replay(launch) if q.is_cuda else launch)
+    elif set(config) - {"maxnreg"} not in DECODE_TUNABLE.bucket_key_sets(bucket):
+        raise ValueError(f"config takes the keys {sorted(DECODE_TUNABLE.default(*bucket))} (and maxnreg), got "
+                         f"{sorted(config)}")
     launch(config)
     return out

@@ -29,7 +29,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tritonllm.kernels import tuning
-from tritonllm.kernels.checks import FLOATS, INDICES, check_dtype
+from tritonllm.kernels.checks import FLOATS, INDICES, check_dtype, check_writable
 from tritonllm.kernels.moe_routing import moe_align
 from tritonllm.kernels.paged import dot_precision
 
@@ -263,6 +263,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     if w13.dim() != 3 or w13.shape[1] % 2 or w13.shape[2] != hidden or w13.stride(2) != 1:
         raise ValueError(f"w13 must be [E, 2N, H = {hidden}] contiguous in H, got {tuple(w13.shape)}")
     experts, inter = w13.shape[0], w13.shape[1] // 2
+    if experts < 1 or inter < 1:
+        raise ValueError(f"w13 must hold E >= 1 experts of width N >= 1, got {tuple(w13.shape)}")
     if tuple(w2.shape) != (experts, hidden, inter) or w2.stride(2) != 1:
         raise ValueError(f"w2 must be [E, H, N] = {(experts, hidden, inter)} contiguous in N, got {tuple(w2.shape)}")
     check_dtype("x", x, FLOATS)
@@ -277,6 +279,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         raise ValueError("topk_weights must be float32, and both routing tensors contiguous")
     if out is not None and (out.shape != x.shape or out.dtype != x.dtype or out.stride(1) != 1):
         raise ValueError(f"out must be [T, H] = {tuple(x.shape)} of {x.dtype} with contiguous rows")
+    if out is not None:
+        check_writable("out", out)
     y = torch.empty_like(x, memory_format=torch.contiguous_format) if out is None else out
     if num_tokens == 0:
         return y

@@ -56,6 +56,7 @@ def check_store_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: 
     if k_cache.dim() != 4 or k_cache.shape[2:] != (num_heads, head_dim) or not k_cache.is_contiguous():
         raise ValueError(f"k_cache must be a contiguous [num_blocks, block_size, {num_heads}, {head_dim}], "
                          f"got {tuple(k_cache.shape)} strides {k_cache.stride()}")
+    check_dtype("k_cache", k_cache, FLOATS + (torch.float8_e4m3fn,))  # v_cache: check_cache_layouts makes it k's
     return check_cache_layouts(k_cache, v_cache)
 
 
@@ -159,6 +160,8 @@ def store_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scal
     (kernels/fp8.empty_kv_scales): each (token, head) row is stored as e4m3(row / scale), scale =
     max|row| / 448 (1.0 for a zero row), and its scale is written at [slot, head] (kernels/fp8.py).
     """
+    if k.dim() != 3:
+        raise ValueError(f"k must be [T, Hkv, D], got shape {tuple(k.shape)}")
     n_tokens, num_heads, head_dim = k.shape
     if v.shape != k.shape or k.stride(2) != 1 or v.stride(2) != 1:
         raise ValueError(f"k and v must both be [T, Hkv, D] with contiguous rows, got {tuple(k.shape)} and {tuple(v.shape)}")

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from tritonllm.kernels import tuning
+from tritonllm.kernels.checks import check_writable
 from tritonllm.kernels.tuning import Tunable, dtype_name, pow2
 
 MAX_ROWS = 16  # past this cuBLAS's tiles win (bench/NOTES-engine.md)
@@ -144,6 +145,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if out is not None and (out.shape != (rows, n) or out.dtype != x.dtype or out.stride(1) != 1):
         raise ValueError(f"out must be [{rows}, {n}] {x.dtype} with contiguous rows, "
                          f"got {tuple(out.shape)} {out.dtype}")
+    if out is not None:
+        check_writable("out", out)
     if bias is not None or x.dtype == torch.float32 or not 1 <= rows <= MAX_ROWS:
         return _torch_linear(x, weight, bias, out)
     if x.stride(1) != 1 or weight.stride(1) != 1:

@@ -284,6 +284,8 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     check_dtype("topk_ids", topk_ids, INDICES)
     if block_m < 1 or block_m & (block_m - 1):
         raise ValueError(f"block_m must be a power of two, got {block_m}")
+    if num_experts < 1:
+        raise ValueError(f"num_experts must be >= 1, got {num_experts}")
     num_pairs = topk_ids.numel()
     size = moe_align_size(num_pairs, num_experts, block_m)
     num_blocks = size // block_m

@@ -3,7 +3,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tritonllm.kernels.checks import FLOATS, check_dtype, check_rows
+from tritonllm.kernels.checks import FLOATS, check_dtype, check_rows, check_writable
 from tritonllm.kernels.tuning import Tunable, dtype_name, pow2
 
 
@@ -94,6 +94,7 @@ def _rows_in_place(name: str, t: torch.Tensor) -> torch.Tensor:
     if rows is None or (t.shape[-1] > 1 and rows.stride(1) != 1):
         raise ValueError(f"{name} must be [..., N] with contiguous, evenly spaced rows (written in place), "
                          f"got shape {tuple(t.shape)} strides {t.stride()}")
+    check_writable(name, rows)
     return rows
 
 

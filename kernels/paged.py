@@ -14,17 +14,29 @@ q's dtype (exact; the kernels pass a bfloat16 q as float16, fp8.fp8_dot_operand)
 each key's K scale multiplies its column of scores and its V scale its column of probabilities
 before the PV dot.
 """
+import numbers
+
 import torch
 import triton
 import triton.language as tl
 
 from tritonllm.kernels import tuning
-from tritonllm.kernels.checks import FLOATS, check_block_size, check_dtype, check_rows
+from tritonllm.kernels.checks import FLOATS, check_block_size, check_dtype, check_rows, check_writable
 from tritonllm.kernels.fp8 import block_scale_offsets, check_kv_scales, from_e4m3
 from tritonllm.kernels.kv_cache import check_cache_layouts
 
 LOG2E = 1.4426950408889634
 MAX_GRID_YZ = 65535  # CUDA caps a grid's second and third dimensions here
+
+
+def qk_scale_of(scale, head_dim: int) -> float:
+    """The kernels' score multiplier: scale (None: head_dim ** -0.5) times log2(e); TypeError unless scale
+    is a real number (a tensor would be read from the device, or not at all)."""
+    if scale is None:
+        scale = head_dim**-0.5
+    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a float, got {type(scale).__name__}")
+    return float(scale) * LOG2E
 
 
 @triton.jit
@@ -207,7 +219,7 @@ def check_paged_inputs(q, k_cache, v_cache, seq_lens, block_tables, out, k_scale
         raise ValueError(f"q head_dim {q.shape[2]} differs from k_cache head_dim {head_dim}")
     if not supported_head_dim(head_dim):
         raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
-    if q.shape[1] % num_kv_heads:
+    if num_kv_heads < 1 or q.shape[1] % num_kv_heads:
         raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of k_cache heads ({num_kv_heads})")
     check_block_size(block_size)
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1:
@@ -222,4 +234,6 @@ def check_paged_inputs(q, k_cache, v_cache, seq_lens, block_tables, out, k_scale
     check_dtype("block_tables", block_tables, (torch.int32,))
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1):
         raise ValueError(f"out must be a {q.dtype} tensor of q's shape {tuple(q.shape)}, contiguous in head_dim")
+    if out is not None:
+        check_writable("out", out)
     return q.shape[1] // num_kv_heads, block_size, fp8, v_key_major

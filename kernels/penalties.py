@@ -85,7 +85,7 @@ def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, prompt_mask: tor
 def count_tokens(counts: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
     """In place: counts[rows[i], token_ids[i]] += 1 for an int32 counts buffer, = 1 for a uint8
     mask; pairs with rows[i] < 0 are skipped. rows, token_ids [N] int32/int64, tokens in [0, V)."""
-    _check_buffer("counts", counts, (torch.int32, torch.uint8), counts.shape[-1])
+    _check_buffer("counts", counts, (torch.int32, torch.uint8), counts.shape[-1] if counts.dim() else 0)
     n = rows.numel()
     check_rows(n, INDICES, rows=rows, token_ids=token_ids)
     if n == 0:

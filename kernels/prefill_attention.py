@@ -25,7 +25,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from tritonllm.kernels import tuning
 from tritonllm.kernels.checks import check_rows
 from tritonllm.kernels.fp8 import fp8_dot_operand, scale_strides
-from tritonllm.kernels.paged import LOG2E, MAX_GRID_YZ, _attend_tile, cache_bucket, check_paged_inputs, dot_precision
+from tritonllm.kernels.paged import (MAX_GRID_YZ, _attend_tile, cache_bucket, check_paged_inputs, dot_precision,
+                                     qk_scale_of)
 from tritonllm.kernels.prefill_attention_hopper import HOPPER_TUNABLE, prefill_attention_hopper, supports
 
 PATHS = ("auto", "portable", "hopper")
@@ -220,13 +221,15 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
         return out
     if max_q_len is None:
         max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())
-    if max_q_len <= 0:
-        return out
+        if max_q_len <= 0:
+            return out
+    elif max_q_len < 1:  # with queries, a bound below 1 would launch no program and leave out unwritten
+        raise ValueError(f"max_q_len must be >= 1 (the longest query), got {max_q_len}")
     max_q_len = min(max_q_len, q.shape[0])  # no query is longer than all of them: a loose bound adds no programs
     hopper = applies and (path == "hopper" or enough_work_for_hopper(q.shape[0], max_q_len))
     head_dim = q.shape[2]
     num_kv_heads = k_cache.shape[2]
-    qk_scale = (head_dim**-0.5 if scale is None else scale) * LOG2E
+    qk_scale = qk_scale_of(scale, head_dim)
 
     def launch_portable(cfg):
         cfg = dict(cfg)

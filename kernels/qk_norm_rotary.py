@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from tritonllm.kernels import tuning
-from tritonllm.kernels.checks import FLOATS, INDICES, check_dtype, check_rows
+from tritonllm.kernels.checks import FLOATS, INDICES, check_dtype, check_rows, check_writable
 from tritonllm.kernels.fp8 import (check_kv_scales, e4m3_scale, from_e4m3, scale_offsets, scale_strides, store_held,
                                    to_e4m3)
 from tritonllm.kernels.kv_cache import check_store_caches, check_store_copies, slot_offsets
@@ -332,6 +332,8 @@ def qk_norm_rotary_store(positions, qkv, q_weight, k_weight, eps, cos_sin_cache,
     elif out.shape != (n_tokens, num_heads, head_dim) or out.dtype != qkv.dtype or out.stride(2) != 1:
         raise ValueError(f"out must be [{n_tokens}, {num_heads}, {head_dim}] {qkv.dtype} with a contiguous last dim, "
                          f"got {tuple(out.shape)} {out.dtype}")
+    else:
+        check_writable("out", out)
     if n_tokens == 0:
         return out
     half = head_dim // 2

@@ -3,7 +3,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tritonllm.kernels.checks import FLOATS, INDICES, check_dtype, check_rows
+from tritonllm.kernels.checks import FLOATS, INDICES, check_dtype, check_rows, check_writable
 from tritonllm.kernels.tuning import Tunable, dtype_name, pow2
 
 
@@ -74,6 +74,8 @@ def rotary_embedding(positions, q, k, cos_sin_cache):
         raise ValueError(f"cos_sin_cache must be [max_pos, {head_dim}] with contiguous rows, got {tuple(cos_sin_cache.shape)}")
     check_dtype("q", q, FLOATS)
     check_dtype("k", k, FLOATS)
+    check_writable("q", q)
+    check_writable("k", k)
     check_dtype("cos_sin_cache", cos_sin_cache, (torch.float32,))
     check_rows(n_tokens, INDICES, positions=positions)
     if n_tokens == 0 or head_dim == 0:

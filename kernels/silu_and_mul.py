@@ -3,7 +3,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tritonllm.kernels.checks import FLOATS, check_dtype
+from tritonllm.kernels.checks import FLOATS, check_dtype, check_writable
 from tritonllm.kernels.tuning import Tunable, dtype_name, pow2
 
 
@@ -53,6 +53,8 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     if out is not None and (out.shape != (n_rows, inter) or out.dtype != x.dtype or out.stride(1) != 1):
         raise ValueError(f"out must be [{n_rows}, {inter}] {x.dtype} with contiguous rows, got {tuple(out.shape)} "
                          f"{out.dtype} strides {out.stride()}")
+    if out is not None:
+        check_writable("out", out)
     y = torch.empty(n_rows, inter, dtype=x.dtype, device=x.device) if out is None else out
     if n_rows == 0:
         return y

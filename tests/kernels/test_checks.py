@@ -147,6 +147,33 @@ CASES = {
     "silu_and_mul x int": (lambda: K.silu_and_mul(torch.ones(T, 8, dtype=torch.int64)), TypeError, "x"),
     "silu_and_mul out too short": (lambda: K.silu_and_mul(torch.randn(T, 8), out=torch.empty(T - 1, 4)), ValueError,
                                    "out"),
+    # written, so no two elements may share memory (an expanded tensor): each would keep one row's values
+    "silu_and_mul out expanded": (lambda: K.silu_and_mul(torch.randn(T, 8), out=torch.empty(1, 4).expand(T, 4)),
+                                  ValueError, "out"),
+    "fused_add_rms_norm residual expanded": (lambda: K.fused_add_rms_norm(torch.randn(T, D), torch.randn(1, D).expand(T, D),
+                                                                          torch.ones(D), 1e-6), ValueError, "residual"),
+    "prefill out expanded": (_prefill(out=torch.empty(1, 4, D).expand(T, 4, D)), ValueError, "out"),
+    "decode out expanded": (_decode(out=torch.empty(2, 1, D).expand(2, 4, D)), ValueError, "out"),
+    "rotary q expanded": (_rotary(q=torch.randn(1, 4, D).expand(T, 4, D)), ValueError, "q"),
+    "fused_moe out expanded": (_fused_moe(out=torch.empty(1, D).expand(T, D)), ValueError, "out"),
+    "qk_norm_rotary out expanded": (_qk_norm_rotary(out=torch.empty(1, 4, D).expand(T, 4, D)), ValueError, "out"),
+    "linear out expanded": (lambda: K.linear(torch.randn(T, D), torch.randn(8, D), out=torch.empty(T, 1).expand(T, 8)),
+                            ValueError, "out"),
+    # host values a launch would take as they are
+    "store caches of ints": (_store(k_cache=torch.zeros(4, 16, 2, D, dtype=torch.int8),
+                                    v_cache=torch.zeros(4, 16, 2, D, dtype=torch.int8)), TypeError, "k_cache"),
+    "store k 2-D": (_store(k=torch.randn(T, D)), ValueError, "k"),
+    "prefill max_q_len 0 with queries": (_prefill(max_q_len=0), ValueError, "max_q_len"),
+    "decode scale a tensor": (_decode(scale=torch.tensor(0.25)), TypeError, "scale"),
+    "decode config missing keys": (_decode(config={"num_warps": 1}), ValueError, "config"),
+    "decode no KV heads": (_decode(k_cache=torch.zeros(4, 16, 0, D), v_cache=torch.zeros(4, 16, 0, D)), ValueError,
+                           "heads"),
+    "count_tokens counts 0-d": (lambda: K.count_tokens(torch.tensor(0, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
+                                                       torch.zeros(1, dtype=torch.int32)), ValueError, "counts"),
+    "sample of no vocabulary": (_sample(logits=torch.empty(B, 0)), ValueError, "logits"),
+    "fused_moe no experts": (_fused_moe(w13=torch.randn(0, 8, D), w2=torch.randn(0, D, 4)), ValueError, "w13"),
+    "moe_align no experts": (lambda: K.moe_align(torch.zeros(T, 2, dtype=torch.int32), 0, 16), ValueError,
+                             "num_experts"),
 }
 
 
