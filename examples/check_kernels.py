@@ -1,4 +1,5 @@
-"""Run every tritonllm kernel once on a Qwen3-0.6B-shaped step and compare it with its PyTorch reference.
+"""Run nine tritonllm kernels of a Qwen3-0.6B-shaped step once (norms, rotary, SiLU-and-mul, KV store, both
+attentions, sample, logprobs) and compare each with its PyTorch reference (tests/kernels checks them all).
 
     python examples/check_kernels.py [--tokens N]
 

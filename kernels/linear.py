@@ -140,7 +140,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x must be [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
     if x.dtype != weight.dtype:
-        raise TypeError(f"weight's dtype {weight.dtype} must be x's {x.dtype}")
+        raise ValueError(f"weight's dtype {weight.dtype} must be x's {x.dtype}")
     rows, (n, k) = x.shape[0], weight.shape
     if out is not None and (out.shape != (rows, n) or out.dtype != x.dtype or out.stride(1) != 1):
         raise ValueError(f"out must be [{rows}, {n}] {x.dtype} with contiguous rows, "

@@ -235,12 +235,6 @@ class LLM(LLMEngine):
             return self.stream(encoded, sampling_params)
         return self.generate(encoded, sampling_params, use_tqdm)
 
-    def __enter__(self) -> "LLM":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
 
 def _params_list(sampling_params, count: int) -> list:
     """sampling_params as one entry (SamplingParams or None) per prompt, checked."""

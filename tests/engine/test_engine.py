@@ -13,7 +13,7 @@ import pytest
 from serving import NUM_BLOCKS, PARAMS, PROMPTS, assert_clean, assert_serving, expected, llm, run_to_end, run_to_end_outputs  # noqa: F401
 from tiny_qwen3 import hf_greedy
 
-from tritonllm import LLM, SamplingParams
+from tritonllm import LLM, LLMEngine, SamplingParams
 
 @pytest.mark.parametrize("steps", [0, 1, 2, 3, 4, 6, 9, 30])
 def test_abort_at_every_point(llm, expected, steps):
@@ -202,3 +202,14 @@ def test_tensor_parallel_without_a_main_guard_is_a_clear_error(tiny_qwen3, tmp_p
     done = subprocess.run([sys.executable, str(script), str(tiny_qwen3)], capture_output=True, text=True, timeout=300)
     assert done.returncode != 0 and "made" not in done.stdout
     assert 'if __name__ == "__main__":' in done.stderr, done.stderr[-3000:]
+
+
+def test_the_step_api_closes_at_the_end_of_a_with_block(tiny_qwen3):
+    # Only LLM could be used in a with block (a TypeError for LLMEngine).
+    greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    with LLMEngine(str(tiny_qwen3), max_num_seqs=2, num_kv_blocks=16) as engine:
+        request = engine.add_request([5, 6, 7], greedy)
+        tokens = run_to_end(engine)[request]
+    assert tokens == hf_greedy(tiny_qwen3, [5, 6, 7], 3)
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.step()

@@ -85,7 +85,7 @@ def test_linear_bad_inputs():
     x = randn(2, 32, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="weight"):
         linear(x, randn(8, 31, dtype=torch.bfloat16))
-    with pytest.raises(TypeError, match="dtype"):
+    with pytest.raises(ValueError, match="dtype"):  # two arguments that disagree, as kernels/README.md says
         linear(x, randn(8, 32, dtype=torch.float16))
     with pytest.raises(ValueError, match="contiguous"):
         linear(randn(32, 2, dtype=torch.bfloat16).t(), randn(8, 32, dtype=torch.bfloat16), config=config(32, 64, 1))

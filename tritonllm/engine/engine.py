@@ -355,7 +355,14 @@ class LLMEngine:
             del self._requests[request.request_id]
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers and leave the process group; also done by `del` and at exit."""
+        """Free the weights and the KV cache, stop the parallel workers and leave the process group; also
+        done by `del`, at exit and at the end of a `with` block."""
         finalizer = getattr(self, "_finalizer", None)  # absent if __init__ failed, or on ranks > 0
         if finalizer is not None:
             finalizer()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
