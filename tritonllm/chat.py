@@ -11,7 +11,7 @@ class MessageError(ValueError):
 
 def text_message(message, name: str = "message") -> dict:
     """A copy of an OpenAI-style message as the chat templates take it: content a string (text parts
-    [{"type": "text", "text": ...}] joined, None as ""), and vLLM's `reasoning` also as
+    [{"type": "text", "text": ...}] joined by newlines, as vLLM joins them; None as ""), and vLLM's `reasoning` also as
     `reasoning_content`, which Qwen3's templates read. MessageError naming `name` otherwise."""
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise MessageError(name, "must be an object with a string role")
@@ -19,7 +19,7 @@ def text_message(message, name: str = "message") -> dict:
     if isinstance(content, list):
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
             raise MessageError(f"{name}.content", "may hold only text parts ({'type': 'text', 'text': ...})")
-        content = "".join(p["text"] for p in content)
+        content = "\n".join(p["text"] for p in content)
     if content is not None and not isinstance(content, str):
         raise MessageError(f"{name}.content", "must be a string or a list of text parts")
     checked = {**message, "content": content or ""}

@@ -167,10 +167,10 @@ def test_chat_uses_the_template(tiny_qwen3):
 
 
 def test_chat_takes_openai_text_parts(tiny_qwen3):
-    """Text parts are joined as the server joins them; other parts and a message without a role are
-    errors naming the message."""
+    """Text parts are joined by newlines, as vLLM joins them (the server too); other parts and a
+    message without a role are errors naming the message."""
     llm = LLM(str(tiny_qwen3), **SMALL, num_kv_blocks=64)
-    plain = [{"role": "user", "content": "hi"}]
+    plain = [{"role": "user", "content": "h\ni"}]
     parts = [{"role": "user", "content": [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]}]
     want = llm.chat(plain, GREEDY, use_tqdm=False)[0]
     got = llm.chat(parts, GREEDY, use_tqdm=False)[0]

@@ -45,12 +45,12 @@ def test_a_completion_ends_at_max_model_len(tiny_qwen3):
         assert capped.token_ids == hf_greedy(tiny_qwen3, prompt, 6) and capped.finish_reason == "length"
         full = list(range(3, 19))  # 16 tokens
         assert small.generate([full], greedy, use_tqdm=False)[0].token_ids == hf_greedy(tiny_qwen3, full, 1)
-        with pytest.raises(ValueError, match="max_model_len=16"):
+        with pytest.raises(ValueError, match="maximum context length is 16 tokens.*the prompt has 17 tokens"):
             small.generate([full + [3]], greedy, use_tqdm=False)
         truncated = SamplingParams(temperature=0, max_tokens=2, truncate_prompt_tokens=-1)
         out = small.generate([[7] * 5 + full], truncated, use_tqdm=False)[0]
         assert out.prompt_token_ids == full and out.token_ids == hf_greedy(tiny_qwen3, full, 1)
-        with pytest.raises(ValueError, match=r"max_tokens \(50\) exceeds max_model_len=16"):
+        with pytest.raises(ValueError, match=r"maximum context length is 16 tokens.*max_tokens \(50\) = 60 exceed it"):
             small.make_sequence(prompt, greedy, strict_length=True)
         assert not small.has_unfinished() and small.block_manager.num_free_blocks == len(small.block_manager.blocks)
 

@@ -1,6 +1,9 @@
 """Bad requests to `tritonllm serve`, through the official openai client and raw HTTP: a 400 that
 names the request's field (OpenAI's `param`), whether the server's parser or the engine process
 finds it; an unknown model, route or method; JSON that cannot be read; fields that change nothing."""
+import http.client
+import json
+
 import openai
 import pytest
 from test_openai_api import MODEL
@@ -61,6 +64,31 @@ def test_errors_the_engine_finds_name_the_requests_field(server, path, fields, p
     status, answer = server.request("POST", path, {"model": MODEL, **fields})
     assert status == 400 and answer["error"]["param"] == param, answer
     assert param in answer["error"]["message"] or param == "messages"  # a chat's prompt is what its messages render
+
+
+def test_a_prompt_too_long_is_openais_context_length_error(server):
+    # Clients tell it from other errors by its code and words; it blamed max_tokens (16 by default), which no
+    # value could mend.
+    status, answer = server.request("POST", "/v1/completions", {"model": MODEL, "prompt": "1" * 70})
+    error = answer["error"]
+    assert status == 400 and (error["code"], error["param"]) == ("context_length_exceeded", "prompt"), answer
+    assert error["message"].startswith("This model's maximum context length is 64 tokens")
+
+
+def test_a_wrong_method_and_a_cross_origin_request(server):
+    # The 405 was typed a server error and lost its Allow header; a browser's preflight got 405 (vLLM allows any origin).
+    def send(method, path, headers):
+        connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+        connection.request(method, path, headers=headers)
+        response = connection.getresponse()
+        return response, response.read()
+
+    response, body = send("GET", "/v1/completions", {})
+    assert response.status == 405 and json.loads(body)["error"]["type"] == "invalid_request_error"
+    assert response.getheader("Allow") == "POST"
+    response, _ = send("OPTIONS", "/v1/chat/completions", {"Origin": "http://example.com",
+                                                          "Access-Control-Request-Method": "POST"})
+    assert response.status == 200 and response.getheader("Access-Control-Allow-Origin") in ("*", "http://example.com")
 
 
 def test_other_errors_and_unknown_fields(server, client):

@@ -62,17 +62,21 @@ def fit_length(params: SamplingParams, prompt_len: int, max_model_len: int, num_
     model_room = max_model_len - prompt_len
     if not strict and prompt_len == max_model_len:
         model_room = 1
+    # OpenAI's words, which clients match to tell a prompt too long from other errors.
+    limit = f"This model's maximum context length is {max_model_len} tokens (max_model_len)"
+    if model_room < 1:
+        raise ValueError(f"{limit}. However, the prompt has {prompt_len} tokens, which leaves no room for a completion")
     if params.max_tokens is None:
         room = min(model_room, num_blocks * block_size + 1 - prompt_len)
         if room < 1:
-            raise ValueError(f"prompt ({prompt_len} tokens) leaves no room for a completion: max_model_len="
-                             f"{max_model_len}, KV cache {num_blocks} blocks of {block_size}")
+            raise ValueError(f"prompt ({prompt_len} tokens) leaves no room for a completion in the KV cache of "
+                             f"{num_blocks} blocks of {block_size}")
         params.max_tokens = room
         params.validate()  # min_tokens against it
     elif params.max_tokens > model_room:
-        if strict or model_room < 1:
-            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                             f"max_model_len={max_model_len}")
+        if strict:
+            raise ValueError(f"{limit}. However, the prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) "
+                             f"= {prompt_len + params.max_tokens} exceed it")
         params.max_tokens, params.min_tokens = model_room, min(params.min_tokens, model_room)
     total = prompt_len + params.max_tokens
     if -(-(total - 1) // block_size) > num_blocks:

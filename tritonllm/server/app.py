@@ -17,6 +17,7 @@ from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
@@ -40,8 +41,8 @@ class ServerState:
         self.counters = {"requests": 0, "requests_finished": 0, "requests_aborted": 0, "errors": 0}
 
 
-def error_response(error: ApiError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+def error_response(error: ApiError, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
 async def read_json(request: Request) -> dict:
@@ -162,6 +163,8 @@ def create_app(engine: EngineClient, names: tuple[str, ...], tokenizer=None, rea
 
     app = FastAPI(title="tritonllm", lifespan=lifespan)
     app.state.server = state
+    # As vLLM's server by default: browser clients of other origins may call it.
+    app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError):
@@ -171,7 +174,7 @@ def create_app(engine: EngineClient, names: tuple[str, ...], tokenizer=None, rea
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException):  # unknown route, wrong method
         state.counters["errors"] += 1
-        return error_response(ApiError(error.status_code, str(error.detail), code=None))
+        return error_response(ApiError(error.status_code, str(error.detail), code=None), error.headers)  # 405: Allow
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, error: Exception):

@@ -25,8 +25,8 @@ NEUTRAL = {
 }
 
 JSON_NAMES = {bool: "a boolean", int: "an integer", str: "a string", dict: "an object", list: "an array"}
-ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 422: "invalid_request_error",
-               429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
+               422: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
 
 
 class ApiError(Exception):
@@ -128,6 +128,8 @@ def refused(message: str, names: dict[str, str]) -> ApiError:
     name = names.get(field, field)
     if field != "prompt":  # "prompt" stays in the text: a chat's prompt is its rendered messages
         message = message.replace(field, name, 1)
+    if "maximum context length" in message:  # OpenAI's code for it
+        return ApiError(400, message, name, "context_length_exceeded")
     return bad(message, name)
 
 
