@@ -57,8 +57,10 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch | None:
         """The next step, or None when nothing can run. Prefill goes first, but not twice in a row while
         sequences run: prompts arriving at every step (or a long one's chunks) would stall their decoding."""
-        prefill_first = not (self.after_prefill and self.running)
-        batch = (prefill_first and self._prefill_batch()) or self._decode_batch() or self._prefill_batch()
+        if self.after_prefill and self.running:
+            batch = self._decode_batch() or self._prefill_batch()
+        else:
+            batch = self._prefill_batch() or self._decode_batch()
         self.after_prefill = batch is not None and batch.is_prefill
         return batch
 
