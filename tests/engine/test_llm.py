@@ -309,7 +309,7 @@ def test_unknown_option_and_bad_requests(tiny_qwen3):
         llm.generate([""], use_tqdm=False)
     with pytest.raises(ValueError, match="token ids"):
         llm.generate([[1, 10**6]], use_tqdm=False)
-    with pytest.raises(ValueError, match="max_model_len=128"):  # a prompt past it; a max_tokens past it is capped
+    with pytest.raises(ValueError, match="maximum context length is 128 tokens"):  # a prompt past it; a max_tokens past it is capped
         llm.generate([[1] * 129], SamplingParams(max_tokens=1), use_tqdm=False)
     with pytest.raises(ValueError, match="never fit"):
         llm.generate([[1] * 60], SamplingParams(max_tokens=20), use_tqdm=False)

@@ -53,10 +53,12 @@ def test_greedy_completion_equals_generate(server, client, llm):
     assert [c.model_extra["prompt_token_ids"] for c in response.choices] == [out.prompt_token_ids for out in expected]
     chunks = list(client.completions.create(model=MODEL, prompt=["1+1=", "rev ab="], max_tokens=3, temperature=0, n=2,
                                             stream=True, extra_body={"return_token_ids": True}))
-    firsts = [c.choices[0].model_extra.get("prompt_token_ids") for c in chunks]
-    assert sum(ids is not None for ids in firsts) == 4 and all(ids is None for ids in firsts[4:])
-    by_choice = {c.choices[0].index: c.choices[0].model_extra["prompt_token_ids"] for c in chunks[:4]}
-    assert by_choice == {0: llm.encode("1+1="), 1: llm.encode("1+1="), 2: llm.encode("rev ab="), 3: llm.encode("rev ab=")}
+    per_choice = {}  # each choice's chunks in order (the choices' chunks interleave as their steps run)
+    for c in chunks:
+        per_choice.setdefault(c.choices[0].index, []).append(c.choices[0].model_extra.get("prompt_token_ids"))
+    assert all(all(ids is None for ids in later) for _, *later in per_choice.values())
+    assert {index: ids[0] for index, ids in per_choice.items()} == {
+        0: llm.encode("1+1="), 1: llm.encode("1+1="), 2: llm.encode("rev ab="), 3: llm.encode("rev ab=")}
     messages = [{"role": "user", "content": "rev ab"}]
     chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, extra_body={"return_token_ids": True})
     status, counted = server.request("POST", "/tokenize", {"messages": messages})
