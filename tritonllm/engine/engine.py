@@ -24,7 +24,7 @@ from tritonllm.engine.output import RequestOutput
 from tritonllm.engine.prompt_logprobs import PromptSpan, add_prompt_logprobs, prompt_logprob_spans
 from tritonllm.engine.ranks import abandon, check_ranks, shut_down, start_ranks
 from tritonllm.engine.requests import (Request, Sample, check_for_model, encode_prompt, finish_reason, fit_length,
-                                      make_request, step_output)
+                                      make_request, min_tokens_bans, step_output)
 from tritonllm.engine.sampled_tokens import SampledTokens
 from tritonllm.engine.scheduler import ScheduledBatch, Scheduler
 from tritonllm.engine.sequence import Sequence, SequenceStatus
@@ -284,7 +284,7 @@ class LLMEngine:
         inputs = build_step_inputs(batch, previous.rows() if previous else {}, self.config.kv_block_size,
                                    self.config.prefill_gather_blocks, spans)
         seqs = batch.sampling_seqs
-        samples, scores = self.runner.launch(inputs, seqs, [self._seed(seq) for seq in seqs], self._bans(seqs),
+        samples, scores = self.runner.launch(inputs, seqs, [self._seed(seq) for seq in seqs], min_tokens_bans(seqs, self.eos_ids),
                                              previous.samples.ids if previous and previous.samples else None)
         self.scheduler.launched(batch)
         if batch.is_prefill:
@@ -293,13 +293,6 @@ class LLMEngine:
             self._counters["prefill_tokens"] += batch.num_tokens
             self._queue_samples(seqs)
         return InFlight(seqs, samples, spans, scores) if samples is not None or scores is not None else None
-
-    def _bans(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
-        """The (row, token) pairs a step may not draw: a row short of its min_tokens draws neither EOS
-        (even with ignore_eos) nor its stop tokens, whose logits are masked (vLLM's min_tokens)."""
-        return [(row, token) for row, seq in enumerate(seqs)
-                if seq.params.min_tokens and seq.num_completion_tokens < seq.params.min_tokens
-                for token in seq.params.stop_token_ids + sorted(self.eos_ids)]
 
     def _check_open(self) -> None:
         if self._broken:

@@ -184,6 +184,14 @@ def prompt_scores(request: Request) -> tuple[list | None, list | None, list | No
     return [None] + seq.prompt_logprobs, top, [None] + seq.prompt_ranks
 
 
+def min_tokens_bans(seqs: list[Sequence], eos_ids: set[int]) -> list[tuple[int, int]]:
+    """The (row, token) pairs a step may not draw: a row short of its min_tokens draws neither EOS
+    (even with ignore_eos) nor its stop tokens, whose logits are masked (vLLM's min_tokens)."""
+    return [(row, token) for row, seq in enumerate(seqs)
+            if seq.params.min_tokens and seq.num_completion_tokens < seq.params.min_tokens
+            for token in seq.params.stop_token_ids + sorted(eos_ids)]
+
+
 def finish_reason(sample: Sample, eos_ids: set[int], eos_id: int | None) -> str | None:
     """Whether the sample's last token finishes it (EOS or a stop token, a stop string, max_tokens),
     and why; sets what the final output reports with it (the model's EOS `eos_id` is no stop_reason)."""
