@@ -20,10 +20,11 @@ def check_dtype(name: str, tensor: torch.Tensor, dtypes) -> None:
         raise TypeError(f"{name} must be {'/'.join(map(dtype_name, dtypes))}, got {tensor.dtype}")
 
 
-def check_writable(name: str, tensor: torch.Tensor) -> None:
+def check_writable(name: str, tensor: torch.Tensor | None) -> None:
     """ValueError naming `name` if elements of `tensor`, which a kernel writes, share memory (stride 0 in a
-    dimension of size > 1, as after expand): each would keep only one of the values written to them."""
-    if any(stride == 0 and size > 1 for size, stride in zip(tensor.shape, tensor.stride())):
+    dimension of size > 1, as after expand): each would keep only one of the values written to them. None
+    (an optional output not given) passes."""
+    if tensor is not None and any(stride == 0 and size > 1 for size, stride in zip(tensor.shape, tensor.stride())):
         raise ValueError(f"{name} is written, so its elements must not share memory: got shape {tuple(tensor.shape)} "
                          f"strides {tensor.stride()}")
 

@@ -279,8 +279,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         raise ValueError("topk_weights must be float32, and both routing tensors contiguous")
     if out is not None and (out.shape != x.shape or out.dtype != x.dtype or out.stride(1) != 1):
         raise ValueError(f"out must be [T, H] = {tuple(x.shape)} of {x.dtype} with contiguous rows")
-    if out is not None:
-        check_writable("out", out)
+    check_writable("out", out)
     y = torch.empty_like(x, memory_format=torch.contiguous_format) if out is None else out
     if num_tokens == 0:
         return y

@@ -145,8 +145,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if out is not None and (out.shape != (rows, n) or out.dtype != x.dtype or out.stride(1) != 1):
         raise ValueError(f"out must be [{rows}, {n}] {x.dtype} with contiguous rows, "
                          f"got {tuple(out.shape)} {out.dtype}")
-    if out is not None:
-        check_writable("out", out)
+    check_writable("out", out)
     if bias is not None or x.dtype == torch.float32 or not 1 <= rows <= MAX_ROWS:
         return _torch_linear(x, weight, bias, out)
     if x.stride(1) != 1 or weight.stride(1) != 1:

@@ -234,6 +234,5 @@ def check_paged_inputs(q, k_cache, v_cache, seq_lens, block_tables, out, k_scale
     check_dtype("block_tables", block_tables, (torch.int32,))
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1):
         raise ValueError(f"out must be a {q.dtype} tensor of q's shape {tuple(q.shape)}, contiguous in head_dim")
-    if out is not None:
-        check_writable("out", out)
+    check_writable("out", out)
     return q.shape[1] // num_kv_heads, block_size, fp8, v_key_major

@@ -211,7 +211,8 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
     applies = path != "portable" and supports(q, k_cache, v_cache, group, v_key_major, fp8)
     if path == "hopper" and not applies:
         raise ValueError("path='hopper' needs an sm_90 GPU, bf16/fp16 q and cache in the plain layout, q 16-byte "
-                         "aligned with strides of multiples of 16 elements, D 64 or 128, block_size >= 16 and Hq / Hkv <= 64")
+                         "aligned with strides of multiples of 16 elements, D 64 or 128, block_size >= 16 and "
+                         "Hq / Hkv <= 64")
     batch = seq_lens.shape[0]
     check_rows(batch + 1, (torch.int32,), cu_seqlens_q=cu_seqlens_q)
     if batch > MAX_GRID_YZ:

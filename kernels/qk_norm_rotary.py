@@ -332,8 +332,7 @@ def qk_norm_rotary_store(positions, qkv, q_weight, k_weight, eps, cos_sin_cache,
     elif out.shape != (n_tokens, num_heads, head_dim) or out.dtype != qkv.dtype or out.stride(2) != 1:
         raise ValueError(f"out must be [{n_tokens}, {num_heads}, {head_dim}] {qkv.dtype} with a contiguous last dim, "
                          f"got {tuple(out.shape)} {out.dtype}")
-    else:
-        check_writable("out", out)
+    check_writable("out", out)
     if n_tokens == 0:
         return out
     half = head_dim // 2

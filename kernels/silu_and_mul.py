@@ -53,8 +53,7 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     if out is not None and (out.shape != (n_rows, inter) or out.dtype != x.dtype or out.stride(1) != 1):
         raise ValueError(f"out must be [{n_rows}, {inter}] {x.dtype} with contiguous rows, got {tuple(out.shape)} "
                          f"{out.dtype} strides {out.stride()}")
-    if out is not None:
-        check_writable("out", out)
+    check_writable("out", out)
     y = torch.empty(n_rows, inter, dtype=x.dtype, device=x.device) if out is None else out
     if n_rows == 0:
         return y

@@ -11,8 +11,9 @@ class MessageError(ValueError):
 
 def text_message(message, name: str = "message") -> dict:
     """A copy of an OpenAI-style message as the chat templates take it: content a string (text parts
-    [{"type": "text", "text": ...}] joined by newlines, as vLLM joins them; None as ""), and vLLM's `reasoning` also as
-    `reasoning_content`, which Qwen3's templates read. MessageError naming `name` otherwise."""
+    [{"type": "text", "text": ...}] joined by newlines, as vLLM joins them; None as ""), and vLLM's
+    `reasoning` also as `reasoning_content`, which Qwen3's templates read. MessageError naming `name`
+    otherwise."""
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise MessageError(name, "must be an object with a string role")
     content = message.get("content")

@@ -284,11 +284,13 @@ class LLMEngine:
         inputs = build_step_inputs(batch, previous.rows() if previous else {}, self.config.kv_block_size,
                                    self.config.prefill_gather_blocks, spans)
         seqs = batch.sampling_seqs
-        samples, scores = self.runner.launch(inputs, seqs, [self._seed(seq) for seq in seqs], min_tokens_bans(seqs, self.eos_ids),
+        samples, scores = self.runner.launch(inputs, seqs, [self._seed(seq) for seq in seqs],
+                                             min_tokens_bans(seqs, self.eos_ids),
                                              previous.samples.ids if previous and previous.samples else None)
         self.scheduler.launched(batch)
         if batch.is_prefill:
-            for seq in batch.seqs:  # at launch: written before any later step reads them, a prompt admitted next hits them
+            # Registered at launch: written before any later step reads them, so a prompt admitted next hits them.
+            for seq in batch.seqs:
                 self.block_manager.register_computed_blocks(seq)
             self._counters["prefill_tokens"] += batch.num_tokens
             self._queue_samples(seqs)
