@@ -3,7 +3,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast
 from transformers.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from transformers.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -72,6 +72,13 @@ def build_tiny_qwen3_moe(path: Path, *, top_k: int = 2, norm_topk_prob: bool = T
     return _save(path, Qwen3MoeForCausalLM, Qwen3MoeConfig, dtype, seed, intermediate_size=96, num_hidden_layers=3,
                  moe_intermediate_size=48, num_experts=8, num_experts_per_tok=top_k, norm_topk_prob=norm_topk_prob,
                  mlp_only_layers=[1], decoder_sparse_step=1, tie_word_embeddings=False)
+
+
+def hf_prompt_ids(path, prompts: list) -> list[list[int]]:
+    """Each prompt's token ids from HF's tokenizer at `path` (token-id prompts as they are): the
+    expected ids of an engine test, independent of the engine's encode."""
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
 
 
 def hf_greedy(path, prompt_ids: list[int], n: int) -> list[int]:

@@ -1,9 +1,12 @@
 """The module-wide engine of the failure-path tests (test_engine.py, test_interrupts.py) and the
 checks that it still serves: the next request is right and no block leaked."""
+import sys
+
 import pytest
 from tiny_qwen3 import hf_greedy
 
 from tritonllm import LLM, SamplingParams
+from tritonllm.engine.engine import LLMEngine
 
 NUM_BLOCKS = 32
 OPTIONS = {"max_num_seqs": 4, "num_kv_blocks": NUM_BLOCKS, "max_num_batched_tokens": 24}  # 24: prompts go in chunks
@@ -20,6 +23,15 @@ def expected(tiny_qwen3):
 def llm(tiny_qwen3):
     with LLM(str(tiny_qwen3), **OPTIONS) as engine:
         yield engine
+
+
+def resolving() -> bool:
+    """Whether the caller runs inside LLMEngine._resolve (a step's tokens brought in). A prefill's
+    blocks are registered at its launch too, so a failure meant for _resolve checks where it is."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code is not LLMEngine._resolve.__code__:
+        frame = frame.f_back
+    return frame is not None
 
 
 def assert_clean(llm):

@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 from parallel import ranks, running
-from tiny_qwen3 import hf_greedy
+from tiny_qwen3 import hf_greedy, hf_prompt_ids
 
 from tritonllm import LLM, SamplingParams
 from tritonllm.distributed import free_port
@@ -21,9 +21,7 @@ SMALL = {"max_num_seqs": 8, "num_kv_blocks": 64}
 def expected(tiny_qwen3):
     """Per-prompt greedy lengths 3..7, so an output in another prompt's place shows; HF's tokens."""
     params = [SamplingParams(temperature=0, max_tokens=3 + i, ignore_eos=True) for i in range(len(PROMPTS))]
-    with LLM(str(tiny_qwen3), **SMALL) as llm:
-        prompt_ids = [llm.encode(p) for p in PROMPTS]
-    return params, [hf_greedy(tiny_qwen3, ids, p.max_tokens) for ids, p in zip(prompt_ids, params)]
+    return params, [hf_greedy(tiny_qwen3, ids, p.max_tokens) for ids, p in zip(hf_prompt_ids(tiny_qwen3, PROMPTS), params)]
 
 
 @ranks(2)

@@ -2,7 +2,7 @@
 through prefix hits, chunked prefill, preemption and tensor parallelism."""
 import pytest
 import torch
-from tiny_qwen3 import greedy_agreement, hf_greedy
+from tiny_qwen3 import greedy_agreement, hf_greedy, hf_prompt_ids
 
 from tritonllm import LLM, SamplingParams
 
@@ -12,10 +12,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def expected(tiny_qwen3_moe):
-    llm = LLM(str(tiny_qwen3_moe), max_num_seqs=4, num_kv_blocks=64, enforce_eager=True)
-    prompt_ids = [llm.encode(p) for p in PROMPTS]
-    llm.close()
-    return [hf_greedy(tiny_qwen3_moe, ids, GREEDY.max_tokens) for ids in prompt_ids]
+    return [hf_greedy(tiny_qwen3_moe, ids, GREEDY.max_tokens) for ids in hf_prompt_ids(tiny_qwen3_moe, PROMPTS)]
 
 
 def completions(llm, prompts=PROMPTS):

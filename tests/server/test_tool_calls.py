@@ -121,5 +121,5 @@ def test_history_with_calls_and_their_results_renders(server):
 
 
 def test_auto_tool_choice_needs_a_parser(tmp_path):
-    with pytest.raises(RuntimeError, match="did not start"):
+    with pytest.raises(RuntimeError, match="(?s)did not start.*--enable-auto-tool-choice needs --tool-call-parser"):
         ServerProcess(["--enable-auto-tool-choice"], tmp_path / "log.txt")
