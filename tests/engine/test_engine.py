@@ -109,6 +109,23 @@ def test_an_abort_is_reported_by_the_next_step(llm, expected):
     assert_clean(llm)
 
 
+def test_abort_takes_one_id_or_a_list_and_refuses_other_types(llm, expected):
+    """As vLLM's abort_request: one id or several. A string (vLLM's ids are strings) is a TypeError, not
+    an unknown id ignored while the request runs on."""
+    ids = [llm.add_request(p, PARAMS, stream=False) for p in PROMPTS]
+    for bad in (str(ids[0]), [str(ids[0])], {ids[0]: 1}, 1.0):
+        with pytest.raises(TypeError, match="request_id must be an int from add_request or a list of them"):
+            llm.abort(bad)
+    llm.abort(ids[1:3])
+    llm.abort([])
+    finals = {out.request_id: out.output for out in run_to_end_outputs(llm) if out.finished}
+    assert [finals[i].finish_reason for i in ids] == ["length", "abort", "abort", "length"]
+    assert [finals[ids[0]].token_ids, finals[ids[3]].token_ids] == [expected[0], expected[3]]
+    with pytest.raises(TypeError, match="add_request takes \\(prompt, params, stream\\)"):
+        llm.add_request("request-0", PROMPTS[0], PARAMS)  # vLLM's order
+    assert_clean(llm)
+
+
 def test_an_abort_keeps_the_engine_unfinished_until_reported(llm):
     """`while llm.has_unfinished(): llm.step()` sees the abort's final output."""
     request = llm.add_request(PROMPTS[0], PARAMS)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from parallel import ranks, running
 from safetensors.torch import load_file, save_file
-from tiny_qwen3 import hf_greedy
+from tiny_qwen3 import hf_greedy, hf_prompt_ids
 from transformers.models.qwen3 import Qwen3ForCausalLM as HFQwen3
 
 import tritonllm.engine.engine
@@ -28,9 +28,7 @@ two_ranks = ranks(2)
 
 @pytest.fixture(scope="module")
 def expected(tiny_qwen3):
-    llm = LLM(str(tiny_qwen3), **SMALL, num_kv_blocks=64, enforce_eager=True)
-    prompt_ids = [llm.encode(p) for p in PROMPTS]
-    llm.close()
+    prompt_ids = hf_prompt_ids(tiny_qwen3, PROMPTS)
     return prompt_ids, [hf_greedy(tiny_qwen3, ids, GREEDY.max_tokens) for ids in prompt_ids]
 
 
@@ -124,13 +122,13 @@ def test_stream_yields_what_generate_returns(tiny_qwen3, expected):
         llm.tokenizer.decode(t, skip_special_tokens=True).rstrip("\ufffd") for t in expected[1]]
 
 
-def test_sampling_params_per_request_and_seeds(tiny_qwen3):
+def test_sampling_params_per_request_and_seeds(tiny_qwen3, expected):
     llm = LLM(str(tiny_qwen3), **SMALL, num_kv_blocks=64)
     sampled = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=5, seed=7, ignore_eos=True)
-    first = completions(llm, PROMPTS[:2], [sampled, GREEDY])
-    second = completions(llm, PROMPTS[:2], [sampled, GREEDY])
-    assert first == second  # a seeded request draws the same tokens whatever runs beside it
-    assert len(first[0]) == 5 and len(first[1]) == 6
+    (alone,) = completions(llm, PROMPTS[:1], sampled)
+    beside = completions(llm, [PROMPTS[3], PROMPTS[0], PROMPTS[1]], [GREEDY, sampled, GREEDY])
+    assert beside[1] == alone and len(alone) == 5  # a seeded request draws the same tokens whatever runs beside it
+    assert [beside[0], beside[2]] == [expected[1][3], expected[1][1]]
 
 
 def test_stop_token_ids_and_logprobs(tiny_qwen3, expected):
@@ -147,6 +145,7 @@ def test_stop_token_ids_and_logprobs(tiny_qwen3, expected):
     n = len(out.prompt_token_ids)
     want = [float(logp[n - 1 + i, t]) for i, t in enumerate(out.token_ids)]
     assert out.logprobs == pytest.approx(want, abs=1e-4)
+    assert out.cumulative_logprob == pytest.approx(sum(want), abs=1e-3)  # vLLM's CompletionOutput field
 
 
 def test_stop_strings_are_cut_from_the_text(tiny_qwen3, expected):

@@ -43,6 +43,10 @@ def test_a_completion_ends_at_max_model_len(tiny_qwen3):
     with LLM(str(tiny_qwen3), max_num_seqs=2, max_model_len=16) as small:
         capped = small.generate([prompt], greedy, use_tqdm=False)[0]
         assert capped.token_ids == hf_greedy(tiny_qwen3, prompt, 6) and capped.finish_reason == "length"
+        unbounded = SamplingParams(temperature=0, max_tokens=None, min_tokens=40, ignore_eos=True)  # capped alike
+        assert small.generate([prompt], unbounded, use_tqdm=False)[0].token_ids == capped.token_ids
+        with pytest.raises(ValueError, match=r"maximum context length is 16 tokens.*min_tokens \(40\) = 50 exceed it"):
+            small.make_sequence(prompt, unbounded, strict_length=True)
         full = list(range(3, 19))  # 16 tokens
         assert small.generate([full], greedy, use_tqdm=False)[0].token_ids == hf_greedy(tiny_qwen3, full, 1)
         with pytest.raises(ValueError, match="maximum context length is 16 tokens.*the prompt has 17 tokens"):
@@ -151,7 +155,7 @@ def test_a_request_fits_when_its_computed_tokens_fit(tiny_qwen3):
         unbounded = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
         out = small.generate([prompts[0]], unbounded, use_tqdm=False)[0]
         assert out.token_ids == hf_greedy(tiny_qwen3, prompts[0], 23) and out.finish_reason == "length"
-        with pytest.raises(ValueError, match=r"min_tokens=24 .*max_tokens=23"):
+        with pytest.raises(ValueError, match=r"min_tokens \(24\) can never fit the KV cache of 2 blocks"):
             small.generate([prompts[0]], SamplingParams(max_tokens=None, min_tokens=24), use_tqdm=False)
         with pytest.raises(ValueError, match="leaves no room"):
             small.generate([list(range(1, 34))], unbounded, use_tqdm=False)

@@ -24,7 +24,7 @@ from tritonllm.engine.output import RequestOutput
 from tritonllm.engine.prompt_logprobs import PromptSpan, add_prompt_logprobs, prompt_logprob_spans
 from tritonllm.engine.ranks import abandon, check_ranks, shut_down, start_ranks
 from tritonllm.engine.requests import (Request, Sample, check_for_model, encode_prompt, finish_reason, fit_length,
-                                      make_request, min_tokens_bans, step_output)
+                                      make_request, min_tokens_bans, request_id_list, step_output)
 from tritonllm.engine.sampled_tokens import SampledTokens
 from tritonllm.engine.scheduler import ScheduledBatch, Scheduler
 from tritonllm.engine.sequence import Sequence, SequenceStatus
@@ -138,7 +138,8 @@ class LLMEngine:
         if params is None:  # vLLM's: the checkpoint's generation_config where it sets a field
             params = SamplingParams(**self.sampling_defaults)
         if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+            raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__} (add_request takes "
+                            "(prompt, params, stream) and returns the request id it assigns)")
         params = dataclasses.replace(params)
         check_for_model(params, self.tokenizer, self.hf_config.vocab_size, self.eos_ids)
         token_ids = self.encode(prompt)
@@ -172,24 +173,26 @@ class LLMEngine:
                 self.scheduler.add_first([sample.seq for sample in request.unqueued])
                 request.num_queued = len(request.samples)
 
-    def abort(self, request_id: int) -> None:
-        """Stop a request's samples now and free their blocks (cached prefix blocks stay reusable);
-        valid at any moment, a no-op for a request that has finished or is unknown. The next step()
-        reports each unfinished sample finished, with finish_reason "abort"."""
-        self.after_step(lambda: self._abort(request_id))
+    def abort(self, request_id: int | list[int]) -> None:
+        """Stop a request's samples (or those of a list of requests) now and free their blocks (cached
+        prefix blocks stay reusable); valid at any moment, a no-op for a request that has finished or is
+        unknown. The next step() reports each unfinished sample finished, with finish_reason "abort"."""
+        ids = request_id_list(request_id)
+        self.after_step(lambda: self._abort(ids))
 
-    def _abort(self, request_id: int) -> None:
-        request = self._requests.pop(request_id, None)
-        if request is None:
-            return
-        self._counters["unqueued"] -= len(request.unqueued)
-        aborted = [sample for sample in request.samples if self._samples.pop(sample.seq.seq_id, None) is not None]
-        for sample in aborted:  # every sample first, then the outputs (which decode text)
-            if sample.index < request.num_queued:
-                self.scheduler.finish(sample.seq, "abort")
-            else:
-                sample.seq.finish_reason, sample.seq.status = "abort", SequenceStatus.FINISHED
-        self._pending += [step_output(request, sample, True, self.tokenizer) for sample in aborted]
+    def _abort(self, request_ids: list[int]) -> None:
+        for request_id in request_ids:
+            request = self._requests.pop(request_id, None)
+            if request is None:
+                continue
+            self._counters["unqueued"] -= len(request.unqueued)
+            aborted = [sample for sample in request.samples if self._samples.pop(sample.seq.seq_id, None) is not None]
+            for sample in aborted:  # every sample first, then the outputs (which decode text)
+                if sample.index < request.num_queued:
+                    self.scheduler.finish(sample.seq, "abort")
+                else:
+                    sample.seq.finish_reason, sample.seq.status = "abort", SequenceStatus.FINISHED
+            self._pending += [step_output(request, sample, True, self.tokenizer) for sample in aborted]
 
     def after_step(self, work) -> None:
         """Run work() now, or at the end of the step this thread is in (an abort from a stream that the

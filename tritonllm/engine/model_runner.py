@@ -14,7 +14,7 @@ from tritonllm.distributed import (all_reduce, broadcast, broadcast_object, clos
                                    interrupt_after, tp_rank)
 from tritonllm.engine.penalties import PenaltyRows, add_logit_bias
 from tritonllm.engine.prompt_logprobs import score_positions
-from tritonllm.engine.sampled_tokens import SampledTokens
+from tritonllm.engine.sampled_tokens import SampledTokens, agreeing_top
 from tritonllm.engine.sequence import Sequence
 from tritonllm.engine.step_inputs import StepInputs
 from tritonllm.engine.warmup import graph_batch_sizes, graph_context_bound, graph_context_bounds, prefill_warmup_steps
@@ -300,7 +300,8 @@ class ModelRunner:
             self.ops.count_tokens(self.penalties.counts, ints[2], ids)
         logprobs = self.ops.compute_logprobs(raw, ids) if wants_logprobs else None
         k = min(max(p.num_top_logprobs for p in params), vocab)
-        return SampledTokens(ids, logprobs, self.ops.compute_top_logprobs(raw, k) if k else None)
+        top = self.ops.compute_top_logprobs(raw, k) if k else None
+        return SampledTokens(ids, logprobs, top if top is None or logprobs is None else agreeing_top(top, ids, logprobs))
 
     # ---- tensor-parallel driving
 

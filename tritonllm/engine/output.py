@@ -1,4 +1,5 @@
 """What a request gives back: per-step outputs, the final output, and its text with stop strings."""
+import math
 from dataclasses import dataclass
 
 
@@ -19,6 +20,11 @@ class GenerationOutput:
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[dict[int, float] | None] | None = None
     prompt_ranks: list[int | None] | None = None
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """vLLM's: the sum of the chosen tokens' logprobs (None where logprobs were not asked for)."""
+        return None if self.logprobs is None else math.fsum(self.logprobs)
 
     def __getitem__(self, key: str):
         """out["text"], out["token_ids"]: the dict access of nano-vllm's outputs."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tritonllm.engine.sampled_tokens import agreeing_top
 from tritonllm.engine.scheduler import ScheduledBatch
 from tritonllm.engine.sequence import Sequence
 
@@ -57,7 +58,7 @@ def score_positions(model, ops, hidden: torch.Tensor, rows: torch.Tensor, token_
         ranks.append((logits >= logits.gather(1, targets[:, None])).sum(1).clamp_min(1))  # 1 for a NaN logit
         logprobs.append(ops.compute_logprobs(logits, targets))
         if k:
-            top = ops.compute_top_logprobs(logits, min(k, logits.shape[1]))
+            top = agreeing_top(ops.compute_top_logprobs(logits, min(k, logits.shape[1])), targets, logprobs[-1])
             values.append(top[0])
             ids.append(top[1])
     if not logprobs:

@@ -11,6 +11,18 @@ from tritonllm.sampling_params import SamplingParams
 from tritonllm.validation import as_int, check_known_characters
 
 
+def request_id_list(request_id) -> list[int]:
+    """abort's argument (one id from add_request, or an iterable of them, as vLLM's abort_request
+    takes) as a list of ints; anything else is a TypeError rather than an id no request has."""
+    one = as_int(request_id)
+    if one is not None:
+        return [one]
+    ids = [as_int(i) for i in request_id] if isinstance(request_id, (list, tuple, set, frozenset, range)) else [None]
+    if None in ids:
+        raise TypeError(f"request_id must be an int from add_request or a list of them, got {request_id!r}")
+    return ids
+
+
 @dataclass
 class Sample:
     seq: Sequence
@@ -67,12 +79,18 @@ def fit_length(params: SamplingParams, prompt_len: int, max_model_len: int, num_
     if model_room < 1:
         raise ValueError(f"{limit}. However, the prompt has {prompt_len} tokens, which leaves no room for a completion")
     if params.max_tokens is None:
-        room = min(model_room, num_blocks * block_size + 1 - prompt_len)
+        cache_room = num_blocks * block_size + 1 - prompt_len
+        room = min(model_room, cache_room)
         if room < 1:
             raise ValueError(f"prompt ({prompt_len} tokens) leaves no room for a completion in the KV cache of "
                              f"{num_blocks} blocks of {block_size}")
-        params.max_tokens = room
-        params.validate()  # min_tokens against it
+        if strict and params.min_tokens > model_room:
+            raise ValueError(f"{limit}. However, the prompt ({prompt_len} tokens) + min_tokens ({params.min_tokens}) "
+                             f"= {prompt_len + params.min_tokens} exceed it")
+        if min(params.min_tokens, model_room) > cache_room:  # past max_model_len it is capped, as max_tokens is
+            raise ValueError(f"prompt ({prompt_len} tokens) + min_tokens ({params.min_tokens}) can never fit the KV "
+                             f"cache of {num_blocks} blocks of {block_size}")
+        params.max_tokens, params.min_tokens = room, min(params.min_tokens, room)
     elif params.max_tokens > model_room:
         if strict:
             raise ValueError(f"{limit}. However, the prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) "

@@ -4,6 +4,14 @@ import time
 import torch
 
 
+def agreeing_top(top: tuple, ids: torch.Tensor, logprobs: torch.Tensor) -> tuple:
+    """Top logprobs (values [N, k], ids [N, k]) with each row's chosen token ids[N], where it is among
+    them, valued at its logprobs[N]: two kernels sum a row in their own orders, and one token should
+    show one logprob (vLLM reads both from one tensor)."""
+    values, top_ids = top
+    return torch.where(top_ids == ids[:, None], logprobs[:, None], values), top_ids
+
+
 class SampledTokens:
     """A step's sampled ids [N] (and logprobs [N], top logprobs' values and ids [N, k], or None) on
     the device, copied to the host in the background; `result()` waits for the copy. A step's scored
