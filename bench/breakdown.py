@@ -33,8 +33,8 @@ from tritonllm.loader import load_config
 KINDS = [  # first match wins, on the kernel's name
     ("prefill attention", r"prefill_attention|flash|fmha"),
     ("decode attention", r"decode_attention|merge_splits"),
-    ("MoE", r"moe"),  # router, alignment, the grouped GEMMs and the combine
-    ("GEMM", r"gemm|nvjet|cutlass|xmma|sm90_|splitK|cublas"),
+    ("MoE", r"moe|_align_"),  # router, alignment, the grouped GEMMs and the combine
+    ("GEMM", r"gemm|nvjet|cutlass|xmma|sm90_|splitK|cublas|_linear_kernel"),  # _linear_kernel: ours at 1-16 rows
     ("norms", r"rms_norm"),
     ("rotary + KV store", r"rotary|store_kv|qk_norm"),
     ("SiLU-and-mul", r"silu"),
@@ -170,7 +170,7 @@ def main():
         print(f"| {kind} | {seconds:.3f} | {100 * seconds / wall:.1f}% | {launches[kind]} |")
     print(f"| host (GPU idle) | {wall - gpu:.3f} | {100 * (wall - gpu) / wall:.1f}% | |")
     print(f"| total | {wall:.3f} | 100% | {sum(launches.values())} |")
-    # GEMM and other: kernels we do not write; MoE: router, alignment, the grouped GEMMs and the sum; decode
+    # GEMM: cuBLAS's and our small-batch linear; other: the kernels no kind names; MoE: router, alignment, the grouped GEMMs and the sum; decode
     # attention and its merge; the norms.
     for kind in [kind for kind in ("GEMM", "other", "MoE", "decode attention", "norms") if names[kind]]:
         print(f"\n{kind} kernels, longest first: " + "; ".join(

@@ -46,11 +46,18 @@ def workload(num_seqs: int, max_input_len: int, max_output_len: int, max_token_i
     return prompts, params
 
 
-def decode_floor(model, cache_dtype, prompt_lens: list[int], output_lens: list[int]) -> float:
+def decode_floor(model, cache_dtype, prompt_lens: list[int], output_lens: list[int], dp: int = 1) -> float:
     """Output tokens/s if every decode step took only the time to read its bytes at the copy ceiling:
     this rank's weights (the embedding is a lookup, not read whole; of the experts, those the step's
     tokens pick, in expectation under uniform routing) and the KV cache of every running sequence.
-    Every request runs from the first step, as when all fit."""
+    Every request runs from the first step, as when all fit. With dp replicas, request i runs on
+    replica i % dp and the replicas run side by side: the slowest share sets the time."""
+    shares = [decode_seconds(model, cache_dtype, prompt_lens[r::dp], output_lens[r::dp]) for r in range(dp)]
+    return sum(output_lens) / max(shares)
+
+
+def decode_seconds(model, cache_dtype, prompt_lens: list[int], output_lens: list[int]) -> float:
+    """decode_floor's time for one replica's requests."""
     params = dict(model.named_parameters())  # a tied LM head is the embedding, counted once
     dense = sum(p.numel() * p.element_size() for name, p in params.items() if "experts" not in name)
     if "lm_head.weight" in params:
@@ -63,7 +70,7 @@ def decode_floor(model, cache_dtype, prompt_lens: list[int], output_lens: list[i
         contexts = [p + step + 1 for p, o in zip(prompt_lens, output_lens) if o - 1 > step]
         picked = sum(size * (1 - (1 - k / e) ** len(contexts)) for size, e, k in experts)
         seconds += (dense + picked + kv_token * sum(contexts)) / COPY_BYTES_PER_S
-    return sum(output_lens) / seconds
+    return seconds
 
 
 def relabeled(prompts, seed: int):
@@ -91,9 +98,8 @@ def run(args, kernels: str, kv_cache_dtype: str, prompts, params) -> dict:
               kernels=kernels, kv_cache_dtype=kv_cache_dtype, kv_block_size=args.kv_block_size,
               enforce_eager=args.enforce_eager,
               gpu_memory_utilization=0.5 if kernels == "reference" else 0.9)
-    # D replicas, each with the whole model, share the workload: D times one replica's floor.
-    floor = args.dp * decode_floor(llm.runner.model, llm.config.cache_dtype, [len(p) for p in prompts],
-                                   [p.max_tokens for p in params])
+    floor = decode_floor(llm.runner.model, llm.config.cache_dtype, [len(p) for p in prompts],
+                         [p.max_tokens for p in params], args.dp)
     warm_up(llm, prompts)
     times = []
     for repeat in range(args.repeat):  # later repeats: the same lengths, other tokens (no prefix hits)
