@@ -10,6 +10,7 @@ on (seed, token): a row's draw depends on its logits, parameters and seed, never
 Rows without filters skip the search and only race: a first launch of B x chunks programs races
 each 4-tile chunk of the row (skipping tiles that cannot beat the chunk's running winner), so one
 row's reads and Philox work spread over many SMs, and the row's program takes the best chunk.
+Greedy rows take the same two launches, each chunk's program finding the chunk's first max.
 
 Conventions: NaN logits count as -inf, and -inf logits are never drawn (a filtered row's T is
 finite); a row holding +inf puts all its mass on its +inf logits and returns the first of them,
@@ -100,6 +101,22 @@ def _race_row(row_ptr, first, end, thr, inv_t, seed, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _argmax_run(row_ptr, first, end, BLOCK: tl.constexpr):
+    """The max of the row's elements in [first, end) and its lowest index (first if all are -inf).
+    Returns (token, ref, best) as _race_row does: ref is the max, best 0 (-inf if all are -inf)."""
+    ref = NEG_INF
+    token = first
+    for start in range(first, end, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        x = _load_row(row_ptr, offs, end)
+        tile_max = tl.max(x, 0)
+        wins = tile_max > ref
+        token = tl.where(wins, tl.min(tl.where(x == tile_max, offs, INT_MAX), 0), token)
+        ref = tl.maximum(ref, tile_max)
+    return token, ref, tl.where(ref > NEG_INF, 0.0, NEG_INF)
+
+
+@triton.jit
 def _row_params(row, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, V):
     """A row's sampling parameters (t, k, p, min_p, 1 / t) and which filters are on: (sampled, k_on, p_on, min_p_on)."""
     t = tl.load(temperature_ptr + row).to(tl.float32)
@@ -120,17 +137,21 @@ def _race_chunks_kernel(
     logits_ptr, stride, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seeds_ptr, ref_ptr, best_ptr, token_ptr,
     V, num_chunks, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
 ):
-    """Rows without filters: the race over one CHUNK of the row per program, so that a row's reads
-    spread over many SMs; _sample_kernel takes the best chunk. Other rows' programs exit at once."""
+    """Greedy rows and rows without filters: the argmax or the race over one CHUNK of the row per
+    program, so that a row's reads spread over many SMs; _sample_kernel takes the best chunk.
+    Filtered rows' programs exit at once."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     _, _, _, _, inv_t, sampled, k_on, p_on, min_p_on = _row_params(row, temperature_ptr, top_k_ptr, top_p_ptr,
                                                                     min_p_ptr, V)
-    if sampled & ~(k_on | p_on | min_p_on):
+    if ~sampled | ~(k_on | p_on | min_p_on):
         row_ptr = logits_ptr + row.to(tl.int64) * stride
         first = chunk * CHUNK
-        token, ref, best = _race_row(row_ptr, first, tl.minimum(first + CHUNK, V), NEG_INF, inv_t,
-                                     tl.load(seeds_ptr + row), BLOCK)
+        end = tl.minimum(first + CHUNK, V)
+        if sampled:
+            token, ref, best = _race_row(row_ptr, first, end, NEG_INF, inv_t, tl.load(seeds_ptr + row), BLOCK)
+        else:
+            token, ref, best = _argmax_run(row_ptr, first, end, BLOCK)
         slot = row.to(tl.int64) * num_chunks + chunk
         tl.store(ref_ptr + slot, ref)  # the winner's score is ref * inv_t + best, kept apart for
         tl.store(best_ptr + slot, best)  # the merge to compare relative to the row's top ref
@@ -148,12 +169,11 @@ def _sample_kernel(
     t, k, p, min_p, inv_t, sampled, k_on, p_on, min_p_on = _row_params(row, temperature_ptr, top_k_ptr, top_p_ptr,
                                                                         min_p_ptr, V)
     seed = tl.load(seeds_ptr + row)
-    if ~sampled:
-        _, thr, _, token = _row_stats(row_ptr, V, inv_t, BLOCK, False)
-    elif ~(k_on | p_on | min_p_on):
+    if ~sampled | ~(k_on | p_on | min_p_on):
         # The best of _race_chunks_kernel's chunks, the lowest token on ties: the first +inf if any,
         # token 0 if all are -inf. Scores relative to the top ref: absolute ones (ref / t, large at
-        # small t) would round the noise away and break ties toward the lower chunk.
+        # small t) would round the noise away and break ties toward the lower chunk. A greedy row's
+        # chunks hold their max (ref) and best 0, and its inv_t is 1: the first max wins.
         offs = tl.arange(0, CHUNKS_POW2)
         slots = row.to(tl.int64) * num_chunks + offs
         refs = tl.load(chunk_ref_ptr + slots, mask=offs < num_chunks, other=0.0)
@@ -165,9 +185,9 @@ def _sample_kernel(
         scores = tl.where(valid, relative + bests, NEG_INF)
         top = tl.max(scores, 0)
         token = tl.min(tl.where(scores == top, tokens, INT_MAX), 0)
-        thr = tl.where(top_ref == POS_INF, POS_INF, NEG_INF)
+        thr = tl.where(sampled, tl.where(top_ref == POS_INF, POS_INF, NEG_INF), top_ref)
     else:
-        lanes, m, z, token = _row_stats(row_ptr, V, inv_t, BLOCK, True)
+        lanes, m, z, token = _row_stats(row_ptr, V, inv_t, BLOCK)
         thr = m
         if (m > NEG_INF) & (m < POS_INF):  # else the argmax: token 0 of an all -inf row, or the first +inf
             row_vals = vals_ptr + row.to(tl.int64) * CAP

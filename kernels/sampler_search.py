@@ -5,7 +5,7 @@ row needs one threshold. `_threshold` finds it in the row's program, after pass 
 
   pass 1 (read the row): per lane of the BLOCK-wide tiles, the max, its first index and the
          sum-exp against it (no cross-thread step in the loop); then the row max m, the sum-exp
-         z = sum exp((x - m) / t) and the argmax (greedy rows stop here).
+         z = sum exp((x - m) / t) and the argmax.
   bound: a logit `low` <= T. top-k: the k-th largest lane maximum (the lanes hold BLOCK distinct
          row elements, so at least k elements of the row are >= it; only for rows longer than
          the scratch); top-p alone: the mass below tau is under V * exp((tau - m) / t), so
@@ -63,9 +63,9 @@ def _unkey(key):
 
 
 @triton.jit
-def _row_stats(row_ptr, V, inv_t, BLOCK: tl.constexpr, WITH_MASS: tl.constexpr):
-    """Pass 1: lane maxima [BLOCK], max m, sum of exp((x - m) * inv_t) (if WITH_MASS, else 0) and
-    the argmax (lowest index). Each lane keeps its own max and sum-exp, so the loop has no reduction."""
+def _row_stats(row_ptr, V, inv_t, BLOCK: tl.constexpr):
+    """Pass 1: lane maxima [BLOCK], max m, sum of exp((x - m) * inv_t) and the argmax (lowest
+    index). Each lane keeps its own max and sum-exp, so the loop has no reduction."""
     lanes = tl.full([BLOCK], NEG_INF, tl.float32)
     lane_arg = tl.zeros([BLOCK], tl.int32)  # first index of each lane's max
     lane_z = tl.zeros([BLOCK], tl.float32)  # sum of exp((x - lane max) * inv_t)
@@ -73,16 +73,13 @@ def _row_stats(row_ptr, V, inv_t, BLOCK: tl.constexpr, WITH_MASS: tl.constexpr):
         offs = start + tl.arange(0, BLOCK)
         x = _load_row(row_ptr, offs, V)
         better = x > lanes
-        if WITH_MASS:
-            # One exp: of the new element against the lane max, or of the old max against the new one.
-            e = tl.exp(-tl.abs(x - tl.where(x == NEG_INF, 0.0, lanes)) * inv_t)  # 0 for x = -inf
-            lane_z = tl.where(better, lane_z * e + 1.0, lane_z + e)
+        # One exp: of the new element against the lane max, or of the old max against the new one.
+        e = tl.exp(-tl.abs(x - tl.where(x == NEG_INF, 0.0, lanes)) * inv_t)  # 0 for x = -inf
+        lane_z = tl.where(better, lane_z * e + 1.0, lane_z + e)
         lanes = tl.where(better, x, lanes)
         lane_arg = tl.where(better, offs, lane_arg)
     m = tl.max(lanes, 0)
-    z = 0.0
-    if WITH_MASS:
-        z = tl.sum(tl.where(lanes > NEG_INF, lane_z * tl.exp((lanes - m) * inv_t), 0.0), 0)
+    z = tl.sum(tl.where(lanes > NEG_INF, lane_z * tl.exp((lanes - m) * inv_t), 0.0), 0)
     return lanes, m, z, tl.min(tl.where(lanes == m, lane_arg, INT_MAX), 0)
 
 

@@ -43,8 +43,9 @@ def test_frequencies_match_sampling_probs(case):
         assert (ids == int(torch.argmax(x))).all()
 
 
+@pytest.mark.parametrize("config", [None, {"BLOCK": 128, "CAP": 128, "num_warps": 4}])  # one race chunk, or ten
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_greedy_is_argmax(dtype):
+def test_greedy_is_argmax(dtype, config):
     logits = randn(6, 5000, dtype=dtype, scale=3.0)
     logits[1, 10] = logits[1, 4106] = logits[1].max() + 1  # tie (also in one lane of a 4096 tile): lower index
     logits[2, :5] = float("nan")  # NaN counts as -inf
@@ -53,10 +54,11 @@ def test_greedy_is_argmax(dtype):
     logits[4, 4999] = logits[4].max() + 1  # the last element
     logits[5] = logits[5].round()  # many ties
     temperature, top_k, top_p, min_p = params(6, 0.0, 5, 0.5, 0.1)  # filters are ignored for greedy rows
-    ids = sample(logits, temperature, top_k, top_p, min_p)
+    ids, thr = sample_with_threshold(logits, temperature, top_k, top_p, min_p, config=config)
     expected = torch.argmax(logits.float().nan_to_num(nan=-math.inf), dim=-1)
     assert torch.equal(ids, expected) and ids.dtype == torch.int64
     assert int(ids[1]) == 10 and int(ids[3]) == 0
+    assert torch.equal(thr, logits.float().nan_to_num(nan=-math.inf, neginf=-math.inf).amax(-1))  # T: the row max
 
 
 def test_sampled_edge_rows_match_the_exact_distribution():
