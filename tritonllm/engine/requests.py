@@ -85,8 +85,8 @@ def fit_length(params: SamplingParams, prompt_len: int, max_model_len: int, num_
             raise ValueError(f"prompt ({prompt_len} tokens) leaves no room for a completion in the KV cache of "
                              f"{num_blocks} blocks of {block_size}")
         if strict and params.min_tokens > model_room:
-            raise ValueError(f"{limit}. However, the prompt ({prompt_len} tokens) + min_tokens ({params.min_tokens}) "
-                             f"= {prompt_len + params.min_tokens} exceed it")
+            raise ValueError(f"{limit}. However, the prompt ({prompt_len} tokens) + SamplingParams.min_tokens "
+                             f"({params.min_tokens}) = {prompt_len + params.min_tokens} exceed it")  # a server names the field
         if min(params.min_tokens, model_room) > cache_room:  # past max_model_len it is capped, as max_tokens is
             raise ValueError(f"prompt ({prompt_len} tokens) + min_tokens ({params.min_tokens}) can never fit the KV "
                              f"cache of {num_blocks} blocks of {block_size}")
