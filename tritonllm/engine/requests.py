@@ -88,8 +88,8 @@ def fit_length(params: SamplingParams, prompt_len: int, max_model_len: int, num_
             raise ValueError(f"{limit}. However, the prompt ({prompt_len} tokens) + SamplingParams.min_tokens "
                              f"({params.min_tokens}) = {prompt_len + params.min_tokens} exceed it")  # a server names the field
         if min(params.min_tokens, model_room) > cache_room:  # past max_model_len it is capped, as max_tokens is
-            raise ValueError(f"prompt ({prompt_len} tokens) + min_tokens ({params.min_tokens}) can never fit the KV "
-                             f"cache of {num_blocks} blocks of {block_size}")
+            raise ValueError(f"prompt ({prompt_len} tokens) + SamplingParams.min_tokens ({params.min_tokens}) can never "
+                             f"fit the KV cache of {num_blocks} blocks of {block_size}")
         params.max_tokens, params.min_tokens = room, min(params.min_tokens, room)
     elif params.max_tokens > model_room:
         if strict:
