@@ -1,18 +1,19 @@
 """The logit threshold T of a sampled row: the search half of kernels/sampler.py.
 
 Every filter of the contract keeps a superlevel set {x >= T} of the row's logits, so a filtered
-row needs one threshold. `_threshold` finds it in the row's program, after pass 1 (`_row_stats`):
+row needs one threshold. kernels/sampler.py's launches find it in four steps:
 
-  pass 1 (read the row): per lane of the BLOCK-wide tiles, the max, its first index and the
-         sum-exp against it (no cross-thread step in the loop); then the row max m, the sum-exp
-         z = sum exp((x - m) / t) and the argmax.
-  bound: a logit `low` <= T. top-k: the k-th largest lane maximum (the lanes hold BLOCK distinct
-         row elements, so at least k elements of the row are >= it; only for rows longer than
-         the scratch); top-p alone: the mass below tau is under V * exp((tau - m) / t), so
+  stats (launch 1, per part of the row; `_row_stats`): per lane of the BLOCK-wide tiles, the max,
+         its first index and the sum-exp against it (no cross-thread step in the loop); then the
+         part's max, sum-exp and argmax, which give the row max m and z = sum exp((x - m) / t).
+  bound (`_bound`): a logit `low` <= T. top-k: the largest over parts of each part's k-th largest
+         lane maximum (a part's lanes hold BLOCK distinct elements, so at least k elements of the
+         row are >= it); top-p alone: the mass below tau is under V * exp((tau - m) / t), so
          tau = m + t * log((1 - p) * z / V) still keeps p of the mass; min-p: m + t * log(min_p).
-  pass 2 (read the row): copy the candidates {x >= low} (values and token ids) to a per-row
-         scratch of CAP slots.
-  search: on the order-preserving int32 image (key) of the float32 logits. top-k: the largest key
+  collect (launch 2, per part; `_collect`): the candidates {x >= low} (values and token ids) to
+         the part's scratch slots; the row's program gathers them to its CAP slots, or, if a part
+         had more than its slots, collects them from the row itself.
+  search (`_threshold`): on the order-preserving int32 image (key) of the float32 logits. top-k: the largest key
          whose set {x >= key} holds k elements; top-p: the largest key whose set (inside the top-k
          set) holds p of the top-k mass. A bisection over the scratch: each round splits the
          bracket [lo, hi) (the set at lo qualifies, the set at hi does not) at its middle key and
@@ -63,15 +64,16 @@ def _unkey(key):
 
 
 @triton.jit
-def _row_stats(row_ptr, V, inv_t, BLOCK: tl.constexpr):
-    """Pass 1: lane maxima [BLOCK], max m, sum of exp((x - m) * inv_t) and the argmax (lowest
-    index). Each lane keeps its own max and sum-exp, so the loop has no reduction."""
+def _row_stats(row_ptr, first, end, inv_t, BLOCK: tl.constexpr):
+    """Pass 1 over the row's elements in [first, end) (first a multiple of BLOCK): lane maxima
+    [BLOCK], max m, sum of exp((x - m) * inv_t) and the argmax (lowest index; first if all are
+    -inf). Each lane keeps its own max and sum-exp, so the loop has no reduction."""
     lanes = tl.full([BLOCK], NEG_INF, tl.float32)
-    lane_arg = tl.zeros([BLOCK], tl.int32)  # first index of each lane's max
+    lane_arg = tl.zeros([BLOCK], tl.int32) + first  # first index of each lane's max
     lane_z = tl.zeros([BLOCK], tl.float32)  # sum of exp((x - lane max) * inv_t)
-    for start in range(0, V, BLOCK):
+    for start in range(first, end, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        x = _load_row(row_ptr, offs, V)
+        x = _load_row(row_ptr, offs, end)
         better = x > lanes
         # One exp: of the new element against the lane max, or of the old max against the new one.
         e = tl.exp(-tl.abs(x - tl.where(x == NEG_INF, 0.0, lanes)) * inv_t)  # 0 for x = -inf
@@ -84,14 +86,30 @@ def _row_stats(row_ptr, V, inv_t, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _collect(row_ptr, V, lo, hi, vals_ptr, idx_ptr, CAP: tl.constexpr, BLOCK: tl.constexpr):
-    """Append the row's elements in [lo, hi) (value, token id) to the scratch, in row order (the first
-    CAP fit); returns how many there are. lo > -inf."""
+def _row_totals(row, ref_ptr, best_ptr, token_ptr, kth_ptr, inv_t, num_chunks, num_parts, CHUNKS_POW2: tl.constexpr):
+    """A filtered row's max m, sum-exp z against it, argmax (lowest index) and top-k bound, from
+    its parts' stats (the first num_parts of its num_chunks slots)."""
+    offs = tl.arange(0, CHUNKS_POW2)
+    slots = row.to(tl.int64) * num_chunks + offs
+    valid = offs < num_parts
+    refs = tl.load(ref_ptr + slots, mask=valid, other=NEG_INF)
+    m = tl.max(refs, 0)
+    # A chunk of -inf adds nothing (and no NaN from -inf - -inf); z is not used unless m is finite.
+    z = tl.sum(tl.where(refs > NEG_INF, tl.load(best_ptr + slots, mask=valid, other=0.0)
+                        * tl.exp((refs - m) * inv_t), 0.0), 0)
+    token = tl.min(tl.where(refs == m, tl.load(token_ptr + slots, mask=valid, other=INT_MAX), INT_MAX), 0)
+    return m, z, token, tl.max(tl.load(kth_ptr + slots, mask=valid, other=NEG_INF), 0)
+
+
+@triton.jit
+def _collect(row_ptr, first, end, lo, hi, vals_ptr, idx_ptr, CAP: tl.constexpr, BLOCK: tl.constexpr):
+    """Append the elements of the row's [first, end) with values in [lo, hi) (value, token id) to a
+    scratch, in row order (the first CAP fit); returns how many there are. lo > -inf."""
     tl.debug_barrier()  # other threads may still be reading the scratch
     n = 0
-    for start in range(0, V, BLOCK):
+    for start in range(first, end, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        x = _load_row(row_ptr, offs, V)
+        x = _load_row(row_ptr, offs, end)
         keep = (x >= lo) & (x < hi)
         count = tl.sum(keep.to(tl.int32), 0)
         if count > 0:  # most tiles hold no candidate: skip the scan
@@ -259,7 +277,7 @@ def _search(row_ptr, V, vals_ptr, idx_ptr, n_s, complete, lo, cnt_lo, mass_lo, h
         lo, hi, cnt_lo, mass_lo, base_cnt, base_mass = _narrow(row_ptr, V, lo, hi, cnt_lo, mass_lo, base_cnt, base_mass,
                                                                need_cnt, need_mass, CAP, m, inv_t, _scan_tile(BLOCK))
         if _open(lo, hi, cnt_lo, base_cnt, need_cnt, 1):  # else settled: _bisect does not read the scratch
-            n_s = _collect(row_ptr, V, _unkey(lo), _unkey(hi), vals_ptr, idx_ptr, CAP, BLOCK)
+            n_s = _collect(row_ptr, 0, V, _unkey(lo), _unkey(hi), vals_ptr, idx_ptr, CAP, BLOCK)
             complete = base_cnt == 0
     lo, cnt, mass = _bisect(vals_ptr, n_s, lo, hi, cnt_lo - base_cnt, mass_lo - base_mass, need_cnt - base_cnt,
                             need_mass - base_mass, m, inv_t, BLOCK)
@@ -279,25 +297,30 @@ def _min_p_bound(m, t, inv_t, log_min_p):
 
 
 @triton.jit
-def _threshold(row_ptr, V, lanes, m, z, t, k, p, min_p, inv_t, k_on, p_on, min_p_on, row_vals, row_idx,
-               CAP: tl.constexpr, BLOCK: tl.constexpr):
-    """The threshold T of a filtered row with a finite max m, from pass 1's lanes, m and z.
-
-    row_vals, row_idx: the row's CAP scratch slots. Returns (T, n, complete): complete when the
-    first n scratch slots hold every element >= T (the race then reads them, else the row).
-    """
+def _bound(m, z, t, k, p, min_p, inv_t, k_on, p_on, min_p_on, k_low, V):
+    """A logit `low` <= T for a filtered row with a finite max m and sum-exp z (see the module doc),
+    and min-p's own threshold (-inf when off). k_low: a top-k bound from distinct row elements (at
+    least k of them are >= it), -inf if there is none."""
     log_min_p = tl.log(tl.where(min_p_on, min_p, 1.0))
     tau_min_p = tl.where(min_p_on, _min_p_bound(m, t, inv_t, log_min_p), NEG_INF)
     mass_bound = tl.where(p_on & ~k_on, (1.0 - p) * z / V, 0.0)
     low = tl.where(mass_bound > 0, m + t * tl.log(tl.where(mass_bound > 0, mass_bound, 1.0)), NEG_INF)
-    if k_on & (k <= BLOCK) & (V > CAP):  # a row that fits the scratch needs no bound
-        low = _kth_largest(lanes, k)
+    low = tl.where(k_on, k_low, low)
     # Top-p measures mass inside the top-k set, so with both on only the top-k bound is safe.
     # The max always stays a candidate (z may round above V); -inf never does.
     low = tl.minimum(tl.where(k_on & p_on, low, tl.maximum(low, tau_min_p)), m)
-    low = tl.maximum(low, -FLT_MAX)
-    n = _collect(row_ptr, V, low, POS_INF, row_vals, row_idx, CAP, BLOCK)
-    complete = n <= CAP
+    return tl.maximum(low, -FLT_MAX), tau_min_p
+
+
+@triton.jit
+def _threshold(row_ptr, V, m, z, t, k, p, inv_t, k_on, p_on, low, tau_min_p, row_vals, row_idx, n, complete,
+               CAP: tl.constexpr, BLOCK: tl.constexpr):
+    """The threshold T of a filtered row with a finite max m, once its scratch holds the elements
+    >= low (complete: all n of them; else the first CAP, and the search narrows over the row).
+
+    row_vals, row_idx: the row's CAP scratch slots. Returns (T, n, complete): complete when the
+    first n scratch slots hold every element >= T (the race then reads them, else the row).
+    """
     if complete:
         cnt, mass, up, _ = _above(row_vals, n, low, m, inv_t, BLOCK)
     else:  # one more pass over the row, for the mass at low

@@ -43,7 +43,7 @@ def test_frequencies_match_sampling_probs(case):
         assert (ids == int(torch.argmax(x))).all()
 
 
-@pytest.mark.parametrize("config", [None, {"BLOCK": 128, "CAP": 128, "num_warps": 4}])  # one race chunk, or ten
+@pytest.mark.parametrize("config", [None, {"BLOCK": 128, "CAP": 128, "num_warps": 4, "FILTER_TILES": 4}])  # one race chunk, or ten
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_greedy_is_argmax(dtype, config):
     logits = randn(6, 5000, dtype=dtype, scale=3.0)
@@ -129,7 +129,7 @@ def test_a_tie_across_race_chunks_at_a_small_temperature():
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered")  # inf - inf, computed and then discarded
-@pytest.mark.parametrize("config", [None, {"BLOCK": 128, "CAP": 128, "num_warps": 4}])
+@pytest.mark.parametrize("config", [None, {"BLOCK": 128, "CAP": 128, "num_warps": 4, "FILTER_TILES": 4}])
 def test_infinite_logits(config):
     # +inf takes all the mass: a row holding it returns its first +inf, greedy or sampled, filtered
     # or not, with T = +inf. Without +inf, NaN and -inf logits are never drawn nor allowed (T > -inf).

@@ -84,7 +84,9 @@ def test_large_vocabulary():
 
 def test_scratch_overflow_path_matches_candidate_path():
     # CAP 16 sends most rows through the row-search path and makes rows with top-k use the lane
-    # bound; tokens and allowed sets must not change.
+    # bound; BLOCK 64 cuts the row into 4 parts of 256, whose candidates the row gathers (CAP 512:
+    # 128 slots a part) or, where a part has more than its slots (CAP 64: 16), collects from the
+    # row; FILTER_TILES 64 makes the whole row one part. Tokens and allowed sets must not change.
     gen = torch.Generator().manual_seed(2)
     batch, vocab = 7, 1000
     logits = (torch.randn(batch, vocab, generator=gen) * 2).to(DEVICE)
@@ -96,8 +98,12 @@ def test_scratch_overflow_path_matches_candidate_path():
     args = (logits, temperature, top_k, top_p, min_p, seeds)
     ids, thr = sample_with_threshold(*args)
     assert_allowed_sets(logits, thr, reference.sampling_probs(logits, temperature, top_k, top_p, min_p))
-    for config in ({"BLOCK": 128, "CAP": 16, "num_warps": 4}, {"BLOCK": 256, "CAP": 1024, "num_warps": 4},
-                   {"BLOCK": 128, "CAP": 1, "num_warps": 4}):  # CAP 1: the row search runs to the end
+    for config in ({"BLOCK": 128, "CAP": 16, "num_warps": 4, "FILTER_TILES": 4},
+                   {"BLOCK": 256, "CAP": 1024, "num_warps": 4, "FILTER_TILES": 4},
+                   {"BLOCK": 128, "CAP": 1, "num_warps": 4, "FILTER_TILES": 4},  # CAP 1: the row search runs to the end
+                   {"BLOCK": 64, "CAP": 512, "num_warps": 4, "FILTER_TILES": 4},
+                   {"BLOCK": 64, "CAP": 64, "num_warps": 4, "FILTER_TILES": 4},
+                   {"BLOCK": 64, "CAP": 512, "num_warps": 4, "FILTER_TILES": 64}):  # one part: the whole row
         other_ids, other_thr = sample_with_threshold(*args, config=config)
         assert torch.equal(ids, other_ids), config
         assert torch.equal(logits >= thr[:, None], logits >= other_thr[:, None]), config
@@ -109,7 +115,7 @@ def test_overflow_path_frequencies():
     x = flat_row(1000, scale=0.5)
     probs = reference.sampling_probs(x[None], *params(1, 0.8, 0, 0.95))[0]
     assert int((probs > 0).sum()) > 500
-    config = {"BLOCK": 256, "CAP": 128, "num_warps": 4}
+    config = {"BLOCK": 256, "CAP": 128, "num_warps": 4, "FILTER_TILES": 4}
     assert_frequencies(draws(x, 0.8, 0, 0.95, config=config), probs)
 
 
@@ -145,8 +151,8 @@ def test_min_p_at_large_logits_and_a_small_temperature():
         assert probs[0, ids[0]] > 0
 
 
-@pytest.mark.parametrize("config", [None, {"BLOCK": 256, "CAP": 64, "num_warps": 4},
-                                    {"BLOCK": 128, "CAP": 512, "num_warps": 4}])
+@pytest.mark.parametrize("config", [None, {"BLOCK": 256, "CAP": 64, "num_warps": 4, "FILTER_TILES": 4},
+                                    {"BLOCK": 128, "CAP": 512, "num_warps": 4, "FILTER_TILES": 8}])
 def test_allowed_sets_on_extreme_values(config):
     # CAP 64: most rows overflow the scratch and search the row; CAP 512: top-k <= 128 rows use the lane bound.
     rows, filters = extreme_rows()
