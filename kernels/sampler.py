@@ -8,9 +8,9 @@ only on (seed, token): a row's draw depends on its logits, parameters and seed, 
 Three launches, so that a row's reads spread over many SMs whatever the batch:
   1. B x chunks programs, a chunk of 4 tiles each. Greedy rows: the chunk's first max. Rows
      without filters: the chunk's race (skipping tiles that cannot beat its running winner).
-     Filtered rows are cut into parts of FILTER_TILES tiles instead (a config key: short parts
-     when rows are few, long ones for a full batch): the part's max, sum-exp and argmax, and a
-     top-k bound.
+     Filtered rows are cut into parts of FILTER_TILES tiles instead (a config key, whole chunks:
+     short parts when rows are few, long ones for a full batch): each chunk's max, sum-exp and
+     argmax, and the part's top-k bound.
   2. B x parts programs, filtered rows only: the row's bound `low` <= T from its parts' stats,
      then the part's candidates {x >= low} to the part's scratch slots.
   3. B programs: the best chunk of an unfiltered or greedy row; a filtered row's candidates
@@ -58,37 +58,45 @@ _ROW_PARAMS = ["temperature_ptr", "top_k_ptr", "top_p_ptr", "min_p_ptr", "seeds_
 @triton.jit(do_not_specialize_on_alignment=_ROW_PARAMS)
 def _sample_chunks_kernel(
     logits_ptr, stride, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seeds_ptr, ref_ptr, best_ptr, token_ptr,
-    kth_ptr, V, num_chunks, part, num_parts, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+    kth_ptr, V, num_chunks, chunks_per_part, num_parts, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
 ):
     """Launch 1, one CHUNK of a row per program, so that a row's reads spread over many SMs.
     Greedy rows: the chunk's argmax; rows without filters: the chunk's race (_sample_kernel takes
-    the best chunk). Filtered rows are cut into num_parts parts of `part` tokens instead (part >=
-    CHUNK): the part's max (ref), sum-exp against it (best), argmax and, with top-k on, a top-k
-    bound (kth: the k-th largest of its BLOCK lane maxima)."""
+    the best chunk). Filtered rows: one program per part of chunks_per_part chunks, which takes each
+    chunk's max (ref), sum-exp against it (best) and argmax, and, with top-k on, the part's top-k
+    bound (kth: the k-th largest of its BLOCK lane maxima). Stats per chunk, not per part: the row's
+    sum-exp then adds the same terms whatever the part size, so a top-p boundary within rounding
+    does not move with the config (nor with the batch, whose bucket picks it)."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     _, k, _, _, inv_t, sampled, k_on, p_on, min_p_on = _row_params(row, temperature_ptr, top_k_ptr, top_p_ptr,
                                                                     min_p_ptr, V)
     row_ptr = logits_ptr + row.to(tl.int64) * stride
-    first = chunk * CHUNK
-    end = tl.minimum(first + CHUNK, V)
-    kth = NEG_INF
+    slots = row.to(tl.int64) * num_chunks
     if sampled & (k_on | p_on | min_p_on):
-        if chunk >= num_parts:
-            return
-        first = chunk * part
-        lanes, ref, best, token = _row_stats(row_ptr, first, tl.minimum(first + part, V), inv_t, BLOCK)
-        if k_on & (k <= BLOCK):
-            kth = _kth_largest(lanes, k)
-    elif sampled:
-        token, ref, best = _race_row(row_ptr, first, end, NEG_INF, inv_t, tl.load(seeds_ptr + row), BLOCK)
+        if chunk < num_parts:  # this program is part `chunk`
+            lanes = tl.full([BLOCK], NEG_INF, tl.float32)
+            for c in range(chunk * chunks_per_part, tl.minimum((chunk + 1) * chunks_per_part, num_chunks)):
+                first = c * CHUNK
+                chunk_lanes, ref, best, token = _row_stats(row_ptr, first, tl.minimum(first + CHUNK, V), inv_t, BLOCK)
+                lanes = tl.maximum(lanes, chunk_lanes)  # lane i still holds a distinct element
+                tl.store(ref_ptr + slots + c, ref)
+                tl.store(best_ptr + slots + c, best)
+                tl.store(token_ptr + slots + c, token)
+            kth = NEG_INF
+            if k_on & (k <= BLOCK):
+                kth = _kth_largest(lanes, k)
+            tl.store(kth_ptr + slots + chunk, kth)
     else:
-        token, ref, best = _argmax_run(row_ptr, first, end, BLOCK)
-    slot = row.to(tl.int64) * num_chunks + chunk
-    tl.store(ref_ptr + slot, ref)  # a race winner's score is ref * inv_t + best, kept apart for
-    tl.store(best_ptr + slot, best)  # the merge to compare relative to the row's top ref
-    tl.store(token_ptr + slot, token)
-    tl.store(kth_ptr + slot, kth)
+        first = chunk * CHUNK
+        end = tl.minimum(first + CHUNK, V)
+        if sampled:
+            token, ref, best = _race_row(row_ptr, first, end, NEG_INF, inv_t, tl.load(seeds_ptr + row), BLOCK)
+        else:
+            token, ref, best = _argmax_run(row_ptr, first, end, BLOCK)
+        tl.store(ref_ptr + slots + chunk, ref)  # a race winner's score is ref * inv_t + best, kept apart
+        tl.store(best_ptr + slots + chunk, best)  # for the merge to compare relative to the row's top ref
+        tl.store(token_ptr + slots + chunk, token)
 
 
 @triton.jit(do_not_specialize_on_alignment=_ROW_PARAMS)
@@ -117,7 +125,7 @@ def _sample_collect_kernel(
 
 
 @triton.jit
-def _gather_candidates(row, count_ptr, part_vals, part_idx, row_vals, row_idx, num_parts,
+def _gather_candidates(row, count_ptr, part_vals, part_idx, row_vals, row_idx, num_parts, CAP: tl.constexpr,
                        PART_CAP: tl.constexpr, CHUNKS_POW2: tl.constexpr, TILE: tl.constexpr):
     """Copy a row's part candidates to its scratch, in row order, if every part's fit its slots.
     Returns (how many, whether they fit)."""
@@ -125,7 +133,7 @@ def _gather_candidates(row, count_ptr, part_vals, part_idx, row_vals, row_idx, n
     counts = tl.load(count_ptr + row.to(tl.int64) * num_parts + offs, mask=offs < num_parts, other=0)
     starts = tl.cumsum(counts, 0) - counts
     n = tl.sum(counts, 0)
-    fits = tl.max(counts, 0) <= PART_CAP
+    fits = (tl.max(counts, 0) <= PART_CAP) & (n <= CAP)  # parts of one slot each can hold more than CAP
     for first in range(0, tl.where(fits, n, 0), TILE):
         s = first + tl.arange(0, TILE)
         # Slot s belongs to the last part that holds candidates and starts at or before it.
@@ -178,7 +186,7 @@ def _sample_kernel(
             row_vals = vals_ptr + row.to(tl.int64) * CAP
             row_idx = idx_ptr + row.to(tl.int64) * CAP
             n, complete = _gather_candidates(row, count_ptr, part_vals, part_idx, row_vals, row_idx, num_parts,
-                                             PART_CAP, CHUNKS_POW2, BLOCK // 4)
+                                             CAP, PART_CAP, CHUNKS_POW2, BLOCK // 4)
             if ~complete:  # a part overflowed its slots: collect from the row
                 n = _collect(row_ptr, 0, V, low, POS_INF, row_vals, row_idx, CAP, BLOCK)
                 complete = n <= CAP
@@ -241,7 +249,8 @@ def sample_with_threshold(logits, temperature, top_k, top_p, min_p, seeds=None, 
     def launch(config):
         device, block, cap = logits.device, config["BLOCK"], config["CAP"]
         chunk = RACE_CHUNK_TILES * block
-        part = max(config["FILTER_TILES"], RACE_CHUNK_TILES) * block
+        chunks_per_part = max(config["FILTER_TILES"] // RACE_CHUNK_TILES, 1)
+        part = chunks_per_part * chunk
         num_chunks, num_parts = triton.cdiv(vocab, chunk), triton.cdiv(vocab, part)
         part_cap = max(cap // triton.next_power_of_2(num_parts), 1)  # so that a row's parts' candidates fit CAP
         vals = torch.empty(batch, cap, dtype=torch.float32, device=device)
@@ -255,7 +264,7 @@ def sample_with_threshold(logits, temperature, top_k, top_p, min_p, seeds=None, 
         stats = (refs, bests, tokens, kths)
         meta = {"BLOCK": block, "CHUNKS_POW2": triton.next_power_of_2(num_chunks), "num_warps": config["num_warps"]}
         _sample_chunks_kernel[(batch, num_chunks)](
-            *params, seeds, *stats, vocab, num_chunks, part, num_parts, BLOCK=block, CHUNK=chunk,
+            *params, seeds, *stats, vocab, num_chunks, chunks_per_part, num_parts, BLOCK=block, CHUNK=chunk,
             num_warps=config["num_warps"],
         )
         _sample_collect_kernel[(batch, num_parts)](

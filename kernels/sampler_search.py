@@ -88,17 +88,17 @@ def _row_stats(row_ptr, first, end, inv_t, BLOCK: tl.constexpr):
 @triton.jit
 def _row_totals(row, ref_ptr, best_ptr, token_ptr, kth_ptr, inv_t, num_chunks, num_parts, CHUNKS_POW2: tl.constexpr):
     """A filtered row's max m, sum-exp z against it, argmax (lowest index) and top-k bound, from
-    its parts' stats (the first num_parts of its num_chunks slots)."""
+    its chunks' stats and its parts' bounds (the first num_parts of its num_chunks slots)."""
     offs = tl.arange(0, CHUNKS_POW2)
     slots = row.to(tl.int64) * num_chunks + offs
-    valid = offs < num_parts
+    valid = offs < num_chunks
     refs = tl.load(ref_ptr + slots, mask=valid, other=NEG_INF)
     m = tl.max(refs, 0)
     # A chunk of -inf adds nothing (and no NaN from -inf - -inf); z is not used unless m is finite.
     z = tl.sum(tl.where(refs > NEG_INF, tl.load(best_ptr + slots, mask=valid, other=0.0)
                         * tl.exp((refs - m) * inv_t), 0.0), 0)
     token = tl.min(tl.where(refs == m, tl.load(token_ptr + slots, mask=valid, other=INT_MAX), INT_MAX), 0)
-    return m, z, token, tl.max(tl.load(kth_ptr + slots, mask=valid, other=NEG_INF), 0)
+    return m, z, token, tl.max(tl.load(kth_ptr + slots, mask=offs < num_parts, other=NEG_INF), 0)
 
 
 @triton.jit

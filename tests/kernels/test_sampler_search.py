@@ -164,3 +164,25 @@ def test_allowed_sets_on_extreme_values(config):
     probs = reference.sampling_probs(logits, temperature, top_k, top_p, min_p)
     assert_allowed_sets(logits, thr, probs)
     assert (probs[torch.arange(len(picks)), ids] > 0).all()
+
+
+def test_top_p_at_a_mass_boundary_does_not_move_with_the_part_size():
+    # p is the float32 share of each row's top 20-42 tokens, so p * z sits within rounding of a
+    # cumulative mass: T moves if z's float32 sum does. The part size (FILTER_TILES, which follows
+    # the batch) must not change it: a row's draw never depends on its batch.
+    gen = torch.Generator().manual_seed(7)
+    batch, vocab = 12, 3000
+    logits = torch.randn(batch, vocab, generator=gen)
+    shares = []
+    for b in range(batch):
+        probs = torch.sort(torch.exp(logits[b] - logits[b].max()), descending=True).values.double()
+        shares.append(float(probs[:20 + 2 * b].sum() / probs.sum()))
+    temperature, top_k, _, min_p = params(batch, 1.0, 0, 1.0, 0.0)
+    top_p = torch.tensor(shares, dtype=torch.float32, device=DEVICE)
+    args = (logits.to(DEVICE), temperature, top_k, top_p, min_p, torch.arange(batch, device=DEVICE))
+    ids, thr = sample_with_threshold(*args, config={"BLOCK": 64, "CAP": 1024, "num_warps": 4, "FILTER_TILES": 4})
+    for tiles in (8, 64):
+        other_ids, other_thr = sample_with_threshold(*args, config={"BLOCK": 64, "CAP": 1024, "num_warps": 4,
+                                                                     "FILTER_TILES": tiles})
+        assert torch.equal(thr, other_thr), tiles
+        assert torch.equal(ids, other_ids), tiles
