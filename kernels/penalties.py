@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tritonllm.kernels.checks import INDICES, ROW_FLOATS, check_logits, check_rows
+from tritonllm.kernels.checks import INDICES, ROW_FLOATS, check_logits, check_rows, check_writable
 
 PENALTY_BLOCK = 1024  # vocabulary elements a program; a row's tiles spread over the SMs
 COUNT_BLOCK = 128  # (row, token) pairs a program
@@ -70,6 +70,7 @@ def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, prompt_mask: tor
     batch, vocab = check_logits(logits)
     if logits.stride(1) != 1:
         raise ValueError("apply_penalties works in place: logits rows must be contiguous")
+    check_writable("logits", logits)
     check_rows(batch, INDICES, rows=rows)
     check_rows(batch, ROW_FLOATS, presence=presence, frequency=frequency, repetition=repetition)
     _check_buffer("counts", counts, (torch.int32,), vocab)
@@ -86,6 +87,7 @@ def count_tokens(counts: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tens
     """In place: counts[rows[i], token_ids[i]] += 1 for an int32 counts buffer, = 1 for a uint8
     mask; pairs with rows[i] < 0 are skipped. rows, token_ids [N] int32/int64, tokens in [0, V)."""
     _check_buffer("counts", counts, (torch.int32, torch.uint8), counts.shape[-1] if counts.dim() else 0)
+    check_writable("counts", counts)
     n = rows.numel()
     check_rows(n, INDICES, rows=rows, token_ids=token_ids)
     if n == 0:

@@ -252,7 +252,7 @@ def sampling_probs(logits, temperature, top_k, top_p, min_p):
         row = logits[b].double()
         row = row.masked_fill(row.isnan(), float("-inf"))
         t = float(temperature[b])
-        greedy = bool(temperature[b] < MIN_TEMPERATURE)  # in temperature's dtype, as the kernel and sample compare
+        greedy = bool(temperature[b].float() < MIN_TEMPERATURE)  # in float32, as the kernel and sample compare
         if greedy or bool((row == float("inf")).any()) or bool((row == float("-inf")).all()):
             out[b, int(torch.argmax(row))] = 1.0
             continue
@@ -297,7 +297,7 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds=None):
     has_inf = (x == float("inf")).any(-1)
     no_mass = has_inf | (x == float("-inf")).all(-1)
     # A row holding +inf returns its first +inf logit, an all -inf row token 0: both argmax.
-    greedy = (temperature < MIN_TEMPERATURE) | no_mass
+    greedy = (temperature.float() < MIN_TEMPERATURE) | no_mass  # in float32, as the kernel compares
     t = torch.where(greedy, torch.ones_like(temperature), temperature).to(x.dtype)
     finite = x.masked_fill(no_mass[:, None], 0.0)  # keeps softmax a number on those rows (unused there)
     probs, order = torch.softmax(finite / t[:, None], dim=-1).sort(dim=-1, descending=True, stable=True)

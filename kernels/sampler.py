@@ -283,8 +283,8 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
            min_p: torch.Tensor, seeds: torch.Tensor | None = None) -> torch.Tensor:
     """Draw one token per row from softmax(logits / t) under top-k, then top-p, then min-p.
 
-    logits [B, V] float32/float16/bfloat16 (computed in float32); temperature [B] float (below
-    MIN_TEMPERATURE = 1e-5: greedy argmax, lowest index on ties); top_k [B] int (0 or >= V: off);
+    logits [B, V] float32/float16/bfloat16 (computed in float32); temperature [B] float (read as
+    float32; below MIN_TEMPERATURE = 1e-5: greedy argmax, lowest index on ties); top_k [B] int (0 or >= V: off);
     top_p [B] float (1: off); min_p [B] float (0: off); seeds [B] int64, or None to draw them with
     torch.randint on the device. A row's token depends only on its logits, parameters and seed, not on the rest of the
     batch: same seed, same token. Returns int64 ids [B]; nothing is modified in place.

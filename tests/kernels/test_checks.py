@@ -159,6 +159,12 @@ CASES = {
     "qk_norm_rotary out expanded": (_qk_norm_rotary(out=torch.empty(1, 4, D).expand(T, 4, D)), ValueError, "out"),
     "linear out expanded": (lambda: K.linear(torch.randn(T, D), torch.randn(8, D), out=torch.empty(T, 1).expand(T, 8)),
                             ValueError, "out"),
+    "apply_penalties logits expanded": (
+        lambda: K.apply_penalties(torch.ones(1, 8).expand(B, 8), torch.ones(B, 8, dtype=torch.int32),
+                                  torch.zeros(B, 8, dtype=torch.uint8), torch.arange(B), torch.zeros(B), torch.zeros(B),
+                                  torch.full((B,), 2.0)), ValueError, "logits"),
+    "count_tokens counts expanded": (lambda: K.count_tokens(torch.zeros(1, 8, dtype=torch.int32).expand(3, 8),
+                                                            torch.arange(3), torch.full((3,), 5)), ValueError, "counts"),
     # host values a launch would take as they are
     "store caches of ints": (_store(k_cache=torch.zeros(4, 16, 2, D, dtype=torch.int8),
                                     v_cache=torch.zeros(4, 16, 2, D, dtype=torch.int8)), TypeError, "k_cache"),

@@ -115,6 +115,17 @@ def test_temperatures_below_min_temperature_are_greedy():
     edge[0, 3], edge[0, 4] = 1e-5, 2e-5
     probs = reference.sampling_probs(edge, *params(1, 1e-5))[0]
     assert float(probs[4] / probs[3]) == pytest.approx(math.e, rel=1e-3) and probs[3] > probs[0] > 0
+    # A float64 t just under 1e-5 rounds to float32(1e-5): the kernel reads float32 and samples, so
+    # the references must not call the row greedy (they compared in float64).
+    t64 = torch.tensor([1e-5 - 1e-15], dtype=torch.float64, device=DEVICE)
+    ones, zeros = torch.ones(1, device=DEVICE), torch.zeros(1, device=DEVICE)
+    no_k = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    probs = reference.sampling_probs(edge, t64, no_k, ones, zeros)[0]
+    assert float(probs[4] / probs[3]) == pytest.approx(math.e, rel=1e-3)
+    drawn = {int(sample(edge, t64, no_k, ones, zeros, torch.tensor([s], device=DEVICE))[0]) for s in range(16)}
+    assert len(drawn) > 1
+    assert {int(reference.sample(edge, t64, no_k, ones, zeros, torch.tensor([s], device=DEVICE))[0])
+            for s in range(16)} != {4}
 
 
 def test_a_tie_across_race_chunks_at_a_small_temperature():
