@@ -129,6 +129,26 @@ def test_preemption_when_blocks_run_out_and_everyone_finishes():
     assert s.block_manager.num_free_blocks == 6
 
 
+def test_a_sequence_preempted_while_a_prompt_is_half_prefilled_queues_behind_it():
+    # The half-prefilled prompt holds all its blocks. Queued ahead of it, the preempted sequence
+    # could not be allocated and the prompt could not go on: nothing ran, though each fits alone.
+    s = make(num_blocks=4, budget=8)
+    a = add(s, 3, max_tokens=12)
+    step(s)  # prefill a
+    step(s)  # decode a: 5 tokens now, its next one needs a second block
+    b = add(s, 9, max_tokens=2)
+    seqs, num_new, is_prefill, _ = step(s)
+    assert is_prefill and seqs == [b] and num_new == [8] and s.block_manager.num_free_blocks == 0
+    seqs, num_new, is_prefill, _ = step(s)  # a cannot decode: preempted; b's last chunk runs
+    assert is_prefill and seqs == [b] and num_new == [1] and list(s.waiting) == [a] and s.num_preemptions == 1
+    for _ in range(40):
+        if s.is_finished():
+            break
+        step(s)
+    assert a.num_completion_tokens == 12 and b.num_completion_tokens == 2
+    assert s.block_manager.num_free_blocks == 4
+
+
 def test_max_num_seqs_limits_the_batch():
     s = make(max_num_seqs=2)
     for _ in range(3):

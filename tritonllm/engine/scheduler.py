@@ -44,9 +44,10 @@ class Scheduler:
         self.waiting.append(seq)
 
     def add_first(self, seqs: list[Sequence]) -> None:
-        """Queue seqs ahead of the other waiting ones (the samples of a request whose first sample
-        just prefilled their prompt: they hit its blocks while those are fresh), behind a head that
-        is partly prefilled, which goes on first."""
+        """Queue seqs ahead of the other waiting ones (preempted sequences; the samples of a request
+        whose first sample just prefilled their prompt: they hit its blocks while those are fresh),
+        behind a head that is partly prefilled: it holds its prompt's blocks and goes on first, as
+        nothing behind it could be allocated while it waits."""
         at = 1 if self.waiting and self.waiting[0].block_table else 0
         for i, seq in enumerate(seqs):
             self.waiting.insert(at + i, seq)
@@ -120,12 +121,13 @@ class Scheduler:
         return sorted(scheduled, key=lambda seq: seq.num_computed_tokens, reverse=True)
 
     def _preempt(self, seq: Sequence) -> None:
-        """Free running seq's blocks and queue it first: its prompt and output so far are recomputed later."""
+        """Free running seq's blocks and queue it first (add_first): its prompt and output so far are
+        recomputed later."""
         self.num_preemptions += 1
         self.block_manager.deallocate(seq)
         seq.status = SequenceStatus.WAITING
         self.running.remove(seq)
-        self.waiting.appendleft(seq)
+        self.add_first([seq])
 
     def launched(self, batch: ScheduledBatch) -> None:
         """Account a step just launched: its computed tokens, and a pending token per sampling row."""
