@@ -78,12 +78,12 @@ def fit_length(params: SamplingParams, prompt_len: int, max_model_len: int, num_
     limit = f"This model's maximum context length is {max_model_len} tokens (max_model_len)"
     if model_room < 1:
         raise ValueError(f"{limit}. However, the prompt has {prompt_len} tokens, which leaves no room for a completion")
+    cache_room = num_blocks * block_size + 1 - prompt_len
+    if cache_room < 1:  # the prompt's own K/V: no max_tokens would mend it, so none is named
+        raise ValueError(f"prompt ({prompt_len} tokens) leaves no room for a completion in the KV cache of "
+                         f"{num_blocks} blocks of {block_size}")
     if params.max_tokens is None:
-        cache_room = num_blocks * block_size + 1 - prompt_len
         room = min(model_room, cache_room)
-        if room < 1:
-            raise ValueError(f"prompt ({prompt_len} tokens) leaves no room for a completion in the KV cache of "
-                             f"{num_blocks} blocks of {block_size}")
         if strict and params.min_tokens > model_room:
             raise ValueError(f"{limit}. However, the prompt ({prompt_len} tokens) + SamplingParams.min_tokens "
                              f"({params.min_tokens}) = {prompt_len + params.min_tokens} exceed it")  # a server names the field
