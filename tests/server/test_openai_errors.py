@@ -99,6 +99,12 @@ def test_other_errors_and_unknown_fields(server, client):
                  b'{"prompt": "1+1=", "seed": ' + b"9" * 5000 + b"}"):
         status, answer = server.request("POST", "/v1/completions", body)
         assert status == 400 and answer["error"]["code"] == "invalid_json" and answer["error"]["type"] == "invalid_request_error"
+    # A lone UTF-16 surrogate parses but cannot be encoded: named in a 404's message or tokenized, it was a 500.
+    for path, body in (("/v1/completions", b'{"prompt": "1+1=", "model": "\\ud800"}'),
+                       ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "1"}], "model": "\\udfff"}'),
+                       ("/tokenize", b'{"prompt": "\\ud800"}')):
+        status, answer = server.request("POST", path, body)
+        assert status == 400 and answer["error"]["code"] == "invalid_json", (path, answer)
     status, answer = server.request("GET", "/v1/nothing")
     assert status == 404 and set(answer["error"]) == {"message", "type", "param", "code"}
     assert server.request("GET", "/v1/completions")[0] == 405

@@ -48,7 +48,9 @@ def error_response(error: ApiError, headers: dict | None = None) -> JSONResponse
 async def read_json(request: Request) -> dict:
     try:
         body = json.loads(await request.body())
-    except (ValueError, RecursionError) as error:  # JSONDecodeError, UnicodeDecodeError, an int over 4300 digits
+        # A lone surrogate ("\ud800") parses, but no reply naming it could be encoded: UnicodeEncodeError.
+        json.dumps(body, ensure_ascii=False).encode()
+    except (ValueError, RecursionError) as error:  # JSONDecodeError, Unicode*Error, an int over 4300 digits
         raise ApiError(400, f"the body is not valid JSON: {error}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise ApiError(400, f"the body must be a JSON object, got {type(body).__name__}", code="invalid_json")
