@@ -152,6 +152,12 @@ def test_an_unsupported_config_is_named_before_loading(tiny_qwen3, tmp_path, cas
         LLM(str(_with_config(tiny_qwen3, tmp_path, **fields)))
 
 
+def test_a_moe_config_without_a_sparse_step_is_named_before_loading(tiny_qwen3_moe, tmp_path):
+    # decoder_sparse_step 0 was a ZeroDivisionError choosing the sparse layers (HF's model fails so too).
+    with pytest.raises(ValueError, match=r"decoder_sparse_step=0 is invalid: it must be >= 1"):
+        LLM(str(_with_config(tiny_qwen3_moe, tmp_path, decoder_sparse_step=0)))
+
+
 @pytest.mark.parametrize("moe, field", [(False, "intermediate_size"), (True, "moe_intermediate_size")])
 def test_a_width_tensor_parallelism_cannot_split_is_named_before_loading(tiny_qwen3, tiny_qwen3_moe, tmp_path, moe,
                                                                          field):

@@ -50,6 +50,9 @@ def check_model_config(config, max_model_len: int, kernels: str) -> None:
     """What a config asks for and these models (or the `kernels` backend) do not implement is a
     ValueError naming the field."""
     model_class(config)
+    if config.model_type == "qwen3_moe" and config.decoder_sparse_step < 1:
+        raise ValueError(f"decoder_sparse_step={config.decoder_sparse_step} is invalid: it must be >= 1 (every "
+                         f"decoder_sparse_step-th layer is sparse)")
     if config.num_attention_heads % config.num_key_value_heads:
         raise ValueError(f"num_attention_heads={config.num_attention_heads} is invalid: it must be a multiple of "
                          f"num_key_value_heads={config.num_key_value_heads} (grouped-query attention)")
