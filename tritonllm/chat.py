@@ -1,4 +1,5 @@
 """Conversations as prompt text through the model's chat template, with vLLM's chat options."""
+import json
 
 
 class MessageError(ValueError):
@@ -12,8 +13,9 @@ class MessageError(ValueError):
 def text_message(message, name: str = "message") -> dict:
     """A copy of an OpenAI-style message as the chat templates take it: content a string (text parts
     [{"type": "text", "text": ...}] joined by newlines, as vLLM joins them; None as ""), and vLLM's
-    `reasoning` also as `reasoning_content`, which Qwen3's templates read. MessageError naming `name`
-    otherwise."""
+    `reasoning` also as `reasoning_content`, which Qwen3's templates read; an assistant's tool calls
+    with their arguments, a JSON string in OpenAI's messages, as the object templates render (vLLM's).
+    MessageError naming `name` otherwise."""
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise MessageError(name, "must be an object with a string role")
     content = message.get("content")
@@ -26,7 +28,25 @@ def text_message(message, name: str = "message") -> dict:
     checked = {**message, "content": content or ""}
     if isinstance(message.get("reasoning"), str):
         checked.setdefault("reasoning_content", message["reasoning"])
+    calls = message.get("tool_calls")
+    if message["role"] == "assistant" and isinstance(calls, list):
+        checked["tool_calls"] = [_parsed_call(call, f"{name}.tool_calls[{i}]") for i, call in enumerate(calls)]
+        if not calls:
+            del checked["tool_calls"]
     return checked
+
+
+def _parsed_call(call, name: str):
+    """A tool call whose function.arguments string (None or "": none) is parsed, as templates write
+    it with tojson or iterate it; other calls as they are."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments") or "", str):
+        return call
+    try:
+        arguments = json.loads(function.get("arguments") or "{}")
+    except ValueError:
+        raise MessageError(f"{name}.function.arguments", "must be a JSON string") from None
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def has_chat_template(tokenizer, chat_template: str | None = None) -> bool:

@@ -112,11 +112,28 @@ def test_the_tools_reach_the_template(server, client, tiny_llm, tool_choice):
     assert choice.finish_reason == "length" and not choice.message.tool_calls
 
 
-def test_history_with_calls_and_their_results_renders(server):
-    messages = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
-    status, counted = server.request("POST", "/tokenize", {"messages": messages, "tools": TOOLS})
+# How Qwen3's templates write a past call's arguments (tojson), and Qwen3-Coder's (|items).
+HISTORY = ("{%- for m in messages %}{{ m.role }}:{{ m.content }}{%- for call in m.tool_calls or [] %}"
+           "[{{ call.function.name }} {{ call.function.arguments | tojson }} {% for k, v in call.function.arguments"
+           " | items %}{{ k }}={{ v }}{% endfor %}]{%- endfor %};{% endfor %}")
+
+
+def test_history_with_calls_and_their_results_renders(server, tiny_llm):
+    # OpenAI's clients send a past call's arguments as a JSON string: the templates got the string (a
+    # "" wrote "arguments": } and |items refused it) where vLLM's get the object.
+    def history(*arguments):
+        calls = [{"id": f"call_{i}", "type": "function", "function": {"name": "f", "arguments": a}}
+                 for i, a in enumerate(arguments)]
+        return [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": calls},
+                {"role": "tool", "tool_call_id": "call_0", "content": "sunny"}]
+
+    status, counted = server.request("POST", "/tokenize", {"messages": history('{"city":"Paris"}', "", None),
+                                                            "chat_template": HISTORY})
+    want = 'user:the quick brown fox;assistant:[f {"city": "Paris"} city=Paris][f {} ][f {} ];tool:sunny;'
+    assert status == 200 and counted["tokens"] == tiny_llm.encode(want, add_special_tokens=False)
+    status, answer = server.request("POST", "/tokenize", {"messages": history('{"city": '), "chat_template": HISTORY})
+    assert status == 400 and answer["error"]["param"] == "messages[1].tool_calls[0].function.arguments", answer
+    status, counted = server.request("POST", "/tokenize", {"messages": history('{"city": "Paris"}'), "tools": TOOLS})
     assert status == 200 and counted["count"] > 0
 
 
