@@ -269,7 +269,8 @@ def test_add_special_tokens_reaches_the_encoder(llm, monkeypatch):
 
 
 @pytest.mark.parametrize("field, value", [("logits_processors", ["module:Processor"]), ("bad_words", ["x"]),
-                                          ("response_format", {"type": "json_object"}), ("use_beam_search", True)])
+                                          ("response_format", {"type": "json_object"}), ("use_beam_search", True),
+                                          ("include_reasoning", False)])
 def test_a_field_that_would_change_the_output_is_refused_by_name(field, value):
     # vLLM refuses logits_processors unless its server allows them; this one ignored them.
     with pytest.raises(ApiError) as raised:

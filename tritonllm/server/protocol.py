@@ -21,7 +21,7 @@ NEUTRAL = {
     # vLLM's extras
     "use_beam_search": (None, False), "bad_words": (None, []), "logits_processors": (None, []),
     "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
-    "structured_outputs": (None,),
+    "structured_outputs": (None,), "include_reasoning": (None, True),
 }
 
 JSON_NAMES = {bool: "a boolean", int: "an integer", str: "a string", dict: "an object", list: "an array"}
