@@ -70,15 +70,15 @@ class LLMEngine:
         generation = load_generation_config(config.model)
         self.eos_id, self.eos_ids = eos_token_ids(config.model, hf_config, self.tokenizer, generation)
         self.sampling_defaults = generation_defaults(generation)  # for requests without SamplingParams
-        self._workers = []
+        self._workers, self._rank_errors = [], None
         rank, init_method = int(os.environ.get("RANK", 0)), None
         had_group = torch.distributed.is_initialized()
         try:
             if world_size > 1 and "RANK" not in os.environ:
                 port = free_port()
                 init_method = f"tcp://127.0.0.1:{port}"
-                share_stop = start_ranks(self._workers, type(self), model, options, config, hf_config, init_method,
-                                         port)
+                share_stop, self._rank_errors = start_ranks(self._workers, type(self), model, options, config,
+                                                            hf_config, init_method, port)
             self.runner = ModelRunner(config, hf_config, rank, init_method)
         except BaseException:  # the workers would wait for rank 0 forever
             for process in self._workers:
@@ -306,7 +306,7 @@ class LLMEngine:
             raise RuntimeError("this LLM is closed (close(), or the end of its with block): make a new one")
 
     def _check_workers(self, wait: float = 0.0) -> None:
-        check_ranks(self._workers, wait)
+        check_ranks(self._workers, self._rank_errors, wait)
 
     def _resolve(self, in_flight: InFlight | None, outputs: list[RequestOutput]) -> None:
         """Bring in a launched step's prompt scores and sampled tokens, appending the outputs they make to

@@ -15,6 +15,16 @@ from tritonllm.distributed import release_replicas
 from tritonllm.engine.model_runner import ModelRunner
 
 
+def _run(errors, rank: int, target, *args) -> None:
+    """A rank's process: target(*args), whose error goes to rank 0 through `errors` before the
+    process ends (a notebook shows rank 0's exception, not the other ranks' stderr)."""
+    try:
+        target(*args)
+    except Exception as error:
+        errors.put((rank, f"{type(error).__name__}: {error}"[:2000]))  # a pipe holds 64 KB unread
+        raise
+
+
 def _worker(config: EngineConfig, hf_config, rank: int, init_method: str, started) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in a terminal reaches every rank: rank 0 handles it
     started.set()
@@ -38,19 +48,21 @@ def start_ranks(processes: list, engine_class, model: str, options: dict, config
     """Spawn ranks 1..N-1, appending each process to `processes` as it starts (the caller kills
     them if anything fails), and wait until each runs. A rank that dies while starting (as when the
     script lacks its main guard and the spawned rank re-runs it) is an error, not a hang. Returns
-    the shared byte that tells the other replicas to drop their shares of a generate (None without any)."""
+    the shared byte that tells the other replicas to drop their shares of a generate (None without any)
+    and the queue of the ranks' errors (check_ranks reads it)."""
     context = mp.get_context("spawn")
     tp = config.tensor_parallel_size
     world_size = tp * config.data_parallel_size
     started = [context.Event() for _ in range(1, world_size)]
     # A lock-free shared byte, not an Event: a second Ctrl-C inside Event.set() can leave its lock held forever.
     share_stop = context.RawValue("b", 0) if config.data_parallel_size > 1 else None
+    errors = context.SimpleQueue()
     for rank, event in enumerate(started, start=1):
         if rank % tp:
             target, args = _worker, (config, hf_config, rank, init_method, event)
         else:
             target, args = _replica, (engine_class, model, options, rank, world_size, port, event, share_stop)
-        process = context.Process(target=target, args=args, daemon=True)
+        process = context.Process(target=_run, args=(errors, rank, target, *args), daemon=True)
         process.start()
         processes.append(process)
     for rank, (event, process) in enumerate(zip(started, processes), start=1):
@@ -60,17 +72,22 @@ def start_ranks(processes: list, engine_class, model: str, options: dict, config
                     f"parallel worker rank {rank} exited while starting (exit code {process.exitcode}). "
                     "Workers are spawned and import the main module again: a script that makes a "
                     "tensor- or data-parallel LLM must do so under `if __name__ == \"__main__\":`.")
-    return share_stop
+    return share_stop, errors
 
 
-def check_ranks(processes: list, wait: float = 0.0) -> None:
-    """Raise if a rank has exited (within `wait` seconds each): a collective with a dead rank would
-    wait forever."""
+def check_ranks(processes: list, errors, wait: float = 0.0) -> None:
+    """Raise if a rank has exited (within `wait` seconds each), naming it and the error it sent
+    (start_ranks' queue, or None): a collective with a dead rank would wait forever."""
     for process in processes if wait else ():
         process.join(wait)
     dead = [(rank, p.exitcode) for rank, p in enumerate(processes, start=1) if not p.is_alive()]
     if dead:
-        raise RuntimeError(f"parallel rank(s) exited: {', '.join(f'rank {r} (exit code {c})' for r, c in dead)}")
+        said = {}
+        while errors is not None and not errors.empty():
+            rank, text = errors.get()
+            said[rank] = f": {text}"
+        raise RuntimeError("parallel rank(s) exited: " + ", ".join(f"rank {r} (exit code {c}){said.get(r, '')}"
+                                                                  for r, c in dead))
 
 
 def shut_down(runner: ModelRunner, processes: list, replicas: bool) -> None:
