@@ -4,7 +4,8 @@
 
 A character-level tokenizer over tritonllm.tiny_tasks.ALPHABET, a 4-layer Qwen3 (hidden 128, GQA
 4/2 heads, head_dim 32), teacher forcing with the loss on the answer and its EOS only; HF greedy
-accuracy on the evaluation set is printed at the end and must reach 90%.
+accuracy on the evaluation set is printed at the end; the model is saved only if it reaches 90%
+(--min-accuracy), with the shipped chat template (the last user message as the plain problem).
 """
 import argparse
 import json
@@ -18,13 +19,12 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import GenerationConfig, PreTrainedTokenizerFast
 from transformers.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 
-from tritonllm.tiny_tasks import ALPHABET, EVAL_SEED, problem, problems
+from tritonllm.tiny_tasks import ALPHABET, BUNDLED_MODEL, EVAL_SEED, problem, problems
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+# The character-level tokenizer splits role markers into characters the model never saw: the
+# template gives it the problem alone. Read before --out (the bundled folder by default) is written.
+CHAT_TEMPLATE = (BUNDLED_MODEL / "chat_template.jinja").read_text()
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
@@ -70,6 +70,7 @@ def main():
     parser.add_argument("--steps", type=int, default=2500)
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--out", type=Path, default=Path(__file__).parents[1] / "tritonllm" / "bundled")
+    parser.add_argument("--min-accuracy", type=float, default=0.9, help="save only a model this accurate (default 0.9)")
     args = parser.parse_args()
     torch.manual_seed(0)
     rng = random.Random(0)
@@ -99,6 +100,8 @@ def main():
     model.eval()
     score = accuracy(model, tokenizer, eos)
     print(f"greedy accuracy on the evaluation set: {score:.1%}")
+    if score < args.min_accuracy:
+        raise SystemExit(f"below --min-accuracy {args.min_accuracy:.0%}: {args.out} left as it was")
     args.out.mkdir(parents=True, exist_ok=True)
     model.generation_config = GenerationConfig(eos_token_id=[eos], pad_token_id=tokenizer.pad_token_id)
     model.save_pretrained(args.out, safe_serialization=True)

@@ -1,6 +1,7 @@
 """The command line and the bundled tiny model, end to end through subprocesses and the engine."""
 import io
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -101,6 +102,8 @@ class StubLLM:
         StubLLM.calls.append(([dict(m) for m in messages], params.max_tokens, stream))
         if "?" in messages[-1]["content"]:
             raise ValueError("'?' is not in the vocabulary")
+        if sum(len(m["content"]) for m in messages) + params.max_tokens > self.config.max_model_len:
+            raise ValueError("the conversation is too long")
         for char in messages[-1]["content"][::-1]:
             yield SimpleNamespace(text_delta=char)
 
@@ -153,6 +156,17 @@ def test_chat_drops_the_oldest_exchanges_to_fit(monkeypatch, capsys):
     assert err.count("exchange(s) dropped to fit max_model_len=64") == 2
 
 
+def test_chat_keeps_its_history_when_a_message_is_refused_as_too_long(monkeypatch, capsys):
+    """64 positions, 8 for the reply: 60 characters never fit; the exchange before them must stay."""
+    monkeypatch.setattr("tritonllm.LLM", StubLLM)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("a" * 20 + "\n" + "x" * 60 + "\n" + "b" * 10 + "\n"))
+    cli.main(["chat"])
+    out, err = capsys.readouterr()
+    assert "error: the conversation is too long" in err and "dropped" not in err
+    assert StubLLM.calls[-1][0] == [{"role": "user", "content": "a" * 20}, {"role": "assistant", "content": "a" * 20},
+                                    {"role": "user", "content": "b" * 10}]
+
+
 def test_serve_arguments_are_checked_before_loading(capsys):
     for args, error in ((["--port", "70000"], "argument --port: must be in [0, 65535], got 70000"),
                         (["--shutdown-timeout", "nan"], "argument --shutdown-timeout: must be >= 0.0, got nan"),
@@ -176,3 +190,27 @@ def test_a_preset_is_refused_text_before_it_is_loaded(monkeypatch, capsys, args,
     with pytest.raises(SystemExit) as exited:
         cli.main([*args, "--model", "qwen3-0.6b"])
     assert exited.value.code == 2 and error in capsys.readouterr().err
+
+
+def test_serve_refuses_a_busy_port_or_an_unknown_host_before_loading(monkeypatch, capsys):
+    # It loaded the model first (minutes for a real checkpoint), printed that it served, then uvicorn failed.
+    monkeypatch.setattr("tritonllm.server.app.EngineClient", None)  # never called
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        for args, where in ((["--port", str(port)], f"127.0.0.1:{port}"),
+                            (["--host", "no.such.host.invalid"], "no.such.host.invalid:8000")):
+            with pytest.raises(SystemExit) as exited:
+                cli.main(["serve", *args])
+            err = capsys.readouterr().err
+            assert exited.value.code == 2 and f"cannot serve on {where} (--host, --port)" in err, err
+
+
+def test_chat_into_a_pipe_its_reader_closed_ends_without_a_traceback():
+    # `tritonllm chat | head -1`: the reply's write raised BrokenPipeError, printed with its traceback.
+    process = subprocess.Popen([sys.executable, "-m", "tritonllm", "chat", "--device", "cpu", "--kernels", "reference"],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process.stdout.close()  # the reader leaves before anything is written
+    _, err = process.communicate("12+34\nrev abc\n", timeout=900)
+    assert process.returncode == 1 and "Traceback" not in err and "Error" not in err, err

@@ -1,6 +1,7 @@
 """The `tritonllm` command: generate, chat, serve, bench."""
 import argparse
 import math
+import os
 import subprocess
 import sys
 import time
@@ -38,7 +39,7 @@ def int_at_least(low: int):
 def engine_options(args) -> dict:
     options = {"tensor_parallel_size": args.tp, "seed": args.seed, "kernels": args.kernels,
                "kv_cache_dtype": args.kv_cache_dtype}
-    if getattr(args, "dp", None) is not None:  # generate and chat: serve runs one replica
+    if getattr(args, "dp", None) is not None:  # generate: chat streams and serve runs through one replica
         options["data_parallel_size"] = args.dp
     for name in ("device", "dtype", "max_model_len", *SERVE_ENGINE_OPTIONS):  # the latter: serve only
         if getattr(args, name, None) is not None:
@@ -94,19 +95,23 @@ def token_ids(prompt: str) -> list[int]:
         raise ValueError(f"--prompt {prompt!r}: this model has no tokenizer, give token ids separated by spaces") from None
 
 
-def fit_history(llm, history: list[dict], max_tokens: int) -> None:
-    """Drop the oldest exchanges until the conversation and a reply fit max_model_len (the last message stays)."""
-    def length():
-        text = llm.tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
-        return len(llm.tokenizer.encode(text, add_special_tokens=False))
+def fit_history(llm, history: list[dict], max_tokens: int) -> list[dict]:
+    """The conversation to send: history without its oldest exchanges, so that it and a reply fit
+    max_model_len (the last message stays; history itself is untouched, as the message may yet be refused)."""
+    conversation = list(history)
+
+    def too_long() -> bool:
+        text = llm.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        return len(llm.tokenizer.encode(text, add_special_tokens=False)) + max_tokens > llm.config.max_model_len
 
     dropped = 0
-    while len(history) > 2 and length() + max_tokens > llm.config.max_model_len:
-        del history[:2]
+    while len(conversation) > 2 and too_long():
+        del conversation[:2]
         dropped += 1
-    if dropped:
+    if dropped and not too_long():  # else the engine refuses the message itself, and nothing is dropped
         print(f"(the oldest {dropped} exchange(s) dropped to fit max_model_len={llm.config.max_model_len})",
               file=sys.stderr, flush=True)
+    return conversation
 
 
 def chat(args) -> None:
@@ -133,19 +138,17 @@ def chat(args) -> None:
     for line in sys.stdin:
         if not line.strip():
             break
-        history.append({"role": "user", "content": line.rstrip("\n")})
-        fit_history(llm, history, params.max_tokens)
+        conversation = fit_history(llm, [*history, {"role": "user", "content": line.rstrip("\n")}], params.max_tokens)
         reply = ""
         try:
-            for event in llm.chat(history, params, stream=True):
+            for event in llm.chat(conversation, params, stream=True):
                 print(event.text_delta, end="", flush=True)
                 reply += event.text_delta
         except ValueError as error:  # e.g. a character the tokenizer lacks: drop this message, keep chatting
-            history.pop()
             print(f"error: {error}", file=sys.stderr, flush=True)
             continue
         print()
-        history.append({"role": "assistant", "content": reply})
+        history = [*conversation, {"role": "assistant", "content": reply}]
 
 
 def serve(args) -> None:
@@ -175,8 +178,6 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
         p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off)")
         p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p * p_max (0 = off)")
-        p.add_argument("--dp", type=int_at_least(1), default=1,
-                       help="data-parallel replicas, each --tp GPUs wide (prompts are dealt out round-robin)")
         add_engine_options(p)
 
     def add_engine_options(p):
@@ -201,6 +202,8 @@ def parser() -> argparse.ArgumentParser:
                                                        "models without a tokenizer")
     gen.add_argument("--num-problems", type=int_at_least(1), default=30, help="problems of the task set (default 30)")
     add_model_options(gen, "prompt (default 8)")
+    gen.add_argument("--dp", type=int_at_least(1), default=1,
+                     help="data-parallel replicas, each --tp GPUs wide (prompts are dealt out round-robin)")
     gen.set_defaults(run=generate)
 
     talk = commands.add_parser("chat", help="an interactive, streamed chat")
@@ -248,6 +251,9 @@ def main(argv=None) -> None:
         top.exit(2, f"tritonllm {args.command}: error: {error}\n")
     except KeyboardInterrupt:  # Ctrl-C: no traceback
         top.exit(130, "\n")
+    except BrokenPipeError:  # the reader of stdout left (`| head`): no traceback, and none at exit's flush
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 kernels) and the raw HTTP calls the tests make beside the openai client."""
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -19,20 +20,27 @@ STARTUP_TIMEOUT_S = 300
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], log_path):
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
+    def __init__(self, args: list[str], log_path, port: int | None = None, cwd=None):
+        """port: default a free one; 0 lets the server pick it, read from the address it prints."""
+        self.port = free_port() if port is None else port
         self.log_path = log_path
         self.log = open(log_path, "w")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.process = subprocess.Popen([sys.executable, "-m", "tritonllm", "serve", "--port", str(self.port), *ENGINE_ARGS,
-                                         *args], stdout=self.log, stderr=subprocess.STDOUT, env=env)
+                                         *args], stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while self.request("GET", "/health", timeout=5)[0] != 200:
-            if self.process.poll() is not None or time.monotonic() > deadline:
+        while not self.port or self.request("GET", "/health", timeout=5)[0] != 200:
+            announced = None if self.port else re.search(r" on http://127\.0\.0\.1:(\d+)/v1", self.log_text())
+            if announced:
+                self.port = int(announced[1])
+            if (announced and not self.port) or self.process.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"the server did not start:\n{self.log_text()[-4000:]}")
             time.sleep(0.5)
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
 
     def log_text(self) -> str:
         if not self.log.closed:  # stop() closes it: the text is still there

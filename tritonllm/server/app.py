@@ -10,6 +10,7 @@
 import asyncio
 import gc
 import json
+import socket
 import sys
 import time
 from contextlib import asynccontextmanager
@@ -245,8 +246,22 @@ def create_app(engine: EngineClient, names: tuple[str, ...], tokenizer=None, rea
 def served_names(model: str, served_model_name: str | None) -> tuple[str, ...]:
     """The name responses carry, then the other names a request may use: a folder's name (the
     bundled model is "bundled") or a preset's, and the --model argument as given."""
-    name = served_model_name or Path(model).name
+    name = served_model_name or (Path(model).resolve().name if Path(model).is_dir() else Path(model).name)  # "." too
     return tuple(dict.fromkeys([name, model, str(Path(model).resolve()) if Path(model).is_dir() else model]))
+
+
+def bound_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound (port 0: a free one) but not yet listening: until the model has
+    loaded, a client's connection is refused rather than left waiting."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port whose last server just exited
+    try:
+        sock.bind((host, port))
+    except OSError as error:  # in use, not this machine's address, or a host name that does not resolve
+        sock.close()
+        raise ValueError(f"cannot serve on {host}:{port} (--host, --port): {error.strerror or error}") from None
+    return sock
 
 
 class Server(uvicorn.Server):
@@ -272,17 +287,19 @@ def run_server(model: str, options: dict, host: str = "127.0.0.1", port: int = 8
     and stops the engine."""
     from transformers import AutoTokenizer
 
-    engine = EngineClient(model, options, max_waiting)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(engine.info["model"]) if engine.info["has_tokenizer"] else None
-        names = served_names(model, served_model_name)
-        app = create_app(engine, names, tokenizer, reasoning_parser, tool_call_parser)
-        info = engine.info
-        print(f"tritonllm serve: {names[0]} (max_model_len {info['max_model_len']}, {info['num_kv_blocks']} KV blocks of "
-              f"{info['kv_block_size']}) on http://{host}:{port}/v1", file=sys.stderr, flush=True)
-        # uvicorn's own timeout is a backstop: by then the streams have ended themselves.
-        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
-                                timeout_graceful_shutdown=shutdown_timeout + 5)
-        Server(config, engine, shutdown_timeout).run()
-    finally:
-        engine.shutdown()
+    with bound_socket(host, port) as sock:  # a busy port or an unknown host fails before the model loads
+        engine = EngineClient(model, options, max_waiting)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(engine.info["model"]) if engine.info["has_tokenizer"] else None
+            names = served_names(model, served_model_name)
+            app = create_app(engine, names, tokenizer, reasoning_parser, tool_call_parser)
+            info = engine.info
+            address = f"[{host}]" if ":" in host else host
+            print(f"tritonllm serve: {names[0]} (max_model_len {info['max_model_len']}, {info['num_kv_blocks']} KV blocks "
+                  f"of {info['kv_block_size']}) on http://{address}:{sock.getsockname()[1]}/v1", file=sys.stderr, flush=True)
+            # uvicorn's own timeout is a backstop: by then the streams have ended themselves.
+            config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+                                    timeout_graceful_shutdown=shutdown_timeout + 5)
+            Server(config, engine, shutdown_timeout).run(sockets=[sock])
+        finally:
+            engine.shutdown()

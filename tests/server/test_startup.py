@@ -1,0 +1,15 @@
+"""How `tritonllm serve` starts: the address it binds and announces, and the name it serves under
+(bad ports and hosts, refused before the model loads: tests/test_cli.py)."""
+from server_process import ServerProcess
+
+from tritonllm import BUNDLED_MODEL
+
+
+def test_port_0_serves_on_the_port_it_announces_under_the_folders_name(tmp_path):
+    # It announced port 0 (uvicorn bound another); `--model .` was served as "", its path's name as given.
+    process = ServerProcess(["--model", "."], tmp_path / "log.txt", port=0, cwd=BUNDLED_MODEL)
+    try:
+        status, body = process.request("GET", "/v1/models")
+        assert status == 200 and [model["id"] for model in body["data"]] == ["bundled"]
+    finally:
+        process.stop()
