@@ -179,6 +179,35 @@ def test_an_abort_hands_out_the_text_a_stop_string_held_back(llm, full, abort_af
     assert llm.block_manager.num_free_blocks == 32
 
 
+@pytest.mark.parametrize("stream, stop", [(True, None), (False, ["zzz"]), (False, None)])
+def test_an_abort_keeps_the_characters_its_tokens_completed(llm, monkeypatch, stream, stop):
+    """Each token decodes to "a" and the first byte of a two-byte character, as a byte-level BPE's
+    tokens can cut characters: aborted, a request's text is the decode of its tokens less the open
+    character, however it was made (streamed, or with stop strings, its text was empty)."""
+    straddling, real = llm.tokenizer.convert_tokens_to_ids("a"), llm.tokenizer.decode
+
+    def decode(ids, skip_special_tokens=True):
+        return b"".join(b"a\xc3" if i == straddling else real([i], skip_special_tokens=skip_special_tokens).encode()
+                        for i in ids).decode("utf-8", "replace")
+
+    monkeypatch.setattr(llm.tokenizer, "decode", decode)
+    params = SamplingParams(temperature=0, max_tokens=N, allowed_token_ids=[straddling], stop=stop)
+    request = llm.add_request(PROMPT, params, stream=stream)
+    deltas, steps, final = [], 0, None
+    while final is None:
+        for out in llm.step():
+            deltas.append(out.text_delta)
+            final = out.output
+        steps += 1
+        if steps == 3 and final is None:  # a request not streamed has no output before its last
+            llm.abort(request)
+    count = len(final.token_ids)
+    assert final.finish_reason == "abort" and 2 <= count < N
+    assert final.text == "a\ufffd" * (count - 1) + "a"
+    assert "".join(deltas) == (final.text if stream else "")
+    assert llm.block_manager.num_free_blocks == 32
+
+
 class CharTokenizer:
     """One character per token; ids -1, -2 are the two bytes of "\u00e9" (a lone -1 decodes to U+FFFD);
     id 0 is a special token, "<0>"."""

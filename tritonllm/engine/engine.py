@@ -24,7 +24,7 @@ from tritonllm.engine.output import RequestOutput
 from tritonllm.engine.prompt_logprobs import PromptSpan, add_prompt_logprobs, prompt_logprob_spans
 from tritonllm.engine.ranks import abandon, check_ranks, shut_down, start_ranks
 from tritonllm.engine.requests import (Request, Sample, check_for_model, encode_prompt, finish_reason, fit_length,
-                                      make_request, min_tokens_bans, request_id_list, step_output)
+                                      flush_text, make_request, min_tokens_bans, request_id_list, step_output)
 from tritonllm.engine.sampled_tokens import SampledTokens
 from tritonllm.engine.scheduler import ScheduledBatch, Scheduler
 from tritonllm.engine.sequence import Sequence, SequenceStatus
@@ -192,7 +192,7 @@ class LLMEngine:
                     self.scheduler.finish(sample.seq, "abort")
                 else:
                     sample.seq.finish_reason, sample.seq.status = "abort", SequenceStatus.FINISHED
-            self._pending += [step_output(request, sample, True, self.tokenizer) for sample in aborted]
+            self._pending += [step_output(request, flush_text(sample), True, self.tokenizer) for sample in aborted]
 
     def after_step(self, work) -> None:
         """Run work() now, or at the end of the step this thread is in (an abort from a stream that the

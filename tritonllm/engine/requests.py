@@ -189,6 +189,16 @@ def text_span(sample: Sample) -> tuple[int, int]:
     return seq.num_prompt_tokens, len(seq.token_ids) - dropped
 
 
+def flush_text(sample: Sample) -> Sample:
+    """An aborted sample's text decoded through its last complete character, as a finished one's
+    last update decodes it (else a streamed sample, or one with stop strings, would end with the text
+    of its last clean cut only: none while every token ends in part of a character)."""
+    if sample.text is not None:
+        start, end = text_span(sample)
+        sample.text.update(sample.seq.token_ids, final=True, start=start, end=end)
+    return sample
+
+
 NO_SCORES = (None, None, None)
 
 
