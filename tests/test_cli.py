@@ -192,6 +192,18 @@ def test_a_preset_is_refused_text_before_it_is_loaded(monkeypatch, capsys, args,
     assert exited.value.code == 2 and error in capsys.readouterr().err
 
 
+def test_serve_checks_the_engine_options_before_starting_the_engine(monkeypatch, capsys):
+    # The engine process found them, after the spawn and its imports, as "error: ValueError: ...".
+    monkeypatch.setattr("tritonllm.server.app.EngineClient", None)  # never called
+    for args, error in ((["--max-num-seqs", "0"], "max_num_seqs=0 is invalid"),
+                        (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization=1.5 is invalid"),
+                        (["--kv-block-size", "24"], "kv_block_size=24 is invalid")):
+        with pytest.raises(SystemExit) as exited:
+            cli.main(["serve", "--device", "cpu", *args])
+        err = capsys.readouterr().err
+        assert exited.value.code == 2 and error in err and "ValueError" not in err, err
+
+
 def test_serve_refuses_a_busy_port_or_an_unknown_host_before_loading(monkeypatch, capsys):
     # It loaded the model first (minutes for a real checkpoint), printed that it served, then uvicorn failed.
     monkeypatch.setattr("tritonllm.server.app.EngineClient", None)  # never called

@@ -22,6 +22,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from tritonllm.config import EngineConfig
 from tritonllm.server.engine_loop import EngineClient, RequestStream
 from tritonllm.server.protocol import (ApiError, GenerateRequest, check_model, detokenize, parse_chat, parse_completion,
                                        tokenize)
@@ -287,6 +288,7 @@ def run_server(model: str, options: dict, host: str = "127.0.0.1", port: int = 8
     and stops the engine."""
     from transformers import AutoTokenizer
 
+    EngineConfig.from_options(model, **options)  # the options' own checks, before any process starts
     with bound_socket(host, port) as sock:  # a busy port or an unknown host fails before the model loads
         engine = EngineClient(model, options, max_waiting)
         try:
