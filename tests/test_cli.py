@@ -192,6 +192,15 @@ def test_a_preset_is_refused_text_before_it_is_loaded(monkeypatch, capsys, args,
     assert exited.value.code == 2 and error in capsys.readouterr().err
 
 
+def test_a_folder_without_weights_is_named_before_its_prompts(monkeypatch, capsys, tmp_path):
+    # It was refused as "this model has no tokenizer, give token ids".
+    monkeypatch.setattr("tritonllm.LLM", lambda *a, **k: pytest.fail("the model was loaded"))
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["generate", "--prompt", "hello", "--model", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "has no .safetensors weights" in err and "token ids" not in err, err
+
+
 def test_serve_checks_the_engine_options_before_starting_the_engine(monkeypatch, capsys):
     # The engine process found them, after the spawn and its imports, as "error: ValueError: ...".
     monkeypatch.setattr("tritonllm.server.app.EngineClient", None)  # never called

@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from tritonllm.config import DEVICES, DTYPES, KERNEL_BACKENDS, KV_CACHE_DTYPES
+from tritonllm.config import DEVICES, DTYPES, KERNEL_BACKENDS, KV_CACHE_DTYPES, EngineConfig
 from tritonllm.models.presets import PRESETS
 from tritonllm.server.reply import REASONING_PARSERS, TOOL_CALL_PARSERS
 from tritonllm.tiny_tasks import BUNDLED_MODEL, EVAL_SEED, problems
@@ -78,6 +78,7 @@ def generate(args) -> None:
     params = sampling(args, default_max_tokens=8)  # bad options and prompts fail before the model is loaded
     if not args.prompt and Path(args.model).resolve() != BUNDLED_MODEL.resolve():
         raise ValueError("--prompt is required with a model other than the bundled one")
+    EngineConfig.from_options(args.model, **engine_options(args))  # a folder without weights, before its prompts
     prompts = args.prompt if has_tokenizer(args.model) else [token_ids(p) for p in args.prompt or []]
     llm = LLM(args.model, **engine_options(args))
     if not args.prompt:
@@ -186,7 +187,7 @@ def parser() -> argparse.ArgumentParser:
                             "bundled tiny model")
         p.add_argument("--tp", type=int_at_least(1), default=1, help="tensor-parallel size (GPUs)")
         p.add_argument("--device", choices=DEVICES, help="default: cuda when available, else cpu (interpreter)")
-        p.add_argument("--dtype", choices=list(DTYPES), help="default: the checkpoint's")
+        p.add_argument("--dtype", choices=list(DTYPES), help="default: the checkpoint's (float32 on the CPU)")
         p.add_argument("--max-model-len", type=int, help="longest prompt + completion (default: the model's)")
         p.add_argument("--kernels", choices=KERNEL_BACKENDS, default="triton",
                        help="Triton kernels, or their PyTorch references")
@@ -212,7 +213,8 @@ def parser() -> argparse.ArgumentParser:
 
     server = commands.add_parser("serve", help="an OpenAI-compatible HTTP server",
                                  description="Serve the model over the OpenAI API (/v1/completions, /v1/chat/completions, "
-                                             "/v1/models, /health, /stats, /metrics) until SIGINT or SIGTERM.")
+                                             "/v1/models; /tokenize, /detokenize, /health, /stats, /metrics) until "
+                                             "SIGINT or SIGTERM.")
     server.add_argument("--host", default="127.0.0.1")
     server.add_argument("--port", type=number_in(int, 0, 65535), default=8000)
     server.add_argument("--served-model-name", help="the model's name in the API (default: the folder's or preset's name)")
@@ -229,7 +231,8 @@ def parser() -> argparse.ArgumentParser:
     add_engine_options(server)
     server.add_argument("--max-num-seqs", type=int, help="requests in one batch (default 256)")
     server.add_argument("--max-num-batched-tokens", type=int, help="tokens in one step (default 16384)")
-    server.add_argument("--num-kv-blocks", type=int, help="KV cache blocks (default: from --gpu-memory-utilization)")
+    server.add_argument("--num-kv-blocks", type=int,
+                        help="KV cache blocks (default: from --gpu-memory-utilization; 1 GiB on the CPU)")
     server.add_argument("--kv-block-size", type=int, help="tokens per KV block (default 16)")
     server.add_argument("--gpu-memory-utilization", type=float, help="share of GPU memory for weights and cache (default 0.9)")
     server.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")

@@ -297,8 +297,9 @@ def run_server(model: str, options: dict, host: str = "127.0.0.1", port: int = 8
             app = create_app(engine, names, tokenizer, reasoning_parser, tool_call_parser)
             info = engine.info
             address = f"[{host}]" if ":" in host else host
-            print(f"tritonllm serve: {names[0]} (max_model_len {info['max_model_len']}, {info['num_kv_blocks']} KV blocks "
-                  f"of {info['kv_block_size']}) on http://{address}:{sock.getsockname()[1]}/v1", file=sys.stderr, flush=True)
+            print(f"tritonllm serve: {names[0]} (max_model_len {info['max_model_len']}, {info['num_kv_blocks']} KV "
+                  f"blocks of {info['kv_block_size']}) on http://{address}:{sock.getsockname()[1]}/v1", file=sys.stderr,
+                  flush=True)
             # uvicorn's own timeout is a backstop: by then the streams have ended themselves.
             config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                                     timeout_graceful_shutdown=shutdown_timeout + 5)
