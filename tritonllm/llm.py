@@ -159,10 +159,14 @@ class LLM(LLMEngine):
                                out.output, out.new_logprobs, out.new_top_logprobs, out.prompt_logprobs,
                                out.prompt_top_logprobs, out.prompt_ranks)
 
-    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[GenerationOutput]:
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool | Callable = True) -> list[GenerationOutput]:
         """Complete every prompt (strings or token-id lists); outputs in the order of the prompts, a
         prompt's n samples (SamplingParams.n) one after another, in the order of their index. With
-        data parallelism prompt i goes to replica i % D; the bar follows replica 0's share."""
+        data parallelism prompt i goes to replica i % D; the bar follows replica 0's share. use_tqdm:
+        whether to show a progress bar, or a callable that makes it (tqdm's arguments; vLLM's)."""
+        if not (isinstance(use_tqdm, bool) or callable(use_tqdm)):
+            raise TypeError("use_tqdm must be a bool or a callable that makes a tqdm bar, got "
+                            f"{type(use_tqdm).__name__}")
         if self.dp_size == 1:
             return self._generate(self._sequences(prompts, sampling_params), use_tqdm)
         prompts = _prompt_list(prompts)
@@ -192,13 +196,14 @@ class LLM(LLMEngine):
         queues = [deque(result) for result in results]
         return [queues[i % dealt].popleft() for i, seq in enumerate(seqs) for _ in range(seq.params.n)]
 
-    def _generate(self, seqs: list[Sequence], use_tqdm: bool) -> list[GenerationOutput]:
+    def _generate(self, seqs: list[Sequence], use_tqdm: bool | Callable) -> list[GenerationOutput]:
         """generate on this replica alone, of the sequences from _sequences."""
         requests, queue = self._add(seqs, stream=False)
         outputs: dict[int, GenerationOutput] = {}
         rates = {True: 0.0, False: 0.0}
         total = sum(n for _, n in requests.values())
-        with tqdm(total=total, desc="Generating", dynamic_ncols=True, disable=not use_tqdm) as bar:
+        make_bar = use_tqdm if callable(use_tqdm) else tqdm
+        with make_bar(total=total, desc="Generating", dynamic_ncols=True, disable=not use_tqdm) as bar:
             def show_rates():  # every step's rate: a step that finishes a request has launched the next one
                 if self.last_step is not None:
                     num_tokens, is_prefill, seconds = self.last_step
@@ -211,7 +216,7 @@ class LLM(LLMEngine):
                 bar.update(1)
         return [outputs[i] for i in range(total)]
 
-    def chat(self, messages, sampling_params=None, use_tqdm: bool = True, stream: bool = False, *,
+    def chat(self, messages, sampling_params=None, use_tqdm: bool | Callable = True, stream: bool = False, *,
              chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
              tools: list[dict] | None = None):

@@ -12,6 +12,7 @@ import torch
 from parallel import ranks, running
 from safetensors.torch import load_file, save_file
 from tiny_qwen3 import hf_greedy, hf_prompt_ids
+from tqdm import tqdm
 from transformers.models.qwen3 import Qwen3ForCausalLM as HFQwen3
 
 import tritonllm.engine.engine
@@ -154,7 +155,24 @@ def test_stop_strings_are_cut_from_the_text(tiny_qwen3, expected):
     stop = full[3:5]
     out = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=6, stop=stop, ignore_eos=True), use_tqdm=False)[0]
     assert out.finish_reason == "stop" and out.text == full[: full.find(stop)]
-    assert out["text"] == out.text and out["token_ids"] == out.token_ids
+    assert out["text"] == out.text and out["token_ids"] == out.token_ids and out.get("text") == out.text
+    assert "text" in out and "missing" not in out and out.get("missing", 7) == 7 and dict(out)["text"] == out.text
+    with pytest.raises(KeyError):
+        out["missing"]
+
+
+def test_use_tqdm_takes_a_bar_factory_as_vllms_does(tiny_qwen3):
+    made = []
+
+    def bar(**options):
+        made.append(options)
+        return tqdm(**options)
+
+    llm = LLM(str(tiny_qwen3), **SMALL, num_kv_blocks=64)
+    assert len(llm.generate(PROMPTS[:2], GREEDY, use_tqdm=bar)) == 2
+    assert len(made) == 1 and made[0]["total"] == 2 and not made[0]["disable"]
+    with pytest.raises(TypeError, match="use_tqdm must be a bool or a callable"):
+        llm.generate(PROMPTS[:1], GREEDY, use_tqdm="no")
 
 
 def test_chat_uses_the_template(tiny_qwen3):

@@ -19,7 +19,8 @@ def llm(tiny_qwen3):
 
 @pytest.mark.parametrize("prompts", [None, 123, [None], [1.5], [[1, None]], [[1, True]], [[1, torch.tensor(True)]], {"a": 1},
                                      torch.tensor(5), np.array(5), [b"hello"], [{5: "a", 6: "b"}], [{5, 6}],
-                                     {"prompt": [5, 6]}, {"prompt": "a", "prompt_token_ids": [5]}])
+                                     {"prompt": [5, 6]}, {"prompt": "a", "prompt_token_ids": [5]},
+                                     {"prompt_token_ids": "hello"}, {"prompt_token_ids": {"prompt": "hello"}}])
 def test_prompts_of_the_wrong_type_are_type_errors(llm, prompts):
     with pytest.raises(TypeError, match="prompt"):
         llm.generate(prompts, GREEDY, use_tqdm=False)

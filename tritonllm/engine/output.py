@@ -1,6 +1,6 @@
 """What a request gives back: per-step outputs, the final output, and its text with stop strings."""
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 
 @dataclass
@@ -26,9 +26,20 @@ class GenerationOutput:
         """vLLM's: the sum of the chosen tokens' logprobs (None where logprobs were not asked for)."""
         return None if self.logprobs is None else math.fsum(self.logprobs)
 
+    # out["text"], out["token_ids"]: the dict access of nano-vllm's outputs, whose keys are the fields.
+    def keys(self) -> list[str]:
+        return [f.name for f in fields(self)]
+
     def __getitem__(self, key: str):
-        """out["text"], out["token_ids"]: the dict access of nano-vllm's outputs."""
+        if key not in self.keys():
+            raise KeyError(key)
         return getattr(self, key)
+
+    def __contains__(self, key) -> bool:
+        return key in self.keys()
+
+    def get(self, key: str, default=None):
+        return self[key] if key in self else default
 
 
 @dataclass

@@ -81,7 +81,7 @@ def fit_length(params: SamplingParams, prompt_len: int, max_model_len: int, num_
     cache_room = num_blocks * block_size + 1 - prompt_len
     if cache_room < 1:  # the prompt's own K/V: no max_tokens would mend it, so none is named
         raise ValueError(f"prompt ({prompt_len} tokens) leaves no room for a completion in the KV cache of "
-                         f"{num_blocks} blocks of {block_size}")
+                         f"{num_blocks} blocks of {block_size} (raise num_kv_blocks or gpu_memory_utilization)")
     if params.max_tokens is None:
         room = min(model_room, cache_room)
         if strict and params.min_tokens > model_room:
@@ -89,7 +89,8 @@ def fit_length(params: SamplingParams, prompt_len: int, max_model_len: int, num_
                              f"({params.min_tokens}) = {prompt_len + params.min_tokens} exceed it")  # a server names the field
         if min(params.min_tokens, model_room) > cache_room:  # past max_model_len it is capped, as max_tokens is
             raise ValueError(f"prompt ({prompt_len} tokens) + SamplingParams.min_tokens ({params.min_tokens}) can never "
-                             f"fit the KV cache of {num_blocks} blocks of {block_size}")
+                             f"fit the KV cache of {num_blocks} blocks of {block_size} (lower min_tokens, or raise "
+                             "num_kv_blocks or gpu_memory_utilization)")
         params.max_tokens, params.min_tokens = room, min(params.min_tokens, room)
     elif params.max_tokens > model_room:
         if strict:
@@ -99,7 +100,8 @@ def fit_length(params: SamplingParams, prompt_len: int, max_model_len: int, num_
     total = prompt_len + params.max_tokens
     if -(-(total - 1) // block_size) > num_blocks:
         raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) can never fit the "
-                         f"KV cache of {num_blocks} blocks of {block_size} ({total - 1} tokens' K/V)")
+                         f"KV cache of {num_blocks} blocks of {block_size} ({total - 1} tokens' K/V; lower max_tokens, "
+                         "or raise num_kv_blocks or gpu_memory_utilization)")
 
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids")  # vLLM's TextPrompt and TokensPrompt dicts
@@ -114,6 +116,9 @@ def encode_prompt(prompt, tokenizer, vocab: int, add_special_tokens: bool = True
         text = prompt.get("prompt")
         if "prompt" in prompt and not isinstance(text, str):
             raise TypeError(f"a prompt dict's 'prompt' must be a string, got {type(text).__name__}")
+        if text is None and isinstance(prompt["prompt_token_ids"], (str, Mapping)):  # text under the ids' key
+            raise TypeError("a prompt dict's 'prompt_token_ids' must be a sequence of int token ids, got "
+                            f"{type(prompt['prompt_token_ids']).__name__}")
         return encode_prompt(text if text is not None else prompt["prompt_token_ids"], tokenizer, vocab,
                              add_special_tokens)
     if isinstance(prompt, (bytes, bytearray, set, frozenset)):  # iterable, but not token ids
