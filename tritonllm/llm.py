@@ -108,7 +108,7 @@ class LLM(LLMEngine):
             return outputs
 
     def has_unfinished(self) -> bool:
-        return super().has_unfinished() or bool(self._unowned)
+        return super().has_unfinished() or (bool(self._unowned) and self._finalizer.alive)
 
     def _step_and_route(self) -> None:
         with self._step_scope():  # a loop left during the step lets go of its requests after the routing

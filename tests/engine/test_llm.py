@@ -67,10 +67,12 @@ def test_close_frees_the_weights_and_the_kv_cache(tiny_qwen3, expected):
         attention = next(m for m in llm.runner.model.modules() if isinstance(m, Attention))
         held = [weakref.ref(t) for t in (attention.k_cache, attention.v_cache, llm.runner.model.lm_head.weight)]
         del attention
+        llm.add_request(PROMPTS[0], GREEDY)  # still queued at the close
     gc.collect()
     assert all(ref() is None for ref in held)
     with pytest.raises(RuntimeError, match="this LLM is closed"):
         completions(llm)
+    assert not llm.has_unfinished()  # nothing step() could still do: `while llm.has_unfinished()` would raise
 
 
 def test_chunked_prefill_gives_the_same_tokens(tiny_qwen3, expected):

@@ -219,8 +219,9 @@ class LLMEngine:
                     self._after_step.pop(0)()
 
     def has_unfinished(self) -> bool:
-        """Whether step() has more to do or to report: unfinished requests, or outputs it has not returned."""
-        return bool(self._requests or self._pending)
+        """Whether step() has more to do or to report: unfinished requests, or outputs it has not returned
+        (never once closed: the requests it held went with it)."""
+        return self._finalizer.alive and bool(self._requests or self._pending)
 
     # ---- the step
 
