@@ -317,3 +317,20 @@ def test_concurrent_streams_equal_their_offline_results(client, llm):
 
     with ThreadPoolExecutor(16) as pool:
         assert list(pool.map(stream, range(16))) == expected
+
+
+def test_max_completion_tokens_is_a_chat_field(llm):
+    # A completion obeyed it (over max_tokens); a chat left the max_tokens beside it unchecked.
+    assert parse_completion({"prompt": "1+1=", "max_tokens": 5, "max_completion_tokens": 1}, True).params.max_tokens == 5
+    chat = {"messages": [{"role": "user", "content": "1+1"}], "max_completion_tokens": 3}
+    assert parse_chat({**chat, "max_tokens": 7}, llm.tokenizer).params.max_tokens == 3  # vLLM's: it wins
+    for value in ("x", -5):
+        with pytest.raises(ApiError) as refused:
+            parse_chat({**chat, "max_tokens": value}, llm.tokenizer)
+        assert refused.value.param == "max_tokens"
+
+
+def test_a_bad_stream_option_is_named_as_the_body_nests_it():
+    with pytest.raises(ApiError) as refused:
+        parse_completion({"prompt": "1+1=", "stream": True, "stream_options": {"include_usage": "yes"}}, True)
+    assert refused.value.param == "stream_options.include_usage"

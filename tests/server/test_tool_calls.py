@@ -9,7 +9,7 @@ from server_process import ServerProcess
 from tiny_qwen3 import build_tokenizer
 
 from tritonllm import SamplingParams
-from tritonllm.server.protocol import parse_chat
+from tritonllm.server.protocol import ApiError, parse_chat
 from tritonllm.server.render import Renderer
 from tritonllm.server.reply import ToolCallSplitter
 
@@ -61,9 +61,10 @@ WITH_TOOLS = ("{% if tools %}<tools>{{ tools | tojson }}</tools>\n{% endif %}{% 
 MESSAGES = [{"role": "user", "content": "the quick brown fox"}]
 
 
-def rendered(pieces: list[str], stream: bool, finish: str = "stop"):
+def rendered(pieces: list[str], stream: bool, finish: str = "stop", **fields):
     """The renderer's response (or stream events) for a reply that arrives in these pieces."""
-    request = parse_chat({"messages": MESSAGES, "tools": TOOLS, "stream": stream}, build_tokenizer(), auto_tools=True)
+    request = parse_chat({"messages": MESSAGES, "tools": TOOLS, "stream": stream, **fields}, build_tokenizer(),
+                         auto_tools=True)
     renderer = Renderer(request, MODEL, build_tokenizer(), {}, [[1, 2, 3]])
     items = [(0, 0, [7], piece, None, None, (finish, 0, None) if i == len(pieces) - 1 else None, None)
              for i, piece in enumerate(pieces)]
@@ -85,6 +86,22 @@ def test_a_reply_with_calls_as_a_response_and_as_a_stream():
     assert [(call["index"], call["function"]) for call in calls] == [(0, F), (1, G)]
     assert "".join(d["delta"].get("content", "") for d in deltas) == "Let me look."
     assert [d["finish_reason"] for d in deltas] == [None, None, "tool_calls"]
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    # Both calls came back, and any value of the field was accepted.
+    reply = f"Let me look.\n{CALL_F}\n{CALL_G}\n"
+    (choice,) = rendered([reply], stream=False, parallel_tool_calls=False)["choices"]
+    assert [call["function"] for call in choice["message"]["tool_calls"]] == [F]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Let me look."
+    events = rendered([reply[:20], reply[20:70], reply[70:]], stream=True, parallel_tool_calls=False)
+    calls = [call for event in events for call in event["choices"][0]["delta"].get("tool_calls", [])]
+    assert [(call["index"], call["function"]) for call in calls] == [(0, F)]
+    assert [call["function"] for call in rendered([reply], stream=False, parallel_tool_calls=True)["choices"][0]
+            ["message"]["tool_calls"]] == [F, G]
+    with pytest.raises(ApiError) as refused:
+        rendered([reply], stream=False, parallel_tool_calls="no")
+    assert refused.value.param == "parallel_tool_calls"
 
 
 def test_a_reply_without_calls_keeps_its_finish_reason():

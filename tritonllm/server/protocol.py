@@ -62,6 +62,7 @@ class GenerateRequest:
     generates: bool = True  # false for OpenAI's echo with max_tokens 0: the one token drawn is left out
     continuous_usage: bool = False  # vLLM's continuous_usage_stats: each stream chunk has its choice's usage so far
     parse_tools: bool = False  # a chat with tools and tool_choice "auto": replies' tool calls become tool_calls
+    parallel_tool_calls: bool = True  # false: a reply's first tool call only (OpenAI's)
 
     @property
     def num_choices(self) -> int:
@@ -111,12 +112,13 @@ def _logit_bias(body: dict) -> dict[int, float] | None:
     return {int(key): value for key, value in bias.items()}
 
 
-def field_names(body: dict) -> dict[str, str]:
+def field_names(body: dict, chat: bool) -> dict[str, str]:
     """The body's names of the engine's fields where they differ: the prompt of a chat is its
-    messages, max_tokens may come as max_completion_tokens, a completion's top_logprobs is logprobs."""
-    chat = "messages" in body
+    messages, a chat's max_tokens may come as max_completion_tokens (a chat-only field), a
+    completion's top_logprobs is logprobs."""
+    completion_tokens = chat and body.get("max_completion_tokens") is not None
     return {"prompt": "messages" if chat else "prompt", "top_logprobs": "top_logprobs" if chat else "logprobs",
-            "max_tokens": "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"}
+            "max_tokens": "max_completion_tokens" if completion_tokens else "max_tokens"}
 
 
 def refused(message: str, names: dict[str, str]) -> ApiError:
@@ -133,12 +135,12 @@ def refused(message: str, names: dict[str, str]) -> ApiError:
     return bad(message, name)
 
 
-def sampling_params(body: dict, default_max_tokens: int | None, top_logprobs: int | None,
+def sampling_params(body: dict, chat: bool, default_max_tokens: int | None, top_logprobs: int | None,
                     defaults: dict | None = None, echo: bool = False) -> SamplingParams:
     """The body's sampling fields as checked SamplingParams; a bad one is a 400 naming its field.
     A field the body leaves out takes the model's default (`defaults`, from its generation_config,
     as vLLM's), else OpenAI's. An echo scores the prompt as the completion's tokens (vLLM's)."""
-    names = field_names(body)
+    names = field_names(body, chat)
     max_name = names["max_tokens"]
     fields = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "min_tokens": 0, "n": 1,
               "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
@@ -185,8 +187,11 @@ def _usage_options(body: dict, stream: bool) -> tuple[bool, bool]:
     options = _typed(body, "stream_options", dict, {})
     if options and not stream:
         raise bad("stream_options is only allowed with stream=true", "stream_options")
-    include = _typed(options, "include_usage", bool, False)
-    return include, include and _typed(options, "continuous_usage_stats", bool, False)
+    try:
+        include = _typed(options, "include_usage", bool, False)
+        return include, include and _typed(options, "continuous_usage_stats", bool, False)
+    except ApiError as error:  # named as the body nests it
+        raise bad(error.message, f"stream_options.{error.param}") from None
 
 
 def _without_generation(body: dict) -> bool:
@@ -203,7 +208,7 @@ def parse_completion(body: dict, has_tokenizer: bool, defaults: dict | None = No
     echo = _typed(body, "echo", bool, False)
     if echo and not has_tokenizer:
         raise bad("echo needs a tokenizer, and this model has none", "echo")
-    params = sampling_params(body, 16, logprobs, defaults, echo)
+    params = sampling_params(body, False, 16, logprobs, defaults, echo)
     request = _request(body, False, prompts, params, logprobs, has_tokenizer)
     request.echo, request.generates = echo, not (echo and _without_generation(body))
     return request
@@ -236,8 +241,13 @@ def parse_chat(body: dict, tokenizer, defaults: dict | None = None, auto_tools: 
     if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
         raise bad(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}", "top_logprobs")
     logprobs = (top or 0) if wants else None
-    request = _request(body, True, [text], sampling_params(body, None, logprobs, defaults), logprobs, True)
+    if body.get("max_completion_tokens") is not None:  # it wins (vLLM's), but a max_tokens beside it is still checked
+        beside = _typed(body, "max_tokens", int)
+        if beside is not None and beside < 1:
+            raise bad(f"max_tokens must be >= 1, got {beside}", "max_tokens")
+    request = _request(body, True, [text], sampling_params(body, True, None, logprobs, defaults), logprobs, True)
     request.parse_tools = bool(tools) and choice == "auto"
+    request.parallel_tool_calls = _typed(body, "parallel_tool_calls", bool, True)
     return request
 
 
@@ -324,4 +334,4 @@ def _request(body: dict, chat: bool, prompts: list, params: SamplingParams, logp
     return GenerateRequest(chat, prompts, params, stream, include_usage, logprobs,
                            _typed(body, "return_token_ids", bool, False) or not has_tokenizer,
                            _typed(body, "return_tokens_as_token_ids", bool, False) or not has_tokenizer,
-                           field_names(body), _add_special_tokens(body, chat), continuous_usage=continuous_usage)
+                           field_names(body, chat), _add_special_tokens(body, chat), continuous_usage=continuous_usage)

@@ -165,7 +165,8 @@ class Renderer:
             parts, finish = {"content": text}, piece.finish_reason
             if self.splitters is not None:
                 splitter = self.splitters.setdefault(
-                    index, ReplySplitter(self.request.prompts[0], self.reasoning, self.request.parse_tools))
+                    index, ReplySplitter(self.request.prompts[0], self.reasoning, self.request.parse_tools,
+                                         self.request.parallel_tool_calls))
                 parts = splitter.feed(text, whole or finish is not None)
                 if splitter.num_calls and finish is not None:  # vLLM's, whatever ended the reply
                     finish = "tool_calls"

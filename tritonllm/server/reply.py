@@ -121,11 +121,13 @@ class ToolCallSplitter:
 
 class ReplySplitter:
     """One chat choice's parts as its pieces arrive: {"content", and where parsed "reasoning" and
-    "tool_calls" (each with its index among the choice's calls, as a stream delta has it)}."""
+    "tool_calls" (each with its index among the choice's calls, as a stream delta has it)}; with
+    parallel_calls false, the first call only (OpenAI's parallel_tool_calls; vLLM keeps the first)."""
 
-    def __init__(self, prompt: str, reasoning: bool, tools: bool):
+    def __init__(self, prompt: str, reasoning: bool, tools: bool, parallel_calls: bool = True):
         self.reasoning = ReasoningSplitter(prompt) if reasoning else None
         self.tools = ToolCallSplitter() if tools else None
+        self.parallel_calls = parallel_calls
         self.num_calls = 0
 
     def feed(self, piece: str, final: bool) -> dict:
@@ -134,6 +136,7 @@ class ReplySplitter:
             parts["reasoning"], parts["content"] = self.reasoning.feed(piece, final)
         if self.tools is not None:
             parts["content"], calls = self.tools.feed(parts["content"], final)
-            parts["tool_calls"] = [{"index": self.num_calls + i, **call} for i, call in enumerate(calls)]
+            parts["tool_calls"] = [{"index": self.num_calls + i, **call} for i, call in enumerate(calls)
+                                   if self.parallel_calls or self.num_calls + i == 0]
             self.num_calls += len(calls)
         return parts
