@@ -334,3 +334,16 @@ def test_a_bad_stream_option_is_named_as_the_body_nests_it():
     with pytest.raises(ApiError) as refused:
         parse_completion({"prompt": "1+1=", "stream": True, "stream_options": {"include_usage": "yes"}}, True)
     assert refused.value.param == "stream_options.include_usage"
+
+
+def test_documents_and_reasoning_effort_reach_the_template(llm):
+    # Both were accepted and dropped; vLLM's chat route gives them to the template.
+    template = ("{{ documents | map(attribute='title') | join(',') }}|{{ reasoning_effort }}|"
+                "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    body = {"messages": [{"role": "user", "content": "1+1"}], "chat_template": template,
+            "documents": [{"title": "a"}, {"title": "b"}], "reasoning_effort": "low"}
+    assert parse_chat(body, llm.tokenizer).prompts == ["a,b|low|1+1"]
+    for field, value in (("documents", ["a"]), ("reasoning_effort", 3)):
+        with pytest.raises(ApiError) as refused:
+            parse_chat({**body, field: value}, llm.tokenizer)
+        assert refused.value.param == field

@@ -272,6 +272,13 @@ def _chat_text(body: dict, tokenizer, tools: list[dict] | None) -> str:
     options = {name: _typed(body, name, bool, default)
                for name, default in (("add_generation_prompt", True), ("continue_final_message", False))}
     extra = _typed(body, "chat_template_kwargs", dict, {})
+    # vLLM's: request fields the template reads as its variables (chat_template_kwargs win over them).
+    documents = _typed(body, "documents", list)
+    if documents is not None and not all(isinstance(document, dict) for document in documents):
+        raise bad("documents must be an array of objects", "documents")
+    effort = _typed(body, "reasoning_effort", str)
+    fields = {"documents": documents, "reasoning_effort": effort}
+    extra = {**{name: value for name, value in fields.items() if value is not None}, **extra}
     try:
         text = chat_prompt(tokenizer, messages, chat_template=template, chat_template_kwargs=extra, tools=tools,
                            **options)
