@@ -347,3 +347,13 @@ def test_documents_and_reasoning_effort_reach_the_template(llm):
         with pytest.raises(ApiError) as refused:
             parse_chat({**body, field: value}, llm.tokenizer)
         assert refused.value.param == field
+
+
+@pytest.mark.parametrize("field, value", [("user", 5), ("metadata", "x"), ("service_tier", 1), ("store", "no")])
+def test_fields_that_change_nothing_still_have_their_types(field, value):
+    # Any value passed; OpenAI's API refuses these.
+    with pytest.raises(ApiError) as refused:
+        parse_completion({"prompt": "1+1=", field: value}, True)
+    assert refused.value.param == field
+    assert parse_completion({"prompt": "1+1=", "user": "me", "metadata": {"a": "b"}, "service_tier": "auto",
+                             "store": False}, True).prompts == ["1+1="]

@@ -86,10 +86,16 @@ def check_model(body: dict, names: tuple[str, ...]) -> None:
                        "model_not_found")
 
 
+# Fields that change nothing here, but whose type OpenAI checks.
+IGNORED_TYPES = {"user": str, "metadata": dict, "service_tier": str, "store": bool}
+
+
 def _check_unsupported(body: dict) -> None:
     for name, neutral in NEUTRAL.items():
         if name in body and body[name] not in neutral:
             raise bad(f"{name}={body[name]!r:.60} is not supported by this server", name)
+    for name, kind in IGNORED_TYPES.items():
+        _typed(body, name, kind)
 
 
 def _stop(body: dict):
