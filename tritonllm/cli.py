@@ -78,9 +78,10 @@ def generate(args) -> None:
     params = sampling(args, default_max_tokens=8)  # bad options and prompts fail before the model is loaded
     if not args.prompt and Path(args.model).resolve() != BUNDLED_MODEL.resolve():
         raise ValueError("--prompt is required with a model other than the bundled one")
-    EngineConfig.from_options(args.model, **engine_options(args))  # a folder without weights, before its prompts
+    options = engine_options(args)
+    EngineConfig.from_options(args.model, **options)  # a folder without weights, before its prompts
     prompts = args.prompt if has_tokenizer(args.model) else [token_ids(p) for p in args.prompt or []]
-    llm = LLM(args.model, **engine_options(args))
+    llm = LLM(args.model, **options)
     if not args.prompt:
         run_task_set(llm, params, args.num_problems)
         return

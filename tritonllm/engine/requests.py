@@ -62,6 +62,9 @@ class Request:
         return self.samples[self.num_queued:]
 
 
+MORE_CACHE = "raise num_kv_blocks or gpu_memory_utilization"  # what mends a KV cache too small
+
+
 def fit_length(params: SamplingParams, prompt_len: int, max_model_len: int, num_blocks: int, block_size: int,
                strict: bool) -> None:
     """Set or check params.max_tokens (in place) for a prompt of prompt_len tokens (LLMEngine.make_sequence).
@@ -81,7 +84,7 @@ def fit_length(params: SamplingParams, prompt_len: int, max_model_len: int, num_
     cache_room = num_blocks * block_size + 1 - prompt_len
     if cache_room < 1:  # the prompt's own K/V: no max_tokens would mend it, so none is named
         raise ValueError(f"prompt ({prompt_len} tokens) leaves no room for a completion in the KV cache of "
-                         f"{num_blocks} blocks of {block_size} (raise num_kv_blocks or gpu_memory_utilization)")
+                         f"{num_blocks} blocks of {block_size} ({MORE_CACHE})")
     if params.max_tokens is None:
         room = min(model_room, cache_room)
         if strict and params.min_tokens > model_room:
@@ -89,8 +92,7 @@ def fit_length(params: SamplingParams, prompt_len: int, max_model_len: int, num_
                              f"({params.min_tokens}) = {prompt_len + params.min_tokens} exceed it")  # a server names the field
         if min(params.min_tokens, model_room) > cache_room:  # past max_model_len it is capped, as max_tokens is
             raise ValueError(f"prompt ({prompt_len} tokens) + SamplingParams.min_tokens ({params.min_tokens}) can never "
-                             f"fit the KV cache of {num_blocks} blocks of {block_size} (lower min_tokens, or raise "
-                             "num_kv_blocks or gpu_memory_utilization)")
+                             f"fit the KV cache of {num_blocks} blocks of {block_size} (lower min_tokens, or {MORE_CACHE})")
         params.max_tokens, params.min_tokens = room, min(params.min_tokens, room)
     elif params.max_tokens > model_room:
         if strict:
@@ -101,7 +103,7 @@ def fit_length(params: SamplingParams, prompt_len: int, max_model_len: int, num_
     if -(-(total - 1) // block_size) > num_blocks:
         raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) can never fit the "
                          f"KV cache of {num_blocks} blocks of {block_size} ({total - 1} tokens' K/V; lower max_tokens, "
-                         "or raise num_kv_blocks or gpu_memory_utilization)")
+                         f"or {MORE_CACHE})")
 
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids")  # vLLM's TextPrompt and TokensPrompt dicts

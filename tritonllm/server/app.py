@@ -247,8 +247,9 @@ def create_app(engine: EngineClient, names: tuple[str, ...], tokenizer=None, rea
 def served_names(model: str, served_model_name: str | None) -> tuple[str, ...]:
     """The name responses carry, then the other names a request may use: a folder's name (the
     bundled model is "bundled") or a preset's, and the --model argument as given."""
-    name = served_model_name or (Path(model).resolve().name if Path(model).is_dir() else Path(model).name)  # "." too
-    return tuple(dict.fromkeys([name, model, str(Path(model).resolve()) if Path(model).is_dir() else model]))
+    folder = Path(model).resolve() if Path(model).is_dir() else None  # resolved: "." has a name too
+    name = served_model_name or (folder.name if folder else Path(model).name)
+    return tuple(dict.fromkeys([name, model, str(folder) if folder else model]))
 
 
 def bound_socket(host: str, port: int) -> socket.socket:
