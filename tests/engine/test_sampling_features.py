@@ -233,6 +233,9 @@ def test_repetition_penalty_with_n_and_preemption(tiny_qwen3, hf, kernels):
         assert [o.token_ids for o in outputs] == [want] * 3, repetition
     assert small.scheduler.num_preemptions > 0 and small.block_manager.num_free_blocks == 4
     assert max(filled) > 0  # a preempted sample's row was filled again from the tokens it had generated
+    assert small.runner.penalties.owner  # the last request's rows: let go at the next step ...
+    small.generate([prompt], greedy(max_tokens=2), use_tqdm=False)
+    assert not small.runner.penalties.owner  # ... with or without penalties (finished sequences were kept)
     small.close()
 
 

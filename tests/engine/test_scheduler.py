@@ -1,3 +1,5 @@
+from collections import deque
+
 from tritonllm.engine.block_manager import BlockManager
 from tritonllm.engine.scheduler import Scheduler
 from tritonllm.engine.sequence import Sequence, SequenceStatus
@@ -27,7 +29,7 @@ def step(scheduler, token=7):
         seq.append_token(token)
         n = len(seq.completion_token_ids)
         if n >= seq.params.max_tokens or (n > seq.params.min_tokens and token == EOS and not seq.params.ignore_eos):
-            scheduler.finish(seq, "stop")
+            scheduler.finish([seq], "stop")
             finished.append(seq)
     return batch.seqs, batch.num_new, batch.is_prefill, finished
 
@@ -175,8 +177,8 @@ def test_a_step_launched_before_the_previous_resolves():
     assert a.num_pending == 2 and a.num_completion_tokens == 3 and a.num_computed_tokens == 5
     a.append_token(EOS)
     b.append_token(9)
-    s.finish(a, "stop")
-    s.finish(b, "length")
+    s.finish([a], "stop")
+    s.finish([b], "length")
     assert a.is_finished and a.completion_token_ids == [7, EOS] and b.completion_token_ids == [7, 9]
     assert s.is_finished() and s.block_manager.num_free_blocks == 64
 
@@ -195,3 +197,20 @@ def test_recompute_all_requeues_everything_with_known_tokens_only():
     while not s.is_finished():
         step(s)
     assert a.num_completion_tokens == 5 and b.num_completion_tokens == 5
+
+
+def test_finishing_many_keeps_the_rest_in_order_and_frees_every_block():
+    """An abort of many requests at once (running, a partly prefilled head, waiting ones in any
+    order) leaves the others queued as they were, with every block of the finished ones free."""
+    s = make(num_blocks=64, max_num_seqs=2, budget=8)
+    running = add(s, 3, max_tokens=9)
+    head = add(s, 12, max_tokens=9)  # its first chunk leaves it partly prefilled, first in line
+    waiting = [add(s, 2 + i, max_tokens=9) for i in range(7)]
+    step(s)
+    assert s.running == deque([running]) and s.waiting[0] is head and head.block_table
+    gone = [waiting[5], running, waiting[0], head, waiting[3]]
+    s.finish(gone, "abort")
+    assert list(s.waiting) == [waiting[i] for i in (1, 2, 4, 6)] and not s.running
+    assert all(seq.is_finished and not seq.block_table for seq in gone)
+    s.finish(list(s.waiting), "abort")
+    assert s.is_finished() and s.block_manager.num_free_blocks == 64

@@ -266,7 +266,8 @@ def test_each_delta_holds_back_exactly_the_longest_tail_that_could_begin_a_stop(
 
 def test_incremental_text_keeps_the_stop_string_and_special_tokens_when_asked():
     ids, shown = [], []
-    text = IncrementalText(CharTokenizer(), ["gd"], 0, include_stop=True, skip_special_tokens=False)
+    text = IncrementalText(CharTokenizer(), ["gd"], 0, include_stop=True, skip_special_tokens=False,
+                           silent_ids=frozenset({0}))  # not silent when special tokens are shown
     for token in [ord("e"), 0, ord("g"), ord("d"), ord("x")]:
         ids.append(token)
         found = text.update(ids)
@@ -278,6 +279,38 @@ def test_incremental_text_keeps_the_stop_string_and_special_tokens_when_asked():
     plain = IncrementalText(CharTokenizer(), [], 0)
     plain.update([ord("e"), 0, ord("g")], final=True)
     assert plain.text == "eg"
+
+
+class CountingTokenizer(CharTokenizer):
+    decoded = 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        self.decoded += len(ids)
+        return super().decode(ids, skip_special_tokens)
+
+
+def test_a_run_of_silent_tokens_is_decoded_with_the_next_other_token_only():
+    """A stream of special tokens (EOS under ignore_eos, as a benchmark runs) is not decoded again at
+    every token: the ids decoded grow with the tokens, not with their square (about 500k ids here
+    before), and the text, the deltas and a stop string across the run are what they were."""
+    tokenizer = CountingTokenizer()
+    text = IncrementalText(tokenizer, ["gd"], 0, silent_ids=frozenset({0}))
+    ids, shown = [], []
+    for token in [ord("e")] + [0] * 500 + [ord("g")] + [0] * 500 + [ord("d"), ord("x")]:
+        ids.append(token)
+        found = text.update(ids)
+        shown.append(text.delta(found is not None))
+        if found:
+            break
+    assert found == "gd" and text.text == "e" == "".join(shown)
+    assert tokenizer.decoded < 10 * len(ids)
+
+
+def test_silent_ids_are_the_special_tokens_that_decode_to_nothing():
+    with LLM(str(BUNDLED_MODEL), max_num_seqs=2, num_kv_blocks=16) as llm:
+        assert llm.eos_id in llm.silent_ids
+        assert all(llm.tokenizer.decode([i], skip_special_tokens=True) == "" for i in llm.silent_ids)
+        assert not llm.silent_ids & set(llm.tokenizer.encode("rev abcd=", add_special_tokens=False))
 
 
 def test_eos_ids_are_the_tokenizers_and_the_configs(tiny_qwen3, tmp_path):

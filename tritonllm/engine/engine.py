@@ -20,7 +20,7 @@ from tritonllm.config import EngineConfig
 from tritonllm.distributed import close_distributed, dp_group, free_port
 from tritonllm.engine.block_manager import BlockManager
 from tritonllm.engine.model_runner import ModelRunner
-from tritonllm.engine.output import RequestOutput
+from tritonllm.engine.output import RequestOutput, silent_ids
 from tritonllm.engine.prompt_logprobs import PromptSpan, add_prompt_logprobs, prompt_logprob_spans
 from tritonllm.engine.ranks import abandon, check_ranks, shut_down, start_ranks
 from tritonllm.engine.requests import (Request, Sample, check_for_model, encode_prompt, finish_reason, fit_length,
@@ -64,9 +64,10 @@ class LLMEngine:
                                "close() it before making this one")
         self.hf_config = hf_config = load_config(config.model)
         config.resolve(hf_config)
-        self.tokenizer = None
+        self.tokenizer, self.silent_ids = None, frozenset()
         if has_tokenizer(config.model):
             self.tokenizer = AutoTokenizer.from_pretrained(config.model, trust_remote_code=False)
+            self.silent_ids = silent_ids(self.tokenizer)
         generation = load_generation_config(config.model)
         self.eos_id, self.eos_ids = eos_token_ids(config.model, hf_config, self.tokenizer, generation)
         self.sampling_defaults = generation_defaults(generation)  # for requests without SamplingParams
@@ -153,7 +154,7 @@ class LLMEngine:
 
     def queue(self, seq: Sequence, stream: bool = True) -> int:
         """Queue a sequence from make_sequence as sample 0 of its request; returns the request id."""
-        request = make_request(seq, stream, self.tokenizer)
+        request = make_request(seq, stream, self.tokenizer, self.silent_ids)
         with self._lock:
             self._requests[request.request_id] = request
             self._samples.update((sample.seq.seq_id, (request, sample)) for sample in request.samples)
@@ -181,18 +182,18 @@ class LLMEngine:
         self.after_step(lambda: self._abort(ids))
 
     def _abort(self, request_ids: list[int]) -> None:
+        stopped = []  # every sample first, then the outputs (which decode text)
         for request_id in request_ids:
             request = self._requests.pop(request_id, None)
             if request is None:
                 continue
             self._counters["unqueued"] -= len(request.unqueued)
-            aborted = [sample for sample in request.samples if self._samples.pop(sample.seq.seq_id, None) is not None]
-            for sample in aborted:  # every sample first, then the outputs (which decode text)
-                if sample.index < request.num_queued:
-                    self.scheduler.finish(sample.seq, "abort")
-                else:
+            for sample in request.samples:
+                if self._samples.pop(sample.seq.seq_id, None) is not None:
+                    stopped.append((request, sample))
                     sample.seq.finish_reason, sample.seq.status = "abort", SequenceStatus.FINISHED
-            self._pending += [step_output(request, flush_text(sample), True, self.tokenizer) for sample in aborted]
+        self.scheduler.finish([sample.seq for request, sample in stopped if sample.index < request.num_queued], "abort")
+        self._pending += [step_output(request, flush_text(sample), True, self.tokenizer) for request, sample in stopped]
 
     def after_step(self, work) -> None:
         """Run work() now, or at the end of the step this thread is in (an abort from a stream that the
@@ -347,7 +348,7 @@ class LLMEngine:
 
     def _finish(self, request: Request, sample: Sample, reason: str) -> None:
         """A sample done with its last token: its blocks freed, its request forgotten with its last sample."""
-        self.scheduler.finish(sample.seq, reason)
+        self.scheduler.finish([sample.seq], reason)
         del self._samples[sample.seq.seq_id]
         request.num_finished += 1
         if request.num_finished == len(request.samples):

@@ -70,6 +70,11 @@ def tail_that_could_begin(text: str, strings: list[str], start: int = 0) -> int:
     return 0
 
 
+def silent_ids(tokenizer) -> frozenset[int]:
+    """The tokenizer's special tokens that decode to no text when skipped (IncrementalText's silent_ids)."""
+    return frozenset(i for i in tokenizer.all_special_ids if tokenizer.decode([i], skip_special_tokens=True) == "")
+
+
 class IncrementalText:
     """A completion's text, decoded a few tokens at a time, and its stop strings.
 
@@ -81,11 +86,15 @@ class IncrementalText:
     """
 
     def __init__(self, tokenizer, stop: list[str], min_tokens: int, include_stop: bool = False,
-                 skip_special_tokens: bool = True):
+                 skip_special_tokens: bool = True, silent_ids: frozenset[int] = frozenset()):
         self.tokenizer, self.stop = tokenizer, stop
         self.include_stop, self.skip_special_tokens = include_stop, skip_special_tokens
+        # Tokens that add no text wherever they stand (special ones, skipped): a run of them (EOS
+        # under ignore_eos) is not decoded again at every token, only with the next other token.
+        self.silent_ids = silent_ids if skip_special_tokens else frozenset()
         self.text = ""
         self.prefix = self.read = 0  # ids[prefix:read] decode to the tail of `text`
+        self.silent_to = 0  # ids[read:silent_to] are all silent
         self.min_tokens = min_tokens
         self.stop_from = 0 if min_tokens == 0 else None  # where stop strings may end past
         self.searched = 0  # text before this has been searched for stop strings
@@ -100,13 +109,17 @@ class IncrementalText:
         it when final). Returns the stop string found, if any; the text is then cut before it (after
         it with include_stop)."""
         count = (len(ids) if end is None else end) - start
-        before = self._decode(ids[start + self.prefix:start + self.read])
-        after = self._decode(ids[start + self.prefix:start + count])
-        if final:
-            after = after.rstrip("\ufffd")
-        if len(after) > len(before) and (final or not after.endswith("\ufffd")):
-            self.text += after[len(before):]
-            self.prefix, self.read = self.read, count
+        new = range(start + max(self.read, self.silent_to), start + count)
+        if not final and all(ids[i] in self.silent_ids for i in new):
+            self.silent_to = count
+        else:
+            before = self._decode(ids[start + self.prefix:start + self.read])
+            after = self._decode(ids[start + self.prefix:start + count])
+            if final:
+                after = after.rstrip("\ufffd")
+            if len(after) > len(before) and (final or not after.endswith("\ufffd")):
+                self.text += after[len(before):]
+                self.prefix, self.read = self.read, count
         if self.stop_from is None and count >= self.min_tokens:
             self.stop_from = len(self.text)
         if self.stop_from is None or not self.stop:

@@ -27,11 +27,11 @@ class PenaltyRows:
 
     def rows(self, seqs: list[Sequence]) -> list[int] | None:
         """Each sequence's row (-1 without penalties), new rows filled; None if none has penalties."""
-        if not any(seq.params.has_penalties for seq in seqs):
-            return None
-        for row, seq in list(self.owner.items()):
+        for row, seq in list(self.owner.items()):  # first: a step without penalties lets finished ones go too
             if seq.status != SequenceStatus.RUNNING:
                 del self.owner[row], self.row_of[seq.seq_id]
+        if not any(seq.params.has_penalties for seq in seqs):
+            return None
         new = [seq for seq in seqs if seq.params.has_penalties and seq.seq_id not in self.row_of]
         if new:
             self._assign(new)

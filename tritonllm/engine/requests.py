@@ -174,15 +174,16 @@ def sample_params(params: SamplingParams, index: int) -> SamplingParams:
     return dataclasses.replace(params, seed=xxhash.xxh64_intdigest(f"{params.seed}/{index}".encode()) >> 2)
 
 
-def make_request(seq: Sequence, stream: bool, tokenizer) -> Request:
-    """The request of a new sequence (sample 0): params.n samples of its prompt."""
+def make_request(seq: Sequence, stream: bool, tokenizer, silent: frozenset[int] = frozenset()) -> Request:
+    """The request of a new sequence (sample 0): params.n samples of its prompt. `silent`: the
+    tokenizer's silent_ids (output.py)."""
     params = seq.params
     seqs = [seq] + [Sequence(seq.token_ids, sample_params(params, i), seq.block_size) for i in range(1, params.n)]
     for other in seqs[1:]:
         other.prompt_logprobs = None  # the first sample scores the prompt for all
     with_text = tokenizer is not None and (stream or params.stop)
     samples = [Sample(s, i, IncrementalText(tokenizer, params.stop, params.min_tokens, params.include_stop_str_in_output,
-                                            params.skip_special_tokens) if with_text else None)
+                                            params.skip_special_tokens, silent) if with_text else None)
                for i, s in enumerate(seqs)]
     return Request(seq.seq_id, samples, stream)
 
