@@ -133,7 +133,7 @@ def _gather_candidates(row, count_ptr, part_vals, part_idx, row_vals, row_idx, n
     counts = tl.load(count_ptr + row.to(tl.int64) * num_parts + offs, mask=offs < num_parts, other=0)
     starts = tl.cumsum(counts, 0) - counts
     n = tl.sum(counts, 0)
-    fits = (tl.max(counts, 0) <= PART_CAP) & (n <= CAP)  # parts of one slot each can hold more than CAP
+    fits = (tl.max(counts, 0) <= PART_CAP) & (n <= CAP)  # the parts together may hold more than CAP
     for first in range(0, tl.where(fits, n, 0), TILE):
         s = first + tl.arange(0, TILE)
         # Slot s belongs to the last part that holds candidates and starts at or before it.
@@ -252,7 +252,7 @@ def sample_with_threshold(logits, temperature, top_k, top_p, min_p, seeds=None, 
         chunks_per_part = max(config["FILTER_TILES"] // RACE_CHUNK_TILES, 1)
         part = chunks_per_part * chunk
         num_chunks, num_parts = triton.cdiv(vocab, chunk), triton.cdiv(vocab, part)
-        part_cap = max(cap // triton.next_power_of_2(num_parts), 1)  # so that a row's parts' candidates fit CAP
+        part_cap = min(cap, part)  # a row whose parts hold more than CAP in all collects from the row
         vals = torch.empty(batch, cap, dtype=torch.float32, device=device)
         idx = torch.empty(batch, cap, dtype=torch.int32, device=device)
         part_vals = torch.empty(batch, num_parts, part_cap, dtype=torch.float32, device=device)
