@@ -14,7 +14,7 @@ Three launches, so that a row's reads spread over many SMs whatever the batch:
   2. B x parts programs, filtered rows only: the row's bound `low` <= T from its parts' stats,
      then the part's candidates {x >= low} to the part's scratch slots.
   3. B programs: the best chunk of an unfiltered or greedy row; a filtered row's candidates
-     gathered to its scratch (or, if a part overflowed its slots, collected from the row), the
+     gathered to its scratch (or, if they pass CAP in all, collected from the row), the
      search for T there, then the race over them.
 
 Conventions: NaN logits count as -inf, and -inf logits are never drawn (a filtered row's T is
@@ -127,13 +127,14 @@ def _sample_collect_kernel(
 @triton.jit
 def _gather_candidates(row, count_ptr, part_vals, part_idx, row_vals, row_idx, num_parts, CAP: tl.constexpr,
                        PART_CAP: tl.constexpr, CHUNKS_POW2: tl.constexpr, TILE: tl.constexpr):
-    """Copy a row's part candidates to its scratch, in row order, if every part's fit its slots.
+    """Copy a row's part candidates to its scratch, in row order, if they fit its CAP slots (a part
+    holds min(CAP, part) slots, so none overflowed then).
     Returns (how many, whether they fit)."""
     offs = tl.arange(0, CHUNKS_POW2)
     counts = tl.load(count_ptr + row.to(tl.int64) * num_parts + offs, mask=offs < num_parts, other=0)
     starts = tl.cumsum(counts, 0) - counts
     n = tl.sum(counts, 0)
-    fits = (tl.max(counts, 0) <= PART_CAP) & (n <= CAP)  # the parts together may hold more than CAP
+    fits = n <= CAP
     for first in range(0, tl.where(fits, n, 0), TILE):
         s = first + tl.arange(0, TILE)
         # Slot s belongs to the last part that holds candidates and starts at or before it.
@@ -187,7 +188,7 @@ def _sample_kernel(
             row_idx = idx_ptr + row.to(tl.int64) * CAP
             n, complete = _gather_candidates(row, count_ptr, part_vals, part_idx, row_vals, row_idx, num_parts,
                                              CAP, PART_CAP, CHUNKS_POW2, BLOCK // 4)
-            if ~complete:  # a part overflowed its slots: collect from the row
+            if ~complete:  # more than CAP candidates: collect from the row
                 n = _collect(row_ptr, 0, V, low, POS_INF, row_vals, row_idx, CAP, BLOCK)
                 complete = n <= CAP
             thr, n, complete = _threshold(row_ptr, V, m, z, t, k, p, inv_t, k_on, p_on, low, tau_min_p,

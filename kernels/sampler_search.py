@@ -11,8 +11,8 @@ row needs one threshold. kernels/sampler.py's launches find it in four steps:
          row are >= it); top-p alone: the mass below tau is under V * exp((tau - m) / t), so
          tau = m + t * log((1 - p) * z / V) still keeps p of the mass; min-p: m + t * log(min_p).
   collect (launch 2, per part; `_collect`): the candidates {x >= low} (values and token ids) to
-         the part's scratch slots; the row's program gathers them to its CAP slots, or, if a part
-         had more than its slots, collects them from the row itself.
+         the part's scratch slots; the row's program gathers them to its CAP slots, or, if there
+         are more than CAP, collects them from the row itself.
   search (`_threshold`): on the order-preserving int32 image (key) of the float32 logits. top-k: the largest key
          whose set {x >= key} holds k elements; top-p: the largest key whose set (inside the top-k
          set) holds p of the top-k mass. A bisection over the scratch: each round splits the
