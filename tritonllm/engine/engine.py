@@ -182,17 +182,21 @@ class LLMEngine:
         self.after_step(lambda: self._abort(ids))
 
     def _abort(self, request_ids: list[int]) -> None:
-        stopped = []  # every sample first, then the outputs (which decode text)
+        stopped, queued = [], []  # every sample first, then the outputs (which decode text)
         for request_id in request_ids:
             request = self._requests.pop(request_id, None)
             if request is None:
                 continue
             self._counters["unqueued"] -= len(request.unqueued)
             for sample in request.samples:
-                if self._samples.pop(sample.seq.seq_id, None) is not None:
-                    stopped.append((request, sample))
+                if self._samples.pop(sample.seq.seq_id, None) is None:
+                    continue
+                stopped.append((request, sample))
+                if sample.index < request.num_queued:
+                    queued.append(sample.seq)
+                else:
                     sample.seq.finish_reason, sample.seq.status = "abort", SequenceStatus.FINISHED
-        self.scheduler.finish([sample.seq for request, sample in stopped if sample.index < request.num_queued], "abort")
+        self.scheduler.finish(queued, "abort")
         self._pending += [step_output(request, flush_text(sample), True, self.tokenizer) for request, sample in stopped]
 
     def after_step(self, work) -> None:
