@@ -27,7 +27,7 @@ def test_allocate_and_free_count_blocks():
     manager.allocate(a)
     assert len(a.block_table) == 3 and manager.num_free_blocks == 7 and a.num_cached_tokens == 0
     manager.deallocate(a)
-    assert manager.num_free_blocks == 10 and a.block_table == []
+    assert manager.num_free_blocks == 10 and not a.block_table
 
 
 def test_prefix_hit_shares_computed_blocks_only():

@@ -54,9 +54,10 @@ class BlockManager:
     def _hash(self, seq: Sequence, i: int) -> int:
         """The hash chain's entry for seq's full block i, computed once (a request waiting for free
         blocks asks again every step, for prefixes of thousands of blocks)."""
-        hashes = seq.block_hashes
+        hashes = seq.block_hashes or []  # () until the first hash (Sequence)
         while len(hashes) <= i:
             hashes.append(block_hash(seq.block_tokens(len(hashes)), hashes[-1] if hashes else -1))
+        seq.block_hashes = hashes
         return hashes[i]
 
     def _cached_block(self, seq: Sequence, i: int) -> Block | None:
@@ -98,7 +99,7 @@ class BlockManager:
             if block.ref_count == 0:
                 self.free.pop(block.block_id)
             block.ref_count += 1
-            seq.block_table.append(block.block_id)
+        seq.block_table = [block.block_id for block in hits]
         for _ in range(len(hits), seq.num_blocks):
             seq.block_table.append(self._fresh_block().block_id)
         seq.num_computed_tokens = len(hits) * self.block_size
@@ -113,7 +114,7 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free[block_id] = None
-        seq.block_table = []
+        seq.block_table = ()  # no list while it waits (Sequence)
         seq.num_computed_tokens = seq.num_hashed_blocks = 0
 
     def can_append(self, seq: Sequence) -> bool:

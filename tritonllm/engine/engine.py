@@ -4,7 +4,6 @@ Each step launches the next batch on the device and then brings in the previous 
 tokens while the device runs, so the device does not wait on Python between steps. That
 launched-but-unresolved step is the engine's one piece of in-flight state (`InFlight`).
 """
-import dataclasses
 import os
 import random
 import threading
@@ -23,7 +22,7 @@ from tritonllm.engine.model_runner import ModelRunner
 from tritonllm.engine.output import RequestOutput, silent_ids
 from tritonllm.engine.prompt_logprobs import PromptSpan, add_prompt_logprobs, prompt_logprob_spans
 from tritonllm.engine.ranks import abandon, check_ranks, shut_down, start_ranks
-from tritonllm.engine.requests import (Request, Sample, check_for_model, encode_prompt, finish_reason, fit_length,
+from tritonllm.engine.requests import (Request, Sample, checked_params, encode_prompt, finish_reason, fit_length,
                                       flush_text, make_request, min_tokens_bans, request_id_list, step_output)
 from tritonllm.engine.sampled_tokens import SampledTokens
 from tritonllm.engine.scheduler import ScheduledBatch, Scheduler
@@ -102,7 +101,7 @@ class LLMEngine:
         self._broken: str | None = None  # why this engine can no longer serve
         self._lock = threading.RLock()
         self._requests: dict[int, Request] = {}  # the unfinished ones
-        self._samples: dict[int, tuple[Request, Sample]] = {}  # seq_id -> the unfinished sample, its request
+        self._samples: dict[int, Sample] = {}  # seq_id -> the unfinished sample
         self._counters = dict.fromkeys(("prompt_tokens", "generation_tokens", "prefill_tokens", "unqueued"), 0)
         # Outputs for the next step to return: aborted requests' final ones, and those a failed step made.
         self._pending: list[RequestOutput] = []
@@ -135,21 +134,21 @@ class LLMEngine:
         change after construction), length checked. As vLLM's LLM, max_tokens is capped where the sequence
         reaches max_model_len (finish "length"; a prompt of that length still gets one token); strict_length
         refuses it instead, as the OpenAI servers do."""
+        return self._sequence(prompt, self._checked_params(params), strict_length)
+
+    def _checked_params(self, params: SamplingParams | None) -> SamplingParams:
         self._check_open()
-        if params is None:  # vLLM's: the checkpoint's generation_config where it sets a field
-            params = SamplingParams(**self.sampling_defaults)
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__} (add_request takes "
-                            "(prompt, params, stream) and returns the request id it assigns)")
-        params = dataclasses.replace(params)
-        check_for_model(params, self.tokenizer, self.hf_config.vocab_size, self.eos_ids)
+        return checked_params(params, self.sampling_defaults, self.tokenizer, self.hf_config.vocab_size, self.eos_ids)
+
+    def _sequence(self, prompt, params: SamplingParams, strict_length: bool = False) -> Sequence:
+        """make_sequence, of params from _checked_params: prompts may share them (fit_length copies what it sets)."""
         token_ids = self.encode(prompt)
         if params.truncate_prompt_tokens is not None:  # the last k (vLLM's; -1: max_model_len)
             token_ids = token_ids[-(self.config.max_model_len if params.truncate_prompt_tokens == -1
                                     else params.truncate_prompt_tokens):]
         block_size = self.config.kv_block_size
-        fit_length(params, len(token_ids), self.config.max_model_len, len(self.block_manager.blocks), block_size,
-                   strict_length)
+        params = fit_length(params, len(token_ids), self.config.max_model_len, len(self.block_manager.blocks),
+                            block_size, strict_length)
         return Sequence(token_ids, params, block_size)
 
     def queue(self, seq: Sequence, stream: bool = True) -> int:
@@ -157,7 +156,7 @@ class LLMEngine:
         request = make_request(seq, stream, self.tokenizer, self.silent_ids)
         with self._lock:
             self._requests[request.request_id] = request
-            self._samples.update((sample.seq.seq_id, (request, sample)) for sample in request.samples)
+            self._samples.update((sample.seq.seq_id, sample) for sample in request.samples)
             self._counters["prompt_tokens"] += seq.num_prompt_tokens
             self._counters["unqueued"] += len(request.unqueued)
             self.scheduler.add(seq)
@@ -168,7 +167,7 @@ class LLMEngine:
         hit its full blocks (registered at launch) and compute only the last partial block, each
         sampling its first token."""
         for seq in seqs:
-            request = self._samples[seq.seq_id][0]
+            request = self._requests[self._samples[seq.seq_id].request_id]
             if request.unqueued:
                 self._counters["unqueued"] -= len(request.unqueued)
                 self.scheduler.add_first([sample.seq for sample in request.unqueued])
@@ -252,7 +251,7 @@ class LLMEngine:
                 # The outputs made so far report tokens the requests keep: the next step returns them.
                 # Whatever was in flight is lost: every live request is recomputed from its known tokens.
                 held = (batch.seqs if batch is not None else []) + (previous.seqs if previous is not None else [])
-                self.failed_request_ids = {self._samples[seq.seq_id][0].request_id for seq in held
+                self.failed_request_ids = {self._samples[seq.seq_id].request_id for seq in held
                                            if seq.seq_id in self._samples}
                 self._pending = outputs
                 self._in_flight = None
@@ -329,7 +328,8 @@ class LLMEngine:
         for row, (seq, token) in enumerate(zip(in_flight.seqs, token_ids)):
             if seq.is_finished:
                 continue
-            request, sample = self._samples[seq.seq_id]
+            sample = self._samples[seq.seq_id]
+            request = self._requests[sample.request_id]
             params, saved = seq.params, sample.save()
             try:  # all of a token or none of it: undone, it is sampled again after the recompute
                 seq.append_token(token)

@@ -25,6 +25,7 @@ def request_id_list(request_id) -> list[int]:
 
 @dataclass
 class Sample:
+    request_id: int  # its Request's, by id: a reference back would make a cycle only the collector frees
     seq: Sequence
     index: int  # among the request's n samples
     text: IncrementalText | None  # decoded as tokens arrive (streamed, or checked for stop strings)
@@ -41,8 +42,11 @@ class Sample:
         seq, (num_tokens, num_logprobs, num_top, *rest, text) = self.seq, saved
         seq.finish_reason, seq.stop_reason, self.num_emitted, self.stopped_by_token = rest
         seq.num_pending += len(seq.token_ids) - num_tokens
-        del seq.token_ids[num_tokens:], seq.logprobs[num_logprobs:], seq.top_logprobs[num_top:]
-        del seq.block_hashes[num_tokens // seq.block_size:]
+        del seq.token_ids[num_tokens:]
+        for values, keep in ((seq.logprobs, num_logprobs), (seq.top_logprobs, num_top),
+                             (seq.block_hashes, num_tokens // seq.block_size)):
+            if len(values) > keep:  # else it may be a tuple (Sequence), with nothing to cut
+                del values[keep:]
         if text is not None:
             vars(self.text).update(text)
 
@@ -66,8 +70,9 @@ MORE_CACHE = "raise num_kv_blocks or gpu_memory_utilization"  # what mends a KV 
 
 
 def fit_length(params: SamplingParams, prompt_len: int, max_model_len: int, num_blocks: int, block_size: int,
-               strict: bool) -> None:
-    """Set or check params.max_tokens (in place) for a prompt of prompt_len tokens (LLMEngine.make_sequence).
+               strict: bool) -> SamplingParams:
+    """params for a prompt of prompt_len tokens (LLMEngine.make_sequence): params itself, or a copy where
+    max_tokens is set or capped (params may be shared by other prompts).
 
     max_tokens None: as many as max_model_len and the KV cache leave (the last token's K/V is never
     computed). Past max_model_len, max_tokens is capped there, and a prompt of max_model_len tokens
@@ -93,17 +98,18 @@ def fit_length(params: SamplingParams, prompt_len: int, max_model_len: int, num_
         if min(params.min_tokens, model_room) > cache_room:  # past max_model_len it is capped, as max_tokens is
             raise ValueError(f"prompt ({prompt_len} tokens) + SamplingParams.min_tokens ({params.min_tokens}) can never "
                              f"fit the KV cache of {num_blocks} blocks of {block_size} (lower min_tokens, or {MORE_CACHE})")
-        params.max_tokens, params.min_tokens = room, min(params.min_tokens, room)
+        params = dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
     elif params.max_tokens > model_room:
         if strict:
             raise ValueError(f"{limit}. However, the prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) "
                              f"= {prompt_len + params.max_tokens} exceed it")
-        params.max_tokens, params.min_tokens = model_room, min(params.min_tokens, model_room)
+        params = dataclasses.replace(params, max_tokens=model_room, min_tokens=min(params.min_tokens, model_room))
     total = prompt_len + params.max_tokens
     if -(-(total - 1) // block_size) > num_blocks:
         raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) can never fit the "
                          f"KV cache of {num_blocks} blocks of {block_size} ({total - 1} tokens' K/V; lower max_tokens, "
                          f"or {MORE_CACHE})")
+    return params
 
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids")  # vLLM's TextPrompt and TokensPrompt dicts
@@ -146,9 +152,18 @@ def encode_prompt(prompt, tokenizer, vocab: int, add_special_tokens: bool = True
     return token_ids
 
 
-def check_for_model(params: SamplingParams, tokenizer, vocab: int, eos_ids: set[int]) -> None:
-    """What SamplingParams cannot check alone: stop strings need a tokenizer, token ids the
-    vocabulary (min_tokens bans the stop ids by index), and min_tokens some token it lets be drawn."""
+def checked_params(params: SamplingParams | None, defaults: dict, tokenizer, vocab: int,
+                   eos_ids: set[int]) -> SamplingParams:
+    """A validated copy of params (fields may change after construction; None: SamplingParams(**defaults),
+    vLLM's use of the checkpoint's generation_config), checked for what SamplingParams cannot check
+    alone: stop strings need a tokenizer, token ids the vocabulary (min_tokens bans the stop ids by
+    index), and min_tokens some token it lets be drawn."""
+    if params is None:
+        params = SamplingParams(**defaults)
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__} (add_request takes "
+                        "(prompt, params, stream) and returns the request id it assigns)")
+    params = dataclasses.replace(params)
     if params.stop and tokenizer is None:
         raise ValueError("SamplingParams.stop needs a tokenizer, and this model has none: use stop_token_ids")
     for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids),
@@ -156,7 +171,7 @@ def check_for_model(params: SamplingParams, tokenizer, vocab: int, eos_ids: set[
         if ids and max(ids) >= vocab:
             raise ValueError(f"SamplingParams.{name} has token id {max(ids)}: must be in [0, {vocab})")
     if not params.min_tokens:
-        return
+        return params
     never_drawn = eos_ids | set(params.stop_token_ids)  # both in [0, vocab): checked above, eos_token_ids
     if params.allowed_token_ids and set(params.allowed_token_ids) <= never_drawn:
         raise ValueError(f"SamplingParams.allowed_token_ids={params.allowed_token_ids} holds only EOS and stop tokens, "
@@ -164,6 +179,7 @@ def check_for_model(params: SamplingParams, tokenizer, vocab: int, eos_ids: set[
     if len(never_drawn) >= vocab:
         raise ValueError(f"SamplingParams.stop_token_ids and EOS cover the whole vocabulary ({vocab} tokens), "
                          f"which min_tokens={params.min_tokens} keeps from being drawn")
+    return params
 
 
 def sample_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -182,8 +198,9 @@ def make_request(seq: Sequence, stream: bool, tokenizer, silent: frozenset[int] 
     for other in seqs[1:]:
         other.prompt_logprobs = None  # the first sample scores the prompt for all
     with_text = tokenizer is not None and (stream or params.stop)
-    samples = [Sample(s, i, IncrementalText(tokenizer, params.stop, params.min_tokens, params.include_stop_str_in_output,
-                                            params.skip_special_tokens, silent) if with_text else None)
+    samples = [Sample(seq.seq_id, s, i, IncrementalText(tokenizer, params.stop, params.min_tokens,
+                                                        params.include_stop_str_in_output, params.skip_special_tokens,
+                                                        silent) if with_text else None)
                for i, s in enumerate(seqs)]
     return Request(seq.seq_id, samples, stream)
 
