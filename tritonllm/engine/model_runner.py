@@ -13,6 +13,7 @@ from tritonllm.context import Context, set_context
 from tritonllm.distributed import (all_reduce, broadcast, broadcast_object, close_distributed, init_distributed,
                                    interrupt_after, tp_rank)
 from tritonllm.engine.penalties import PenaltyRows, add_logit_bias
+from tritonllm.engine.prefill_graphs import PrefillGraphs
 from tritonllm.engine.prompt_logprobs import score_positions
 from tritonllm.engine.sampled_tokens import SampledTokens, agreeing_top
 from tritonllm.engine.sequence import Sequence
@@ -47,10 +48,11 @@ class ModelRunner:
         self.penalties = PenaltyRows(self.ops, hf_config.vocab_size, config.max_num_seqs, self.device, self._to_device)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (context bound, batch) -> decode graph
         self.graph_inputs = self.graph_output = None  # the graphs' buffers
+        self.prefill_graphs: PrefillGraphs | None = None  # short prefill steps' graphs
         self.stranded = False  # rank 0 left a step midway: the other ranks cannot be brought back in step
         # The references index with boolean masks, which syncs the host: they cannot be captured.
         if self.device.type == "cuda" and not config.enforce_eager and config.kernels == "triton":
-            self._capture_decode_graphs()
+            self._capture_graphs()
 
     # ---- KV cache
 
@@ -168,8 +170,11 @@ class ModelRunner:
         to = self._to_device
         token_ids = self._input_ids(inputs, previous_ids)
         graph_key = self._graph_key(inputs)
+        prefill_key = self.prefill_graphs.key(inputs) if self.prefill_graphs else None
         if graph_key is not None:
             hidden = self._replay(inputs, token_ids, graph_key)
+        elif prefill_key is not None:
+            hidden = self.prefill_graphs.replay(inputs, token_ids, prefill_key, to)
         else:
             context = Context(inputs.is_prefill, to(inputs.slot_mapping), to(inputs.seq_lens), to(inputs.block_tables),
                               to(inputs.cu_seqlens_q), inputs.max_q_len, inputs.max_seq_len, to(inputs.gather_blocks),
@@ -189,7 +194,7 @@ class ModelRunner:
         finally:
             set_context(None)
 
-    # ---- CUDA graphs for decode
+    # ---- CUDA graphs: decode steps, and short prefill steps (engine/prefill_graphs.py)
 
     def _graph_key(self, inputs: StepInputs) -> tuple[int, int] | None:
         """The graph a decode step replays: of the smallest context bound that holds its longest
@@ -200,7 +205,7 @@ class ModelRunner:
         return min((key for key in self.graphs if key[0] == bound and key[1] >= batch), default=None)
 
     @torch.inference_mode()
-    def _capture_decode_graphs(self) -> None:
+    def _capture_graphs(self) -> None:
         max_bs = self.config.max_num_seqs
         d = self.device
         self.graph_inputs = {
@@ -225,6 +230,12 @@ class ModelRunner:
             pool = graph.pool()
             self.graphs[bound, batch] = graph
             torch.cuda.synchronize(d)
+        config = self.config
+        self.prefill_graphs = PrefillGraphs(self._forward, config.max_num_batched_tokens, max_bs,
+                                            self.max_blocks_per_seq, config.max_model_len, self.hf_config.hidden_size,
+                                            config.dtype, d)
+        self.prefill_graphs.capture(pool, self._progress)
+        torch.cuda.synchronize(d)
 
     def _replay(self, inputs: StepInputs, token_ids: torch.Tensor, key: tuple[int, int]) -> torch.Tensor:
         batch, graph_batch = len(inputs.seq_lens), key[1]
@@ -342,6 +353,6 @@ class ModelRunner:
         close_distributed(peers_alive)
         # The weights, the KV cache and the step buffers go now, not when the last reference to the
         # LLM does: a closed LLM still bound to a name would leave a new one no memory.
-        self.model = self.penalties = self.graph_inputs = self.graph_output = None
+        self.model = self.penalties = self.graph_inputs = self.graph_output = self.prefill_graphs = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -1,0 +1,112 @@
+"""CUDA graphs for short prefill steps: which graph a step replays, and (on a GPU) that replays
+compute what eager steps do: HF's greedy tokens with padded tokens and sequences, prefix hits,
+chunks, and MoE layers."""
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+from tiny_qwen3 import build_tiny_qwen3, build_tiny_qwen3_moe, hf_greedy
+
+from tritonllm import LLM, SamplingParams
+from tritonllm.engine.prefill_graphs import PrefillGraphs, prefill_graph_key, prefill_graph_keys
+
+gpu_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+
+
+def test_graph_keys_follow_the_step_limits():
+    keys = prefill_graph_keys(16384, 256)
+    assert keys[0] == (512, 8) and keys[-1] == (16, 1) and len(keys) == 24
+    assert sorted(keys, reverse=True) == keys
+    assert prefill_graph_keys(100, 2) == [(64, 2), (64, 1), (32, 2), (32, 1), (16, 2), (16, 1)]
+    assert prefill_graph_keys(16, 1) == [(16, 1)]
+    assert prefill_graph_keys(15, 4) == []  # a step limit below the smallest graph: none
+
+
+@pytest.mark.parametrize("tokens, seqs, key", [
+    (1, 1, (16, 1)), (16, 1, (16, 1)), (17, 1, (32, 1)), (17, 3, (32, 4)), (512, 8, (512, 8)),
+    (513, 1, None), (40, 9, None), (9, 8, (16, 8)),
+])
+def test_a_step_replays_the_smallest_graph_that_holds_it(tokens, seqs, key):
+    assert prefill_graph_key(prefill_graph_keys(16384, 256), tokens, seqs) == key
+
+
+def test_decode_long_and_copied_steps_stay_eager():
+    graphs = SimpleNamespace(keys=prefill_graph_keys(16384, 256), graphs={"any": None})
+    step = dict(is_prefill=True, positions=torch.zeros(20), seq_lens=torch.zeros(2), gather_blocks=None)
+    assert PrefillGraphs.key(graphs, SimpleNamespace(**step)) == (32, 2)
+    assert PrefillGraphs.key(graphs, SimpleNamespace(**{**step, "is_prefill": False})) is None
+    assert PrefillGraphs.key(graphs, SimpleNamespace(**{**step, "positions": torch.zeros(600)})) is None
+    assert PrefillGraphs.key(graphs, SimpleNamespace(**{**step, "gather_blocks": torch.zeros(3)})) is None
+    assert PrefillGraphs.key(SimpleNamespace(keys=graphs.keys, graphs={}), SimpleNamespace(**step)) is None
+
+
+
+def test_steps_under_the_smallest_graph_capture_none():
+    """max_num_batched_tokens below 16: no graph, empty buffers, every step eager."""
+    graphs = PrefillGraphs(None, 12, 4, 3, 64, 32, torch.float32, torch.device("cpu"))
+    assert graphs.keys == [] and graphs.capture(None, lambda keys, desc: keys) is None and not graphs.graphs
+    step = SimpleNamespace(is_prefill=True, positions=torch.zeros(5), seq_lens=torch.zeros(1), gather_blocks=None)
+    assert graphs.key(step) is None
+
+
+def count_replays(llm: LLM) -> list[tuple[int, int]]:
+    """The keys of the prefill graphs llm replays from now on, in order."""
+    graphs, replayed = llm.runner.prefill_graphs, []
+    replay = graphs.replay
+
+    def counted(inputs, token_ids, key, to_device):
+        replayed.append(key)
+        return replay(inputs, token_ids, key, to_device)
+
+    graphs.replay = counted
+    return replayed
+
+
+@gpu_only
+def test_greedy_through_prefill_graphs_equals_hf(tmp_path):
+    """One prompt, three prompts in one step (a padding sequence and padding tokens), a prompt whose
+    prefix is cached (its step attends to keys it did not compute) and one prefilled in 24-token chunks
+    all replay graphs, and their float32 greedy tokens equal HF's. An fp8 cache's prefill steps run on
+    copies of its blocks, whose count varies by step: they stay eager."""
+    path = build_tiny_qwen3(tmp_path)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(250) for _ in range(n)] for n in (5, 19, 33, 40)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with LLM(str(path), max_num_seqs=4, max_num_batched_tokens=256) as llm:
+        replayed = count_replays(llm)
+        alone = llm.generate(prompts[:1], params, use_tqdm=False)[0].token_ids
+        together = [out.token_ids for out in llm.generate(prompts[1:], params, use_tqdm=False)]
+        hit = llm.generate([prompts[3] + [7, 8, 9]], params, use_tqdm=False)[0]
+        assert replayed == [(16, 1), (128, 4), (16, 1)] and hit.num_cached_tokens == 32
+    with LLM(str(path), max_num_seqs=4, max_num_batched_tokens=32) as chunked:
+        replayed = count_replays(chunked)
+        long = chunked.generate([prompts[3] * 2], params, use_tqdm=False)[0].token_ids
+        assert replayed == [(32, 1), (32, 1), (16, 1)]  # 80 tokens: chunks of 32, 32 and 16
+    with LLM(str(path), max_num_seqs=4, kv_cache_dtype="fp8") as fp8:
+        replayed = count_replays(fp8)
+        fp8.generate(prompts[:2], params, use_tqdm=False)
+        assert replayed == []
+    assert alone == hf_greedy(path, prompts[0], 6)
+    assert together == [hf_greedy(path, p, 6) for p in prompts[1:]]
+    assert hit.token_ids == hf_greedy(path, prompts[3] + [7, 8, 9], 6)
+    assert long == hf_greedy(path, prompts[3] * 2, 6)
+
+
+@gpu_only
+@pytest.mark.parametrize("model", ["dense", "moe"])
+def test_prefill_graphs_sample_as_the_eager_engine(tmp_path, model):
+    """Seeded bf16 samples through the graphs draw what an engine without graphs draws, with dense
+    and with MoE layers (whose expert grouping sees the padding tokens too)."""
+    build = build_tiny_qwen3 if model == "dense" else build_tiny_qwen3_moe
+    path = build(tmp_path, dtype=torch.bfloat16)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(250) for _ in range(n)] for n in (3, 30, 61)]
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=8, ignore_eos=True)
+    runs = []
+    for eager in (False, True):
+        with LLM(str(path), max_num_seqs=4, enforce_eager=eager) as llm:
+            runs.append([out.token_ids for out in llm.generate(prompts, params, use_tqdm=False)])
+            if not eager:
+                assert any(isinstance(g, torch.cuda.CUDAGraph) for g in llm.runner.prefill_graphs.graphs.values())
+    assert runs[0] == runs[1]

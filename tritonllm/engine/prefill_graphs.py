@@ -1,0 +1,91 @@
+"""CUDA graphs for short prefill steps.
+
+An eager prefill step launches some 270 kernels, and their launches cost the host about 13 ms on
+a GPU that runs a 512-token step in 2 ms (bench/NOTES-engine.md): a short prompt's first token
+waited on Python. Steps of at most GRAPH_TOKENS new tokens and GRAPH_SEQS sequences, not on copies
+of an fp8 cache's blocks, replay a graph captured for the next power of two of each instead.
+
+Padding: token rows past the step's belong to no sequence (attention leaves them alone, their
+slot -1 stores nothing, and every other kernel works row by row), sequences past the step's have
+no new tokens (their attention programs exit at once). The graph's attention grid and configs
+follow its bucket: the step's longest query may be the whole bucket.
+"""
+import torch
+import torch.nn.functional as F
+
+from tritonllm.context import Context
+from tritonllm.engine.step_inputs import StepInputs
+
+GRAPH_TOKENS = 512
+GRAPH_SEQS = 8
+
+
+def prefill_graph_keys(max_num_batched_tokens: int, max_num_seqs: int) -> list[tuple[int, int]]:
+    """(tokens, sequences) of the graphs: powers of two from 16 tokens and 1 sequence, each at most
+    the step limits (and no more sequences than tokens); largest first, the order of capture."""
+    tokens = [t for t in (16 << i for i in range(6)) if t <= min(GRAPH_TOKENS, max_num_batched_tokens)]
+    seqs = [s for s in (1, 2, 4, 8) if s <= min(GRAPH_SEQS, max_num_seqs)]
+    return sorted(((t, s) for t in tokens for s in seqs if s <= t), reverse=True)
+
+
+def prefill_graph_key(keys, num_tokens: int, num_seqs: int) -> tuple[int, int] | None:
+    """The graph a prefill step of num_tokens new tokens in num_seqs sequences replays: the smallest
+    that holds both; None where none does."""
+    return min((key for key in keys if key[0] >= num_tokens and key[1] >= num_seqs), default=None)
+
+
+class PrefillGraphs:
+    """The graphs and their input and output buffers. forward(token_ids, positions, context) -> hidden
+    is the model runner's; buffers hold max_blocks table entries a sequence."""
+
+    def __init__(self, forward, max_num_batched_tokens: int, max_num_seqs: int, max_blocks: int, max_model_len: int,
+                 hidden_size: int, dtype: torch.dtype, device: torch.device):
+        self.forward, self.max_model_len = forward, max_model_len
+        self.keys = prefill_graph_keys(max_num_batched_tokens, max_num_seqs)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        tokens, seqs = max(self.keys, default=(0, 0))  # the largest graph (none under 16 tokens a step)
+        self.inputs = {  # what a replay's padding holds: no new token stored, no sequence attended
+            "token_ids": torch.zeros(tokens, dtype=torch.long, device=device),
+            "positions": torch.zeros(tokens, dtype=torch.long, device=device),
+            "slot_mapping": torch.full((tokens,), -1, dtype=torch.long, device=device),
+            "seq_lens": torch.zeros(seqs, dtype=torch.int32, device=device),
+            "cu_seqlens_q": torch.zeros(seqs + 1, dtype=torch.int32, device=device),
+            "block_tables": torch.zeros(seqs, max_blocks, dtype=torch.int32, device=device),
+        }
+        self.output = torch.zeros(tokens, hidden_size, dtype=dtype, device=device)
+
+    def capture(self, pool, progress):
+        """Capture every graph into the memory pool `pool` (None: a new one); returns the pool."""
+        g = self.inputs
+        for tokens, seqs in progress(self.keys, "Capturing prefill graphs"):
+            context = Context(True, g["slot_mapping"][:tokens], g["seq_lens"][:seqs], g["block_tables"][:seqs],
+                              g["cu_seqlens_q"][:seqs + 1], tokens, self.max_model_len)
+            self.forward(g["token_ids"][:tokens], g["positions"][:tokens], context)  # compiles and warms the kernels
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool):
+                self.output[:tokens] = self.forward(g["token_ids"][:tokens], g["positions"][:tokens], context)
+            pool = graph.pool()
+            self.graphs[tokens, seqs] = graph
+        return pool
+
+    def key(self, inputs: StepInputs) -> tuple[int, int] | None:
+        """The graph this step replays, or None (a decode step, a long one, or one on copies)."""
+        if not self.graphs or not inputs.is_prefill or inputs.gather_blocks is not None:
+            return None
+        return prefill_graph_key(self.keys, len(inputs.positions), len(inputs.seq_lens))
+
+    def replay(self, inputs: StepInputs, token_ids: torch.Tensor, key: tuple[int, int], to_device) -> torch.Tensor:
+        """Fill the buffers from the step's inputs (host tensors but token_ids; to_device as the model
+        runner's) and replay; returns the hidden states of the step's tokens."""
+        (tokens, seqs), g = key, self.inputs
+        num_tokens, batch = len(inputs.positions), len(inputs.seq_lens)
+        g["token_ids"][:num_tokens].copy_(token_ids)
+        padded = {"positions": F.pad(inputs.positions, (0, tokens - num_tokens), value=0),
+                  "slot_mapping": F.pad(inputs.slot_mapping, (0, tokens - num_tokens), value=-1),
+                  "seq_lens": F.pad(inputs.seq_lens, (0, seqs - batch), value=0),
+                  "cu_seqlens_q": F.pad(inputs.cu_seqlens_q, (0, seqs - batch), value=num_tokens)}
+        for name, values in padded.items():
+            g[name][:len(values)].copy_(to_device(values))
+        g["block_tables"][:batch, :inputs.block_tables.shape[1]].copy_(to_device(inputs.block_tables))
+        self.graphs[key].replay()
+        return self.output[:num_tokens]
