@@ -20,8 +20,8 @@ class SamplingParams:
     whatever else runs beside it (None, or vLLM's -1: drawn afresh). logprobs returns each chosen token's
     log-probability under the model's raw distribution; as an int k (vLLM's form, where None is off) it also
     returns the k most likely tokens a step, as top_logprobs = k does (num_top_logprobs). The text leaves out special tokens unless skip_special_tokens is false, and
-    the stop string, or the EOS or stop token's text, that ended it unless include_stop_str_in_output (vLLM's
-    two flags). logit_bias (OpenAI's) adds a bias in [-100, 100] to a token id's logit before the penalties and
+    the stop string or stop token that ended it unless include_stop_str_in_output (vLLM's two flags; the text of
+    a special token, such as EOS, stays only where skip_special_tokens is false too). logit_bias (OpenAI's) adds a bias in [-100, 100] to a token id's logit before the penalties and
     every filter (logprobs stay those of the raw distribution); allowed_token_ids (vLLM's) are the only tokens
     that may be drawn (the others' logits -inf; logprobs again raw). prompt_logprobs k (vLLM's) returns each
     prompt token's log-probability given the tokens before it and its rank there (none for the first), and with

@@ -1,4 +1,4 @@
-"""The checked task set of the bundled tiny model: two-digit addition, reversing and sorting short words.
+"""The checked task set of the bundled tiny model: adding two numbers below 100, reversing and sorting short words.
 
 A problem is a prompt ("12+34=", "rev abc=", "sort dcab=") and its exact answer ("46", "cba",
 "abcd"); the model ends an answer with its EOS token. The same generator makes the training data
