@@ -17,7 +17,8 @@ class SamplingParams:
     Generation stops at max_tokens, at any EOS id of the model (unless ignore_eos), at stop_token_ids or at a
     stop string (cut from the text); none of these before min_tokens (EOS and the stop tokens are not drawn,
     their logits masked; a stop string counts past their text). seed makes the request's draws reproducible
-    whatever else runs beside it (None, or vLLM's -1: drawn afresh). logprobs returns each chosen token's
+    whatever else runs beside it, up to the last-bit float differences its batch makes in the logits (None, or
+    vLLM's -1: drawn afresh). logprobs returns each chosen token's
     log-probability under the model's raw distribution; as an int k (vLLM's form, where None is off) it also
     returns the k most likely tokens a step, as top_logprobs = k does (num_top_logprobs). The text leaves out special tokens unless skip_special_tokens is false, and
     the stop string or stop token that ended it unless include_stop_str_in_output (vLLM's two flags; the text of
