@@ -9,6 +9,7 @@ import torch
 from tiny_qwen3 import build_tiny_qwen3, build_tiny_qwen3_moe, hf_greedy
 
 from tritonllm import LLM, SamplingParams
+from tritonllm.context import Context
 from tritonllm.engine.prefill_graphs import PrefillGraphs, prefill_graph_key, prefill_graph_keys
 
 gpu_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
@@ -48,6 +49,45 @@ def test_steps_under_the_smallest_graph_capture_none():
     assert graphs.keys == [] and graphs.capture(None, lambda keys, desc: keys) is None and not graphs.graphs
     step = SimpleNamespace(is_prefill=True, positions=torch.zeros(5), seq_lens=torch.zeros(1), gather_blocks=None)
     assert graphs.key(step) is None
+
+
+class EagerReplay:
+    """A stand-in for a captured graph that runs on any device: replay() runs the forward on the
+    graph's buffers, as the captured launches would."""
+
+    def __init__(self, graphs: PrefillGraphs, tokens: int, seqs: int):
+        g = graphs.inputs
+        context = Context(True, g["slot_mapping"][:tokens], g["seq_lens"][:seqs], g["block_tables"][:seqs],
+                          g["cu_seqlens_q"][:seqs + 1], tokens, graphs.max_model_len)
+        self.run = lambda: graphs.output[:tokens].copy_(graphs.forward(g["token_ids"][:tokens],
+                                                                       g["positions"][:tokens], context))
+
+    def replay(self):
+        self.run()
+
+
+@pytest.mark.parametrize("fixture", ["tiny_qwen3", "tiny_qwen3_moe"])
+def test_padded_buffers_compute_what_eager_steps_do(fixture, request):
+    """The replay path's padding, on the CPU too: prefill steps run the forward on the graphs' buffers,
+    padded to their bucket (tokens of no sequence, slot -1; sequences with no new tokens), through the
+    real kernels. Greedy tokens equal HF's float32 ones, with a prefix hit and two sequences padded to
+    four, and later decode steps read the K/V those steps stored."""
+    path = request.getfixturevalue(fixture)
+    rng = random.Random(2)
+    prompts = [[rng.randrange(250) for _ in range(n)] for n in (7, 21)]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with LLM(path, max_num_seqs=4, max_num_batched_tokens=64, enforce_eager=True) as llm:
+        runner = llm.runner
+        graphs = PrefillGraphs(runner._forward, 64, 4, runner.max_blocks_per_seq, llm.config.max_model_len,
+                               llm.hf_config.hidden_size, llm.config.dtype, runner.device)
+        graphs.graphs = {key: EagerReplay(graphs, *key) for key in graphs.keys}
+        runner.prefill_graphs = graphs
+        replayed = count_replays(llm)
+        together = [out.token_ids for out in llm.generate(prompts + [prompts[1] + [5, 6]], params, use_tqdm=False)]
+        hit = llm.generate([prompts[1] + [9]], params, use_tqdm=False)[0]
+        assert replayed == [(64, 4), (16, 1)] and hit.num_cached_tokens == 16
+    assert together == [hf_greedy(path, p, 4) for p in prompts + [prompts[1] + [5, 6]]]
+    assert hit.token_ids == hf_greedy(path, prompts[1] + [9], 4)
 
 
 def count_replays(llm: LLM) -> list[tuple[int, int]]:
