@@ -13,7 +13,7 @@ from tritonllm.context import Context, set_context
 from tritonllm.distributed import (all_reduce, broadcast, broadcast_object, close_distributed, init_distributed,
                                    interrupt_after, tp_rank)
 from tritonllm.engine.penalties import PenaltyRows, add_logit_bias
-from tritonllm.engine.prefill_graphs import PrefillGraphs
+from tritonllm.engine.prefill_graphs import PrefillGraphs, capture_graph
 from tritonllm.engine.prompt_logprobs import score_positions
 from tritonllm.engine.sampled_tokens import SampledTokens, agreeing_top
 from tritonllm.engine.sequence import Sequence
@@ -223,10 +223,8 @@ class ModelRunner:
         for bound, batch in self._progress(keys, "Capturing decode graphs"):
             context = Context(False, g["slot_mapping"][:batch], g["seq_lens"][:batch], g["block_tables"][:batch],
                               None, 1, bound)
-            self._forward(g["token_ids"][:batch], g["positions"][:batch], context)  # compiles and warms the kernels
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool):
-                self.graph_output[:batch] = self._forward(g["token_ids"][:batch], g["positions"][:batch], context)
+            graph = capture_graph(self._forward, self.graph_output[:batch], g["token_ids"][:batch],
+                                  g["positions"][:batch], context, pool)
             pool = graph.pool()
             self.graphs[bound, batch] = graph
             torch.cuda.synchronize(d)

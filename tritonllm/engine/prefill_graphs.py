@@ -21,6 +21,16 @@ GRAPH_TOKENS = 512
 GRAPH_SEQS = 8
 
 
+def capture_graph(forward, out: torch.Tensor, token_ids, positions, context: Context, pool):
+    """A graph of forward(token_ids, positions, context) writing its hidden states into `out`, captured
+    into the memory pool `pool` (None: a new one) after one eager run that compiles and warms the kernels."""
+    forward(token_ids, positions, context)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool):
+        out.copy_(forward(token_ids, positions, context))
+    return graph
+
+
 def prefill_graph_keys(max_num_batched_tokens: int, max_num_seqs: int) -> list[tuple[int, int]]:
     """(tokens, sequences) of the graphs: powers of two from 16 tokens and 1 sequence, each at most
     the step limits (and no more sequences than tokens); largest first, the order of capture."""
@@ -61,10 +71,8 @@ class PrefillGraphs:
         for tokens, seqs in progress(self.keys, "Capturing prefill graphs"):
             context = Context(True, g["slot_mapping"][:tokens], g["seq_lens"][:seqs], g["block_tables"][:seqs],
                               g["cu_seqlens_q"][:seqs + 1], tokens, self.max_model_len)
-            self.forward(g["token_ids"][:tokens], g["positions"][:tokens], context)  # compiles and warms the kernels
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool):
-                self.output[:tokens] = self.forward(g["token_ids"][:tokens], g["positions"][:tokens], context)
+            graph = capture_graph(self.forward, self.output[:tokens], g["token_ids"][:tokens], g["positions"][:tokens],
+                                  context, pool)
             pool = graph.pool()
             self.graphs[tokens, seqs] = graph
         return pool
