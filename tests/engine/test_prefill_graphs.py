@@ -9,7 +9,6 @@ import torch
 from tiny_qwen3 import build_tiny_qwen3, build_tiny_qwen3_moe, hf_greedy
 
 from tritonllm import LLM, SamplingParams
-from tritonllm.context import Context
 from tritonllm.engine.prefill_graphs import PrefillGraphs, prefill_graph_key, prefill_graph_keys
 
 gpu_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
@@ -56,9 +55,7 @@ class EagerReplay:
     graph's buffers, as the captured launches would."""
 
     def __init__(self, graphs: PrefillGraphs, tokens: int, seqs: int):
-        g = graphs.inputs
-        context = Context(True, g["slot_mapping"][:tokens], g["seq_lens"][:seqs], g["block_tables"][:seqs],
-                          g["cu_seqlens_q"][:seqs + 1], tokens, graphs.max_model_len)
+        g, context = graphs.inputs, graphs.context(tokens, seqs)
         self.run = lambda: graphs.output[:tokens].copy_(graphs.forward(g["token_ids"][:tokens],
                                                                        g["positions"][:tokens], context))
 

@@ -5,7 +5,6 @@ forward on its shards; rank 0 samples. Ranks > 0 sit in `worker_loop` until told
 """
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from tritonllm.config import EngineConfig
@@ -13,7 +12,7 @@ from tritonllm.context import Context, set_context
 from tritonllm.distributed import (all_reduce, broadcast, broadcast_object, close_distributed, init_distributed,
                                    interrupt_after, tp_rank)
 from tritonllm.engine.penalties import PenaltyRows, add_logit_bias
-from tritonllm.engine.prefill_graphs import PrefillGraphs, capture_graph
+from tritonllm.engine.prefill_graphs import PrefillGraphs, capture_graph, copy_padded
 from tritonllm.engine.prompt_logprobs import score_positions
 from tritonllm.engine.sampled_tokens import SampledTokens, agreeing_top
 from tritonllm.engine.sequence import Sequence
@@ -245,8 +244,7 @@ class ModelRunner:
         # inputs: one copy from pinned memory straight into each graph buffer. The tables' slice of
         # their buffer is not contiguous, so they go through a device copy.
         for name, pad_value in (("positions", 0), ("slot_mapping", -1), ("seq_lens", 1)):
-            padded = F.pad(getattr(inputs, name), (0, graph_batch - batch), value=pad_value)
-            g[name][:graph_batch].copy_(padded.pin_memory(), non_blocking=True)
+            copy_padded(g[name][:graph_batch], getattr(inputs, name), pad_value)
         g["block_tables"][:batch, : inputs.block_tables.shape[1]].copy_(self._to_device(inputs.block_tables))
         self.graphs[key].replay()
         return self.graph_output[:batch]

@@ -31,6 +31,13 @@ def capture_graph(forward, out: torch.Tensor, token_ids, positions, context: Con
     return graph
 
 
+def copy_padded(dst: torch.Tensor, src: torch.Tensor, value) -> None:
+    """dst <- host tensor src padded with `value` to dst's length; on a GPU straight from pinned memory,
+    so the copy never waits for the step still running there (the decode graphs' inputs too)."""
+    padded = F.pad(src, (0, len(dst) - len(src)), value=value)
+    dst.copy_(padded.pin_memory() if dst.is_cuda else padded, non_blocking=True)
+
+
 def prefill_graph_keys(max_num_batched_tokens: int, max_num_seqs: int) -> list[tuple[int, int]]:
     """(tokens, sequences) of the graphs: powers of two from 16 tokens and 1 sequence, each at most
     the step limits (and no more sequences than tokens); largest first, the order of capture."""
@@ -69,13 +76,17 @@ class PrefillGraphs:
         """Capture every graph into the memory pool `pool` (None: a new one); returns the pool."""
         g = self.inputs
         for tokens, seqs in progress(self.keys, "Capturing prefill graphs"):
-            context = Context(True, g["slot_mapping"][:tokens], g["seq_lens"][:seqs], g["block_tables"][:seqs],
-                              g["cu_seqlens_q"][:seqs + 1], tokens, self.max_model_len)
             graph = capture_graph(self.forward, self.output[:tokens], g["token_ids"][:tokens], g["positions"][:tokens],
-                                  context, pool)
+                                  self.context(tokens, seqs), pool)
             pool = graph.pool()
             self.graphs[tokens, seqs] = graph
         return pool
+
+    def context(self, tokens: int, seqs: int) -> Context:
+        """The forward context of graph (tokens, seqs): views of the input buffers."""
+        g = self.inputs
+        return Context(True, g["slot_mapping"][:tokens], g["seq_lens"][:seqs], g["block_tables"][:seqs],
+                       g["cu_seqlens_q"][:seqs + 1], tokens, self.max_model_len)
 
     def key(self, inputs: StepInputs) -> tuple[int, int] | None:
         """The graph this step replays, or None (a decode step, a long one, or one on copies)."""
@@ -85,16 +96,14 @@ class PrefillGraphs:
 
     def replay(self, inputs: StepInputs, token_ids: torch.Tensor, key: tuple[int, int], to_device) -> torch.Tensor:
         """Fill the buffers from the step's inputs (host tensors but token_ids; to_device as the model
-        runner's) and replay; returns the hidden states of the step's tokens."""
+        runner's, for the block tables, whose slice of their buffer is not contiguous) and replay; returns
+        the hidden states of the step's tokens."""
         (tokens, seqs), g = key, self.inputs
         num_tokens, batch = len(inputs.positions), len(inputs.seq_lens)
         g["token_ids"][:num_tokens].copy_(token_ids)
-        padded = {"positions": F.pad(inputs.positions, (0, tokens - num_tokens), value=0),
-                  "slot_mapping": F.pad(inputs.slot_mapping, (0, tokens - num_tokens), value=-1),
-                  "seq_lens": F.pad(inputs.seq_lens, (0, seqs - batch), value=0),
-                  "cu_seqlens_q": F.pad(inputs.cu_seqlens_q, (0, seqs - batch), value=num_tokens)}
-        for name, values in padded.items():
-            g[name][:len(values)].copy_(to_device(values))
+        for name, size, pad_value in (("positions", tokens, 0), ("slot_mapping", tokens, -1), ("seq_lens", seqs, 0),
+                                      ("cu_seqlens_q", seqs + 1, num_tokens)):
+            copy_padded(g[name][:size], getattr(inputs, name), pad_value)
         g["block_tables"][:batch, :inputs.block_tables.shape[1]].copy_(to_device(inputs.block_tables))
         self.graphs[key].replay()
         return self.output[:num_tokens]
