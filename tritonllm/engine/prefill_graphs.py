@@ -8,7 +8,7 @@ of an fp8 cache's blocks, replay a graph captured for the next power of two of e
 Padding: token rows past the step's belong to no sequence (attention leaves them alone, their
 slot -1 stores nothing, and every other kernel works row by row), sequences past the step's have
 no new tokens (their attention programs exit at once). Padding rows carry whatever attention left
-in them, which no real row reads; MoE layers route them all alike (bench/NOTES-engine.md). The
+in them, which no real row reads; MoE layers route them like real rows (bench/NOTES-engine.md). The
 graph's attention grid and configs follow its bucket: the step's longest query may be the whole bucket.
 """
 import torch
