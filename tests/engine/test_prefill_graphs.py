@@ -41,7 +41,6 @@ def test_decode_long_and_copied_steps_stay_eager():
     assert PrefillGraphs.key(SimpleNamespace(keys=graphs.keys, graphs={}), SimpleNamespace(**step)) is None
 
 
-
 def test_steps_under_the_smallest_graph_capture_none():
     """max_num_batched_tokens below 16: no graph, empty buffers, every step eager."""
     graphs = PrefillGraphs(None, 12, 4, 3, 64, 32, torch.float32, torch.device("cpu"))

@@ -41,8 +41,9 @@ def copy_padded(dst: torch.Tensor, src: torch.Tensor, value) -> None:
 def prefill_graph_keys(max_num_batched_tokens: int, max_num_seqs: int) -> list[tuple[int, int]]:
     """(tokens, sequences) of the graphs: powers of two from 16 tokens and 1 sequence, each at most
     the step limits (and no more sequences than tokens); largest first, the order of capture."""
-    tokens = [t for t in (16 << i for i in range(6)) if t <= min(GRAPH_TOKENS, max_num_batched_tokens)]
-    seqs = [s for s in (1, 2, 4, 8) if s <= min(GRAPH_SEQS, max_num_seqs)]
+    max_tokens, max_seqs = min(GRAPH_TOKENS, max_num_batched_tokens), min(GRAPH_SEQS, max_num_seqs)
+    tokens = [t for t in (16 << i for i in range(GRAPH_TOKENS.bit_length())) if t <= max_tokens]
+    seqs = [s for s in (1 << i for i in range(GRAPH_SEQS.bit_length())) if s <= max_seqs]
     return sorted(((t, s) for t in tokens for s in seqs if s <= t), reverse=True)
 
 
