@@ -238,7 +238,8 @@ def _split(config: dict) -> tuple[dict, dict]:
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, *, out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+              topk_ids: torch.Tensor, *, out: torch.Tensor | None = None, config: dict | None = None,
+              real_tokens: torch.Tensor | None = None) -> torch.Tensor:
     """y[t] = sum_j topk_weights[t, j] * w2[e] @ (silu(gate) * up), e = topk_ids[t, j], [gate; up] = w13[e] @ x[t].
 
     x: [T, H] float32/float16/bfloat16 (rows may be strided). w13: [E, 2N, H] of x's dtype, rows
@@ -255,6 +256,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     config: overrides the tuned config (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages
     of the gate/up GEMM; DOWN_BLOCK_N, DOWN_BLOCK_K, DOWN_WARPS, DOWN_STAGES of the down GEMM,
     each defaulting to its gate/up counterpart; PAIR_BLOCKS 1: a block per pair, no align).
+    real_tokens: optional int32 [1] on x's device; rows t >= real_tokens[0] are padding (a CUDA
+    graph's), their pairs may be skipped and their rows of y are unspecified.
     Returns y [T, H] of x's dtype (`out` if given).
     """
     if x.dim() != 2 or x.stride(1) != 1:
@@ -301,7 +304,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         if pair_blocks:  # block b is pair b: its expert is topk_ids' b-th entry, no slot table
             block_expert = sorted_ids = topk_ids.view(-1).to(torch.int32)  # TMA offsets are 32-bit
         else:
-            sorted_ids, block_expert, _ = moe_align(topk_ids, experts, up["BLOCK_M"])
+            sorted_ids, block_expert, _ = moe_align(topk_ids, experts, up["BLOCK_M"], real_tokens=real_tokens)
         num_blocks = block_expert.shape[0]
         act = torch.empty(num_blocks * up["BLOCK_M"], inter, dtype=x.dtype, device=x.device)
         w13_tiles = descriptor(w13, experts * 2 * inter, [up["BLOCK_N"], up["BLOCK_K"]])

@@ -123,6 +123,16 @@ def _chunk_counts(ids_ptr, chunk, num_pairs, BLOCK: tl.constexpr, BLOCK_E: tl.co
 
 
 @triton.jit
+def _real_pairs(real_tokens_ptr, num_pairs, top_k, HAS_REAL_TOKENS: tl.constexpr):
+    """The pairs to group: those of the first real_tokens[0] tokens (a graph's padding tokens are the
+    rest), else all."""
+    limit = num_pairs
+    if HAS_REAL_TOKENS:
+        limit = tl.minimum(tl.load(real_tokens_ptr) * top_k, num_pairs)
+    return limit
+
+
+@triton.jit
 def _group_ends(totals, BLOCK_M: tl.constexpr):
     """Each expert's group (totals [BLOCK_E] pairs) padded to BLOCK_M, the groups laid end to end:
     (padded sizes, group ends)."""
@@ -198,27 +208,31 @@ def _block_experts(ends_ptr, num_padded_ptr, block_expert_ptr, sorted_ptr, first
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_chunks", "num_blocks"])
-def _align_small_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, scratch_ptr, num_pairs, num_chunks,
-                        num_blocks, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
-                        ROWS: tl.constexpr, BLOCK_B: tl.constexpr):
+def _align_small_kernel(ids_ptr, real_tokens_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, scratch_ptr, num_pairs,
+                        top_k, num_chunks, num_blocks, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_E: tl.constexpr, ROWS: tl.constexpr, BLOCK_B: tl.constexpr,
+                        HAS_REAL_TOKENS: tl.constexpr):
     # scratch: the group ends, the chunk histograms, the bases. Barriers: the threads that read
     # each phase's stores are not those that wrote them.
+    real = _real_pairs(real_tokens_ptr, num_pairs, top_k, HAS_REAL_TOKENS)
     for c in range(num_chunks):
         tl.store(scratch_ptr + (c + 1) * BLOCK_E + tl.arange(0, BLOCK_E),
-                 _chunk_counts(ids_ptr, c, num_pairs, BLOCK, BLOCK_E))
+                 _chunk_counts(ids_ptr, c, real, BLOCK, BLOCK_E))
     tl.debug_barrier()
     _group_bases(scratch_ptr, sorted_ptr, num_padded_ptr, num_chunks, num_pairs, BLOCK_M, BLOCK_E, ROWS)
     tl.debug_barrier()
     for c in range(num_chunks):
-        _scatter_chunk(ids_ptr, scratch_ptr + (num_chunks + c + 1) * BLOCK_E, sorted_ptr, c, num_pairs, BLOCK)
+        _scatter_chunk(ids_ptr, scratch_ptr + (num_chunks + c + 1) * BLOCK_E, sorted_ptr, c, real, BLOCK)
     _block_experts(scratch_ptr, num_padded_ptr, block_expert_ptr, sorted_ptr, 0, num_blocks, num_pairs,
                    BLOCK_M, BLOCK_E, BLOCK_B)
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
-def _align_count_kernel(ids_ptr, scratch_ptr, totals_ptr, num_pairs, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
+def _align_count_kernel(ids_ptr, real_tokens_ptr, scratch_ptr, totals_ptr, num_pairs, top_k, BLOCK: tl.constexpr,
+                        BLOCK_E: tl.constexpr, HAS_REAL_TOKENS: tl.constexpr):
     chunk = tl.program_id(0)
-    counts = _chunk_counts(ids_ptr, chunk, num_pairs, BLOCK, BLOCK_E)
+    counts = _chunk_counts(ids_ptr, chunk, _real_pairs(real_tokens_ptr, num_pairs, top_k, HAS_REAL_TOKENS), BLOCK,
+                           BLOCK_E)
     tl.store(scratch_ptr + (chunk + 1) * BLOCK_E + tl.arange(0, BLOCK_E), counts)
     # Integer adds: the totals are the same whatever order the chunks arrive in.
     tl.atomic_add(totals_ptr + tl.arange(0, BLOCK_E), counts, sem="relaxed")
@@ -251,12 +265,12 @@ def _align_bases_kernel(scratch_ptr, totals_ptr, sorted_ptr, num_padded_ptr, num
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
-def _align_scatter_kernel(ids_ptr, scratch_ptr, num_padded_ptr, sorted_ptr, block_expert_ptr, num_pairs,
-                          num_blocks, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
-                          BLOCK_B: tl.constexpr):
+def _align_scatter_kernel(ids_ptr, real_tokens_ptr, scratch_ptr, num_padded_ptr, sorted_ptr, block_expert_ptr,
+                          num_pairs, top_k, num_blocks, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr, HAS_REAL_TOKENS: tl.constexpr):
     chunk = tl.program_id(0)
-    _scatter_chunk(ids_ptr, scratch_ptr + (tl.num_programs(0) + chunk + 1) * BLOCK_E, sorted_ptr, chunk, num_pairs,
-                   BLOCK)
+    _scatter_chunk(ids_ptr, scratch_ptr + (tl.num_programs(0) + chunk + 1) * BLOCK_E, sorted_ptr, chunk,
+                   _real_pairs(real_tokens_ptr, num_pairs, top_k, HAS_REAL_TOKENS), BLOCK)
     # Each program also labels its share of the blocks.
     share = tl.cdiv(num_blocks, tl.num_programs(0))
     first = chunk * share
@@ -270,14 +284,16 @@ def moe_align_size(num_pairs: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m) * block_m
 
 
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, *, real_tokens: torch.Tensor | None = None):
     """Groups the T*k token-expert pairs by expert, each group padded to a multiple of block_m.
 
     topk_ids: [T, k] int32/int64 in [0, num_experts), contiguous. block_m: a power of two.
-    Returns (sorted_ids [P] int32: flat pair indices t*k + j grouped by expert in ascending order,
-    padding slots = T*k; block_expert [P // block_m] int32: each block's expert, -1 past the used
-    blocks; num_padded [1] int32: the used slots). P = moe_align_size(T*k, E, block_m) depends on
-    the shapes only; no host sync. Nothing in place.
+    real_tokens: optional int32 [1] on topk_ids' device; only the pairs of tokens t < real_tokens[0]
+    are grouped (a CUDA graph's padding tokens are the rest). Returns (sorted_ids [P] int32: flat
+    pair indices t*k + j grouped by expert in ascending order, padding slots = T*k; block_expert
+    [P // block_m] int32: each block's expert, -1 past the used blocks; num_padded [1] int32: the
+    used slots). P = moe_align_size(T*k, E, block_m) depends on the shapes only; no host sync.
+    Nothing in place.
     """
     if topk_ids.dim() != 2 or not topk_ids.is_contiguous():
         raise ValueError(f"topk_ids must be a contiguous [T, k], got {tuple(topk_ids.shape)}")
@@ -286,6 +302,10 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
         raise ValueError(f"block_m must be a power of two, got {block_m}")
     if num_experts < 1:
         raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+    if real_tokens is not None and (real_tokens.shape != (1,) or real_tokens.dtype != torch.int32
+                                    or real_tokens.device != topk_ids.device):
+        raise ValueError(f"real_tokens must be an int32 [1] on {topk_ids.device}, got {real_tokens.dtype} "
+                         f"{tuple(real_tokens.shape)} on {real_tokens.device}")
     num_pairs = topk_ids.numel()
     size = moe_align_size(num_pairs, num_experts, block_m)
     num_blocks = size // block_m
@@ -302,17 +322,20 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     # BLOCK_B blocks with every group end (8k).
     rows = max(1, min(pow2(num_chunks), 2048 // block_e))
     meta = {"BLOCK_M": block_m, "BLOCK_E": block_e, "num_warps": 4}
+    real = {"HAS_REAL_TOKENS": real_tokens is not None}  # without it the kernels never read the pointer
+    count_ptr, top_k = topk_ids if real_tokens is None else real_tokens, topk_ids.shape[1]
     block_b = max(1, min(64, 8192 // block_e))
     # The group ends, then the histogram and the bases of each chunk.
     scratch = torch.empty((2 * num_chunks + 1) * block_e, dtype=torch.int32, device=device)
     if num_pairs <= SMALL_PAIRS:
-        _align_small_kernel[(1,)](topk_ids, sorted_ids, block_expert, num_padded, scratch, num_pairs, num_chunks,
-                                  num_blocks, BLOCK=chunk, ROWS=rows, BLOCK_B=block_b, **meta)
+        _align_small_kernel[(1,)](topk_ids, count_ptr, sorted_ids, block_expert, num_padded, scratch, num_pairs, top_k,
+                                  num_chunks, num_blocks, BLOCK=chunk, ROWS=rows, BLOCK_B=block_b, **meta, **real)
         return sorted_ids, block_expert, num_padded
     totals = torch.zeros(block_e, dtype=torch.int32, device=device)
-    _align_count_kernel[(num_chunks,)](topk_ids, scratch, totals, num_pairs, BLOCK=chunk, BLOCK_E=block_e, num_warps=4)
+    _align_count_kernel[(num_chunks,)](topk_ids, count_ptr, scratch, totals, num_pairs, top_k, BLOCK=chunk,
+                                       BLOCK_E=block_e, num_warps=4, **real)
     _align_bases_kernel[(num_experts,)](scratch, totals, sorted_ids, num_padded, num_chunks, num_pairs,
                                         BLOCK_C=min(pow2(num_chunks), 1024), **meta)
-    _align_scatter_kernel[(num_chunks,)](topk_ids, scratch, num_padded, sorted_ids, block_expert, num_pairs,
-                                         num_blocks, BLOCK=chunk, BLOCK_B=block_b, **meta)
+    _align_scatter_kernel[(num_chunks,)](topk_ids, count_ptr, scratch, num_padded, sorted_ids, block_expert, num_pairs,
+                                         top_k, num_blocks, BLOCK=chunk, BLOCK_B=block_b, **meta, **real)
     return sorted_ids, block_expert, num_padded

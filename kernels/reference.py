@@ -150,11 +150,11 @@ def moe_route(router_logits, top_k, renormalize):
     return weights, ids.to(torch.int32)
 
 
-def fused_moe(x, w13, w2, topk_weights, topk_ids):
+def fused_moe(x, w13, w2, topk_weights, topk_ids, *, real_tokens=None):
     """Qwen3-MoE experts, a loop over them: y[t] = sum_j topk_weights[t, j] * w2[e] @ act(w13[e] @ x[t])
     for e = topk_ids[t, j], act = silu_and_mul (gate/up rounded to x.dtype first); the down product
     and weight in float32 (float64 for float64 x), each weighted term rounded to x.dtype, the sum in
-    float32, rounded once."""
+    float32, rounded once. Every row, also those past real_tokens (padding, whose rows are free)."""
     dtype = _compute_dtype(x.dtype)
     y = torch.zeros(x.shape, dtype=dtype, device=x.device)
     for expert in topk_ids.unique().tolist():

@@ -1,6 +1,6 @@
 """The forward context: how the tokens of one step sit in the paged KV cache.
 
-The model runner sets it before each forward; the attention layers read it. A module-level
+The model runner sets it before each forward; the attention and MoE layers read it. A module-level
 value (rather than an argument threaded through every layer) keeps the model code plain and lets
 CUDA graphs capture the tensors it points to.
 """
@@ -25,6 +25,8 @@ class Context:
     gather_tables: torch.Tensor | None = None
     copy_slots: torch.Tensor | None = None
     num_copies: int = 0
+    # A prefill graph's real tokens, int32 [1] (the rows past are padding; None: every row is real).
+    real_tokens: torch.Tensor | None = None
 
 
 _context: Context | None = None

@@ -68,6 +68,20 @@ def test_fused_moe_configs(cfg, dtype):
     check(*moe_inputs(5, 60, 8, 96, 64, dtype), config=cfg)
 
 
+@pytest.mark.parametrize("cfg", [None, config(16, 32, 64, PAIR_BLOCKS=1), config(64, 32, 32)],
+                         ids=["tuned", "pair-blocks", "64-rows"])
+@pytest.mark.parametrize("tokens, real", [(17, 9), (260, 133), (40, 16)])
+def test_fused_moe_rows_past_real_tokens_are_padding(cfg, tokens, real):
+    # A CUDA graph's padding rows (x NaN here) may be skipped; the real rows equal the reference's.
+    x, w13, w2, weights, ids = moe_inputs(tokens, 8, 8 if tokens > 200 else 2, 48, 32, torch.bfloat16)
+    x[real:] = float("nan")
+    real_tokens = torch.tensor([real], dtype=torch.int32, device=DEVICE)
+    y = fused_moe(x, w13, w2, weights, ids, out=poisoned(*x.shape, dtype=x.dtype), config=cfg,
+                 real_tokens=real_tokens)
+    ref = reference.fused_moe(x[:real], w13, w2, weights[:real], ids[:real])
+    assert_close(y[:real], ref, x.dtype, factor=ROUNDINGS)
+
+
 def test_fused_moe_many_pairs():
     # Far past moe_align's one-program size: its three-launch path, groups of many blocks.
     check(*moe_inputs(260, 8, 8, 48, 32, torch.bfloat16), config=config(64, 32, 32))

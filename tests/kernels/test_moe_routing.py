@@ -58,12 +58,14 @@ def test_moe_route_strided_rows_and_empty():
         moe_route(randn(3, 4), 5, True)
 
 
-def align_by_hand(topk_ids, num_experts, block_m):
-    """moe_align's result built pair by pair in Python."""
+def align_by_hand(topk_ids, num_experts, block_m, real_tokens=None):
+    """moe_align's result built pair by pair in Python; only the pairs of the first real_tokens tokens
+    grouped where given."""
     flat = topk_ids.flatten().tolist()
     pairs = len(flat)
+    real = pairs if real_tokens is None else min(pairs, real_tokens * topk_ids.shape[1])
     groups = [[] for _ in range(num_experts)]
-    for i, expert in enumerate(flat):
+    for i, expert in enumerate(flat[:real]):
         groups[expert].append(i)
     sorted_ids, blocks = [], []
     for expert, group in enumerate(groups):
@@ -76,9 +78,10 @@ def align_by_hand(topk_ids, num_experts, block_m):
     return sorted_ids + [pairs] * (size - used), blocks + [-1] * (size // block_m - len(blocks)), used
 
 
-def check_align(topk_ids, num_experts, block_m):
-    sorted_ids, block_expert, num_padded = moe_align(topk_ids, num_experts, block_m)
-    ref_sorted, ref_blocks, ref_used = align_by_hand(topk_ids, num_experts, block_m)
+def check_align(topk_ids, num_experts, block_m, real_tokens=None):
+    real = None if real_tokens is None else torch.tensor([real_tokens], dtype=torch.int32, device=DEVICE)
+    sorted_ids, block_expert, num_padded = moe_align(topk_ids, num_experts, block_m, real_tokens=real)
+    ref_sorted, ref_blocks, ref_used = align_by_hand(topk_ids, num_experts, block_m, real_tokens)
     assert sorted_ids.dtype == block_expert.dtype == num_padded.dtype == torch.int32
     assert num_padded.tolist() == [ref_used]
     assert block_expert.tolist() == ref_blocks
@@ -116,6 +119,25 @@ def test_moe_align_skewed(pairs):
 
 def test_moe_align_64k_pairs():
     check_align(random_ids(8192, 512, 8), 512, 64)
+
+
+@pytest.mark.parametrize("tokens, experts, top_k, block_m", [
+    (13, 8, 2, 16),  # one program
+    (SMALL_PAIRS // 8 + 9, 128, 8, 64),  # three launches; real pairs end inside a chunk
+    (700, 60, 4, 16),
+])
+def test_moe_align_groups_only_the_real_tokens(tokens, experts, top_k, block_m):
+    # A CUDA graph's padding tokens (t >= real_tokens[0]) get no slot; their pair indices stay the sentinel's range.
+    ids = random_ids(tokens, experts, top_k)
+    for real in (0, 1, tokens // 2 + 1, tokens - 1, tokens, tokens + 5):
+        check_align(ids, experts, block_m, real)
+
+
+def test_moe_align_checks_real_tokens():
+    ids = random_ids(5, 8, 2)
+    for bad in (torch.tensor([3], device=DEVICE), torch.tensor([3, 4], dtype=torch.int32, device=DEVICE)):
+        with pytest.raises(ValueError, match="real_tokens"):
+            moe_align(ids, 8, 16, real_tokens=bad)
 
 
 def test_moe_align_empty():

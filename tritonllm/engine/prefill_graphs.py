@@ -8,7 +8,7 @@ of an fp8 cache's blocks, replay a graph captured for the next power of two of e
 Padding: token rows past the step's belong to no sequence (attention leaves them alone, their
 slot -1 stores nothing, and every other kernel works row by row), sequences past the step's have
 no new tokens (their attention programs exit at once). Padding rows carry whatever attention left
-in them, which no real row reads; MoE layers route them like real rows (bench/NOTES-engine.md). The
+in them, which no real row reads; MoE layers skip their pairs (Context.real_tokens). The
 graph's attention grid and configs follow its bucket: the step's longest query may be the whole bucket.
 """
 import torch
@@ -86,8 +86,10 @@ class PrefillGraphs:
     def context(self, tokens: int, seqs: int) -> Context:
         """The forward context of graph (tokens, seqs): views of the input buffers."""
         g = self.inputs
+        # Padding sequences end where the last real one does: cu_seqlens_q[seqs] counts the real tokens.
         return Context(True, g["slot_mapping"][:tokens], g["seq_lens"][:seqs], g["block_tables"][:seqs],
-                       g["cu_seqlens_q"][:seqs + 1], tokens, self.max_model_len)
+                       g["cu_seqlens_q"][:seqs + 1], tokens, self.max_model_len,
+                       real_tokens=g["cu_seqlens_q"][seqs:seqs + 1])
 
     def key(self, inputs: StepInputs) -> tuple[int, int] | None:
         """The graph this step replays, or None (a decode step, a long one, or one on copies)."""

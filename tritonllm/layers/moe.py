@@ -9,6 +9,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
+from tritonllm.context import get_context
 from tritonllm.distributed import all_reduce, tp_rank, tp_size
 from tritonllm.layers.linear import ReplicatedLinear, check_shape, copy_weight, narrow
 
@@ -44,7 +45,7 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum [T, H] of the routed experts' outputs for x [T, H]."""
         weights, ids = self.ops.moe_route(router_logits, self.top_k, self.renormalize)
-        return self.ops.fused_moe(x, self.w13, self.w2, weights, ids)
+        return self.ops.fused_moe(x, self.w13, self.w2, weights, ids, real_tokens=get_context().real_tokens)
 
 
 class SparseMoeBlock(nn.Module):
