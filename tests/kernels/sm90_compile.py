@@ -239,6 +239,11 @@ def cases():
             calls.append(lambda d=dtype, t=tokens, k=top_k: fused_moe(
                 torch.zeros(t, 2048, dtype=d), torch.zeros(8, 1536, 2048, dtype=d), torch.zeros(8, 2048, 768, dtype=d),
                 torch.zeros(t, k), torch.zeros(t, k, dtype=torch.int32)))
+        # A prefill graph's count of real tokens: moe_align reads it on the device, in both forms.
+        for tokens in (16, 4096):
+            calls.append(lambda d=dtype, t=tokens: fused_moe(
+                torch.zeros(t, 2048, dtype=d), torch.zeros(8, 1536, 2048, dtype=d), torch.zeros(8, 2048, 768, dtype=d),
+                torch.zeros(t, 8), torch.zeros(t, 8, dtype=torch.int32), real_tokens=i32(1)))
     calls.append(lambda: moe_route(torch.zeros(1, 512), 8, False))
     return calls
 
