@@ -103,8 +103,9 @@ def count_replays(llm: LLM) -> list[tuple[int, int]]:
 def test_greedy_through_prefill_graphs_equals_hf(tmp_path):
     """One prompt, three prompts in one step (a padding sequence and padding tokens), a prompt whose
     prefix is cached (its step attends to keys it did not compute) and one prefilled in 24-token chunks
-    all replay graphs, and their float32 greedy tokens equal HF's. An fp8 cache's prefill steps run on
-    copies of its blocks, whose count varies by step: they stay eager."""
+    all replay graphs, and their float32 greedy tokens equal HF's. Over an fp8 cache such steps read the
+    cache in place and replay graphs too; the first greedy token is HF's for 3 of the 4 prompts or more
+    (e4m3 K/V move near-ties; a broken replay would agree by chance only)."""
     path = build_tiny_qwen3(tmp_path)
     rng = random.Random(0)
     prompts = [[rng.randrange(250) for _ in range(n)] for n in (5, 19, 33, 40)]
@@ -121,8 +122,9 @@ def test_greedy_through_prefill_graphs_equals_hf(tmp_path):
         assert replayed == [(32, 1), (32, 1), (16, 1)]  # 80 tokens: chunks of 32, 32 and 16
     with LLM(str(path), max_num_seqs=4, kv_cache_dtype="fp8") as fp8:
         replayed = count_replays(fp8)
-        fp8.generate(prompts[:2], params, use_tqdm=False)
-        assert replayed == []
+        firsts = [out.token_ids[0] for out in fp8.generate(prompts, params, use_tqdm=False)]
+        assert replayed == [(128, 4)]  # 5 + 19 + 33 + 40 tokens in one step
+    assert sum(a == hf_greedy(path, p, 1)[0] for a, p in zip(firsts, prompts)) >= 3
     assert alone == hf_greedy(path, prompts[0], 6)
     assert together == [hf_greedy(path, p, 6) for p in prompts[1:]]
     assert hit.token_ids == hf_greedy(path, prompts[3] + [7, 8, 9], 6)

@@ -2,8 +2,9 @@
 
 An eager prefill step launches some 270 kernels, and their launches cost the host about 13 ms on
 a GPU that runs a 512-token step in 2 ms (bench/NOTES-engine.md): a short prompt's first token
-waited on Python. Steps of at most GRAPH_TOKENS new tokens and GRAPH_SEQS sequences, not on copies
-of an fp8 cache's blocks, replay a graph captured for the next power of two of each instead.
+waited on Python. Steps of at most GRAPH_TOKENS new tokens and GRAPH_SEQS sequences replay a graph
+captured for the next power of two of each instead. Over an fp8 cache such steps read the cache in
+place (the engine asks `holds`), not copies of their blocks, whose count varies by step.
 
 Padding: token rows past the step's belong to no sequence (attention leaves them alone, their
 slot -1 stores nothing, and every other kernel works row by row), sequences past the step's have
@@ -90,6 +91,10 @@ class PrefillGraphs:
         return Context(True, g["slot_mapping"][:tokens], g["seq_lens"][:seqs], g["block_tables"][:seqs],
                        g["cu_seqlens_q"][:seqs + 1], tokens, self.max_model_len,
                        real_tokens=g["cu_seqlens_q"][seqs:seqs + 1])
+
+    def holds(self, num_tokens: int, num_seqs: int) -> bool:
+        """Whether a prefill step of this size replays a graph (given no copies of an fp8 cache's blocks)."""
+        return bool(self.graphs) and prefill_graph_key(self.keys, num_tokens, num_seqs) is not None
 
     def key(self, inputs: StepInputs) -> tuple[int, int] | None:
         """The graph this step replays, or None (a decode step, a long one, or one on copies)."""
