@@ -16,7 +16,7 @@ gpu_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs
 
 def test_graph_keys_follow_the_step_limits():
     keys = prefill_graph_keys(16384, 256)
-    assert keys[0] == (512, 8) and keys[-1] == (16, 1) and len(keys) == 24
+    assert keys[0] == (2048, 8) and keys[-1] == (16, 1) and len(keys) == 32
     assert sorted(keys, reverse=True) == keys
     assert prefill_graph_keys(100, 2) == [(64, 2), (64, 1), (32, 2), (32, 1), (16, 2), (16, 1)]
     assert prefill_graph_keys(16, 1) == [(16, 1)]
@@ -25,7 +25,7 @@ def test_graph_keys_follow_the_step_limits():
 
 @pytest.mark.parametrize("tokens, seqs, key", [
     (1, 1, (16, 1)), (16, 1, (16, 1)), (17, 1, (32, 1)), (17, 3, (32, 4)), (512, 8, (512, 8)),
-    (513, 1, None), (40, 9, None), (9, 8, (16, 8)),
+    (513, 1, (1024, 1)), (2048, 8, (2048, 8)), (2049, 1, None), (40, 9, None), (9, 8, (16, 8)),
 ])
 def test_a_step_replays_the_smallest_graph_that_holds_it(tokens, seqs, key):
     assert prefill_graph_key(prefill_graph_keys(16384, 256), tokens, seqs) == key
@@ -36,7 +36,7 @@ def test_decode_long_and_copied_steps_stay_eager():
     step = dict(is_prefill=True, positions=torch.zeros(20), seq_lens=torch.zeros(2), gather_blocks=None)
     assert PrefillGraphs.key(graphs, SimpleNamespace(**step)) == (32, 2)
     assert PrefillGraphs.key(graphs, SimpleNamespace(**{**step, "is_prefill": False})) is None
-    assert PrefillGraphs.key(graphs, SimpleNamespace(**{**step, "positions": torch.zeros(600)})) is None
+    assert PrefillGraphs.key(graphs, SimpleNamespace(**{**step, "positions": torch.zeros(3000)})) is None
     assert PrefillGraphs.key(graphs, SimpleNamespace(**{**step, "gather_blocks": torch.zeros(3)})) is None
     assert PrefillGraphs.key(SimpleNamespace(keys=graphs.keys, graphs={}), SimpleNamespace(**step)) is None
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from tritonllm.context import Context
 from tritonllm.engine.step_inputs import StepInputs
 
-GRAPH_TOKENS = 512
+GRAPH_TOKENS = 2048
 GRAPH_SEQS = 8
 
 
