@@ -289,8 +289,9 @@ class LLMEngine:
     def _launch(self, batch: ScheduledBatch) -> InFlight | None:
         previous = self._in_flight
         spans = prompt_logprob_spans(batch) if batch.is_prefill else []
-        graphs = self.runner.prefill_graphs  # an fp8 cache's step that one holds reads the cache in place
-        gather = 0 if graphs and graphs.holds(batch.num_tokens, len(batch.seqs)) else self.config.prefill_gather_blocks
+        gather, graphs = self.config.prefill_gather_blocks, self.runner.prefill_graphs
+        if gather and batch.is_prefill and graphs and graphs.holds(batch.num_tokens, len(batch.seqs)):
+            gather = 0  # an fp8 cache's step that a graph holds reads the cache in place
         inputs = build_step_inputs(batch, previous.rows() if previous else {}, self.config.kv_block_size, gather, spans)
         seqs = batch.sampling_seqs
         samples, scores = self.runner.launch(inputs, seqs, [self._seed(seq) for seq in seqs],
