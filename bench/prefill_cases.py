@@ -121,33 +121,44 @@ def hopper_cases(quick):
     return cases
 
 
+def fp8_inputs(q_lens, block_size, max_q_len):
+    """batch_inputs' q, e4m3 caches (key-major V, head-major scales: the engine's layouts) and metadata,
+    then the scales and the bf16 caches they were quantized from."""
+    q, k_cache, v_cache, cu, seq_lens, tables = batch_inputs(q_lens, 0, block_size)[:6]
+    (k8, k_scale), (v8, v_scale) = reference.quantize_e4m3(k_cache), reference.quantize_e4m3(v_cache)
+    k_scale, v_scale = head_major_copy(k_scale), head_major_copy(v_scale)
+    return q, k8, key_major_copy(v8), cu, seq_lens, tables, max_q_len, k_scale, v_scale, k_cache, v_cache
+
+
+def fp8_in_place_case(label, q_lens, block_size, max_q_len):
+    """The portable kernel reading an e4m3 cache in place; anchor: the bf16 cache it was quantized from,
+    through the same kernel."""
+    return Case(
+        "prefill_attention", f"{label}, fp8 cache", lambda: fp8_inputs(q_lens, block_size, max_q_len),
+        lambda *a: kernels.prefill_attention(*a[:6], max_q_len=a[6], k_scale=a[7], v_scale=a[8]),
+        {"triton bf16 cache": lambda *a: kernels.prefill_attention(a[0], a[9], a[10], *a[3:6], max_q_len=a[6],
+                                                                   path="portable")},
+        flops=causal_flops(q_lens, 0))
+
+
 def portable_cases(quick):
-    """The portable kernel, bf16 (its tuned buckets) and over an e4m3 cache with its scales (the
-    anchor: the bf16 cache it was quantized from, through the same kernel)."""
+    """The portable kernel, bf16 (its tuned buckets) and over an e4m3 cache. The engine reads an e4m3
+    cache in place only in its prefill graphs (up to 2048 new tokens in up to 8 sequences, max_q_len
+    the graph's token count; larger steps run the Hopper kernel on block copies), so two such shapes
+    come first: they tune the block-16 e4m3 bucket."""
+    cases = [fp8_in_place_case(f"{label} in a 2048-token graph, causal 16/8 heads D128 block 16 bf16", q_lens, 16,
+                               2048) for label, q_lens in (("B1 x 2000", [2000]), ("B8 x 250", [250] * 8))]
     shapes = [(4096, 256)] if quick else [(1024, 256), (4096, 256), (16384, 256), (1024, 16), (4096, 16)]
-    cases = []
     for seq, block_size in shapes:
         q_lens = [seq] * (TOKENS // seq)
         label = f"B{len(q_lens)} x S{seq} causal 16/8 heads D128 block {block_size} bf16"
         cases.append(Case("prefill_attention", label,
                           lambda n=q_lens, bs=block_size: batch_inputs(n, 0, bs), ours("portable"),
                           flops=causal_flops(q_lens, 0)))
+        cases.append(fp8_in_place_case(label, q_lens, block_size, seq))
 
-        def make_fp8(s=seq, bs=block_size):
-            q, k_cache, v_cache, cu, seq_lens, tables, max_q = batch_inputs([s] * (TOKENS // s), 0, bs)[:7]
-            (k8, k_scale), (v8, v_scale) = reference.quantize_e4m3(k_cache), reference.quantize_e4m3(v_cache)
-            k_scale, v_scale = head_major_copy(k_scale), head_major_copy(v_scale)  # the engine's layouts
-            return q, k8, key_major_copy(v8), cu, seq_lens, tables, max_q, k_scale, v_scale, k_cache, v_cache
-
-        cases.append(Case(
-            "prefill_attention", f"{label}, fp8 cache",
-            make_fp8, lambda *a: kernels.prefill_attention(*a[:6], max_q_len=a[6], k_scale=a[7], v_scale=a[8]),
-            {"triton bf16 cache": lambda *a: kernels.prefill_attention(a[0], a[9], a[10], *a[3:6], max_q_len=a[6],
-                                                                       path="portable")},
-            flops=causal_flops(q_lens, 0)))
-
-        def make_copies(s=seq, bs=block_size):
-            args = make_fp8(s, bs)
+        def make_copies(n=q_lens, bs=block_size):
+            args = fp8_inputs(n, bs, n[0])
             tables = args[5]
             copies = torch.arange(tables.numel(), device="cuda", dtype=torch.int32).view_as(tables)
             return (*args, tables.flatten(), copies)
