@@ -132,9 +132,10 @@ def _prefill_default(dtype_name, head_dim, group, block_size, q_len, cache_dtype
     if cache_dtype_name is not None:
         # Over an e4m3 cache, 128 rows on 4 warps spill the converted K/V tiles; 64 rows do not. Each
         # tile of keys is converted once per program, so wide key tiles pay off from 64-token queries
-        # (the prefill graphs' steps; bench/NOTES-prefill-attention.md).
-        return {"BLOCK_M": max(64, triton.next_power_of_2(group)), "BLOCK_N": 32 if q_len <= 16 else 128,
-                "num_warps": 4, "num_stages": 2}
+        # (the prefill graphs' steps; bench/NOTES-prefill-attention.md). Larger heads take 32-key tiles
+        # to fit the 99 KB of shared memory a block has on sm_89, the first GPU with e4m3.
+        block_n = 32 if q_len <= 16 or head_dim > 128 else 128
+        return {"BLOCK_M": max(64, triton.next_power_of_2(group)), "BLOCK_N": block_n, "num_warps": 4, "num_stages": 2}
     block_m = max(64 if head_dim > 128 or q_len * group <= 64 else 128, triton.next_power_of_2(group))
     return {"BLOCK_M": block_m, "BLOCK_N": 128 if head_dim <= 64 else 64,
             "num_warps": 4 if block_m <= 128 else 8, "num_stages": 2 if head_dim > 128 else 3}

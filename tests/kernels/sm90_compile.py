@@ -68,8 +68,8 @@ def launch_key(kernel: JITFunction, bound: dict, options: dict) -> tuple:
     return kernel.__name__, repr(args), repr(options)
 
 
-def compile_sm90(kernel: JITFunction, bound: dict, options: dict):
-    """Compile one recorded launch for sm_90; returns the compiled kernel (asm in .asm)."""
+def compile_sm90(kernel: JITFunction, bound: dict, options: dict, target: GPUTarget = SM90):
+    """Compile one recorded launch for sm_90 (or `target`); returns the compiled kernel (asm in .asm)."""
     defaults = inspect.signature(kernel.fn).parameters
     signature, constexprs, attrs = {}, {}, {}
     for index, param in enumerate(kernel.params):
@@ -86,7 +86,7 @@ def compile_sm90(kernel: JITFunction, bound: dict, options: dict):
         if aligned:
             attrs[(index,)] = [["tt.divisibility", 16]]
     source = (GluonASTSource if kernel.is_gluon() else triton.compiler.ASTSource)(kernel, signature, constexprs, attrs)
-    return triton.compile(source, target=SM90, options=options)
+    return triton.compile(source, target=target, options=options)
 
 
 def cases():
