@@ -123,22 +123,25 @@ def _prefill_space(dtype_name, head_dim, group, block_size, q_len, cache_dtype_n
 
 
 def _prefill_default(dtype_name, head_dim, group, block_size, q_len, cache_dtype_name=None):
+    # Heads over 128 take 32-key tiles (16 in float32): wider ones need more than the 99 KB of shared
+    # memory a block has on sm_86 and sm_89 (tests/kernels/test_compile.py).
+    big_head = head_dim > 128
     if dtype_name == "float32":
         # Exact float32 products run on FMA, whose operands live in registers: small tiles, 8 warps.
-        return {"BLOCK_M": max(32, triton.next_power_of_2(group)), "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
+        return {"BLOCK_M": max(32, triton.next_power_of_2(group)), "BLOCK_N": 16 if big_head else 32, "num_warps": 8,
+                "num_stages": 2}
     # One warpgroup (4 warps) per tile of 128 rows for wgmma; at about 98 KB of shared memory two
     # programs share an SM and overlap each other's softmax and dots (8 warps lost in tuning, with
     # and without TMA: bench/NOTES-prefill-attention.md). Short queries and big heads take BLOCK_M 64.
     if cache_dtype_name is not None:
         # Over an e4m3 cache, 128 rows on 4 warps spill the converted K/V tiles; 64 rows do not. Each
         # tile of keys is converted once per program, so wide key tiles pay off from 64-token queries
-        # (the prefill graphs' steps; bench/NOTES-prefill-attention.md). Larger heads take 32-key tiles
-        # to fit the 99 KB of shared memory a block has on sm_89, the first GPU with e4m3.
-        block_n = 32 if q_len <= 16 or head_dim > 128 else 128
+        # (the prefill graphs' steps; bench/NOTES-prefill-attention.md).
+        block_n = 32 if q_len <= 16 or big_head else 128
         return {"BLOCK_M": max(64, triton.next_power_of_2(group)), "BLOCK_N": block_n, "num_warps": 4, "num_stages": 2}
-    block_m = max(64 if head_dim > 128 or q_len * group <= 64 else 128, triton.next_power_of_2(group))
-    return {"BLOCK_M": block_m, "BLOCK_N": 128 if head_dim <= 64 else 64,
-            "num_warps": 4 if block_m <= 128 else 8, "num_stages": 2 if head_dim > 128 else 3}
+    block_m = max(64 if big_head or q_len * group <= 64 else 128, triton.next_power_of_2(group))
+    return {"BLOCK_M": block_m, "BLOCK_N": 128 if head_dim <= 64 else 32 if big_head else 64,
+            "num_warps": 4 if block_m <= 128 else 8, "num_stages": 2 if big_head else 3}
 
 
 PREFILL_TUNABLE = tuning.Tunable("prefill_attention", _prefill_space, _prefill_default)

@@ -90,37 +90,45 @@ def test_prefill_attention_uses_wgmma_on_sm90():
     assert result.stdout.strip().splitlines()[-1] == "True", result.stdout
 
 
-PREFILL_E4M3_SM89 = '''
+ATTENTION_SHARED_MEMORY = '''
 import sys
 sys.path.insert(0, {here!r})
 import sm90_compile
 import torch
 from triton.backends.compiler import GPUTarget
-from tritonllm.kernels import prefill_attention
+from tritonllm.kernels import decode_attention, prefill_attention
 from tritonllm.kernels.fp8 import empty_kv_scales
 from tritonllm.kernels.kv_cache import empty_kv_cache
 
-def call(head_dim):
-    k = torch.zeros(64, 16, 8, head_dim, dtype=torch.float8_e4m3fn)
-    v = empty_kv_cache(64, 16, 8, head_dim, torch.float8_e4m3fn, torch.device("cpu"), key_major=True)
-    scale = empty_kv_scales(64, 16, 8, torch.device("cpu"), head_major=True)
-    prefill_attention(torch.zeros(1024, 16, head_dim, dtype=torch.bfloat16), k, v,
-                      torch.tensor([0, 1024], dtype=torch.int32), torch.tensor([1024], dtype=torch.int32),
-                      torch.zeros(1, 64, dtype=torch.int32), max_q_len=1024, k_scale=scale, v_scale=scale)
-
-for head_dim in (128, 256):
-    (launch,) = sm90_compile.record_launches([lambda: call(head_dim)])
-    print(head_dim, sm90_compile.compile_sm90(*launch, target=GPUTarget("cuda", 89, 32)).metadata.shared)
+cpu = torch.device("cpu")
+for dtype, cc in ((torch.float32, 86), (torch.bfloat16, 86), (torch.float8_e4m3fn, 89)):
+    for head_dim in (128, 256):
+        k = torch.zeros(64, 16, 8, head_dim, dtype=dtype)
+        v = empty_kv_cache(64, 16, 8, head_dim, dtype, cpu, key_major=True) if dtype.itemsize == 1 else k
+        scales = dict(k_scale=empty_kv_scales(64, 16, 8, cpu, head_major=True)) if dtype.itemsize == 1 else {{}}
+        scales |= dict(v_scale=scales["k_scale"]) if scales else {{}}
+        q_dtype = torch.bfloat16 if dtype.itemsize == 1 else dtype
+        calls = [lambda: prefill_attention(torch.zeros(1024, 16, head_dim, dtype=q_dtype), k, v,
+                                           torch.tensor([0, 1024], dtype=torch.int32), torch.tensor([1024], dtype=torch.int32),
+                                           torch.zeros(1, 64, dtype=torch.int32), max_q_len=1024, path="portable", **scales),
+                 lambda: decode_attention(torch.zeros(64, 16, head_dim, dtype=q_dtype), k, v,
+                                          torch.full((64,), 900, dtype=torch.int32), torch.zeros(64, 64, dtype=torch.int32),
+                                          max_seq_len=1024, **scales)]
+        for kernel, bound, options in sm90_compile.record_launches(calls):
+            shared = sm90_compile.compile_sm90(kernel, bound, options, target=GPUTarget("cuda", cc, 32)).metadata.shared
+            print(kernel.__name__, dtype, head_dim, shared)
 '''
 
 
-def test_prefill_attention_e4m3_default_fits_sm89():
-    # sm_89 (Ada), the first GPU with e4m3, has 99 KB of shared memory a block: the default config
-    # over an e4m3 cache must fit it at every head size (a 128-key tile at D 256 takes 165 KB).
-    result = run(["-c", PREFILL_E4M3_SM89.format(here=str(HERE))])
+def test_attention_defaults_fit_the_shared_memory_of_sm86_and_sm89():
+    # The GPUs without a tuned-config file run the default configs; sm_86 and sm_89 (the first GPU with
+    # e4m3) have 99 KB of shared memory a block. The attention defaults must fit it at every head size
+    # the models use (a 64-key bf16 prefill tile at D 256 took 104 KB there, a 128-key e4m3 one 177 KB).
+    result = run(["-c", ATTENTION_SHARED_MEMORY.format(here=str(HERE))])
     assert result.returncode == 0, result.stderr[-2000:]
-    shared = dict(map(int, line.split()) for line in result.stdout.strip().splitlines()[-2:])
-    assert set(shared) == {128, 256} and all(0 < b <= 99 * 1024 for b in shared.values()), shared
+    rows = [line.split() for line in result.stdout.strip().splitlines() if line.startswith("_")]
+    assert {row[0] for row in rows} >= {"_prefill_attention_kernel", "_decode_attention_kernel"}, result.stdout
+    assert len(rows) >= 12 and all(0 < int(row[-1]) <= 99 * 1024 for row in rows), result.stdout
 
 
 MOE_PTX = '''

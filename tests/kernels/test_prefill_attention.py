@@ -54,13 +54,14 @@ def run_prefill(q, k_cache, v_cache, cu, seq_lens, tables, scales, **kwargs):
 
 
 # (head_dim, Hq, Hkv, block_size, q_lens): GQA 1, 2, 4, 8 and 3; lengths 1, block_size +- 1,
-# not multiples of the tile.
+# not multiples of the tile; D 256 takes the narrower default key tiles.
 PREFILL_CASES = [
     (64, 4, 4, 16, [1, 15, 16, 17, 70]),
     (128, 4, 2, 32, [31, 32, 33, 100]),
     (64, 8, 2, 64, [1, 65, 130]),
     (128, 8, 1, 128, [127, 129]),
     (64, 6, 2, 256, [1, 255, 257]),
+    (256, 2, 1, 16, [1, 17, 40]),
 ]
 
 
