@@ -155,7 +155,7 @@ def test_bf16_prefill_graphs_over_an_fp8_cache_agree_with_eager_copies(tmp_path)
     """A bf16 model over an fp8 cache: graph steps read the e4m3 cache in place (the portable kernel's
     e4m3 configs at bf16 q, by query bucket 32, 512 and 1024), eager steps run on bf16 copies of the
     blocks. Both read the same e4m3 values, so their first greedy tokens agree but for near-ties."""
-    path = build_tiny_qwen3(tmp_path, dtype=torch.bfloat16)
+    path = build_tiny_qwen3(tmp_path, dtype=torch.bfloat16, max_position_embeddings=2048)
     rng = random.Random(2)
     prompts = [[rng.randrange(250) for _ in range(n)] for n in (20, 300, 1100)]
     prompts.append(prompts[2][:1000] + [5, 6, 7])  # a prefix hit: 992 cached tokens, 11 new
