@@ -202,9 +202,9 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
     or before it. scale defaults to D ** -0.5; math in float32.
 
     max_q_len: at least the longest query (it sizes the grid, capped at T; a larger value only adds
-    programs that exit at once); if None, one `.max().item()` reads it (a host sync: prefill is not
-    graph-captured). out: optional [T, Hq, D] output buffer written in
-    place. config: launch config overriding the tuned/default one (tests, benchmarks).
+    programs that exit at once); if None, one `.max().item()` reads it (a host sync, which a CUDA graph
+    capture cannot take: the engine's prefill graphs pass it). out: optional [T, Hq, D] output buffer
+    written in place. config: launch config overriding the tuned/default one (tests, benchmarks).
     path: "hopper" runs the warp-specialized Gluon kernel (kernels/prefill_attention_hopper.py; an
     sm_90 GPU, bf16/fp16 q and cache, plain layout), "portable" the Triton kernel of this file,
     "auto" (the default) the Hopper kernel wherever it applies and the call has at least
