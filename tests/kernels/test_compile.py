@@ -103,11 +103,12 @@ from tritonllm.kernels.kv_cache import empty_kv_cache
 cpu = torch.device("cpu")
 for dtype, cc in ((torch.float32, 86), (torch.bfloat16, 86), (torch.float8_e4m3fn, 89)):
     for head_dim in (128, 256):
+        fp8 = dtype == torch.float8_e4m3fn
         k = torch.zeros(64, 16, 8, head_dim, dtype=dtype)
-        v = empty_kv_cache(64, 16, 8, head_dim, dtype, cpu, key_major=True) if dtype.itemsize == 1 else k
-        scales = dict(k_scale=empty_kv_scales(64, 16, 8, cpu, head_major=True)) if dtype.itemsize == 1 else {{}}
-        scales |= dict(v_scale=scales["k_scale"]) if scales else {{}}
-        q_dtype = torch.bfloat16 if dtype.itemsize == 1 else dtype
+        v = empty_kv_cache(64, 16, 8, head_dim, dtype, cpu, key_major=True) if fp8 else k
+        scale = empty_kv_scales(64, 16, 8, cpu, head_major=True)
+        scales = dict(k_scale=scale, v_scale=scale) if fp8 else {{}}
+        q_dtype = torch.bfloat16 if fp8 else dtype
         calls = [lambda: prefill_attention(torch.zeros(1024, 16, head_dim, dtype=q_dtype), k, v,
                                            torch.tensor([0, 1024], dtype=torch.int32), torch.tensor([1024], dtype=torch.int32),
                                            torch.zeros(1, 64, dtype=torch.int32), max_q_len=1024, path="portable", **scales),
