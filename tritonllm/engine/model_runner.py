@@ -12,12 +12,13 @@ from tritonllm.context import Context, set_context
 from tritonllm.distributed import (all_reduce, broadcast, broadcast_object, close_distributed, init_distributed,
                                    interrupt_after, tp_rank)
 from tritonllm.engine.penalties import PenaltyRows, add_logit_bias
-from tritonllm.engine.prefill_graphs import PrefillGraphs, capture_graph, copy_padded
+from tritonllm.engine.prefill_graphs import GRAPH_TOKENS, PrefillGraphs, capture_graph, copy_padded
 from tritonllm.engine.prompt_logprobs import score_positions
 from tritonllm.engine.sampled_tokens import SampledTokens, agreeing_top
 from tritonllm.engine.sequence import Sequence
 from tritonllm.engine.step_inputs import StepInputs
-from tritonllm.engine.warmup import graph_batch_sizes, graph_context_bound, graph_context_bounds, prefill_warmup_steps
+from tritonllm.engine.warmup import (compile_sampler, graph_batch_sizes, graph_context_bound, graph_context_bounds,
+                                     prefill_warmup_steps, split_lengths)
 from tritonllm.layers.attention import Attention, allocate_kv_caches, kv_bytes_per_token
 from tritonllm.layers.ops import backend
 from tritonllm.loader import build_model, init_dummy_weights, load_weights
@@ -41,16 +42,18 @@ class ModelRunner:
             load_weights(self.model, config.model)
         self.block_size = config.kv_block_size
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
+        # The references index with boolean masks, which syncs the host: they cannot be captured.
+        self.use_graphs = self.device.type == "cuda" and not config.enforce_eager and config.kernels == "triton"
         if self.device.type == "cuda" and self.rank == 0:
-            self._compile_sampler()  # before the KV cache is sized: its scratch is gone by then
+            # Before the KV cache is sized: its scratch is gone by then.
+            compile_sampler(self.ops, config.max_num_seqs, hf_config.vocab_size, config.dtype, self.device)
         self.num_kv_blocks = self._allocate_kv_cache()
         self.penalties = PenaltyRows(self.ops, hf_config.vocab_size, config.max_num_seqs, self.device, self._to_device)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (context bound, batch) -> decode graph
         self.graph_inputs = self.graph_output = None  # the graphs' buffers
         self.prefill_graphs: PrefillGraphs | None = None  # short prefill steps' graphs
         self.stranded = False  # rank 0 left a step midway: the other ranks cannot be brought back in step
-        # The references index with boolean masks, which syncs the host: they cannot be captured.
-        if self.device.type == "cuda" and not config.enforce_eager and config.kernels == "triton":
+        if self.use_graphs:
             self._capture_graphs()
 
     # ---- KV cache
@@ -59,10 +62,9 @@ class ModelRunner:
         num_blocks = self.config.num_kv_blocks
         if num_blocks is None:
             if self.device.type == "cuda":
-                self._warmup()
+                scratch = self._warmup()
                 free, total = torch.cuda.mem_get_info(self.device)
-                used_at_peak = total - free + torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
-                budget = total * self.config.gpu_memory_utilization - used_at_peak - self._sampling_bytes()
+                budget = total * self.config.gpu_memory_utilization - (total - free) - scratch - self._sampling_bytes()
             else:
                 budget = CPU_KV_CACHE_BYTES
             # More blocks than max_num_seqs full-length sequences hold would only keep old prefixes.
@@ -78,19 +80,27 @@ class ModelRunner:
             self._compile_prefill()
         return num_blocks
 
-    def _warmup(self) -> None:
-        """A largest-possible prefill, so the peak activation memory (with an fp8 cache, the largest
-        copies of its blocks) is known before the cache is sized."""
+    def _warmup(self) -> int:
+        """The peak activation memory of a largest-possible prefill (with an fp8 cache, the largest
+        copies of its blocks), plus that of the CUDA graphs' largest step: their private pool is held
+        beside the memory eager steps take. Both are known before the cache is sized."""
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        num_tokens = min(self.config.max_num_batched_tokens, self.config.max_model_len * self.config.max_num_seqs)
-        lengths = [self.config.max_model_len] * (num_tokens // self.config.max_model_len)
-        if num_tokens % self.config.max_model_len:
-            lengths.append(num_tokens % self.config.max_model_len)
-        allocate_kv_caches(self.model, 1, self.block_size, self.config.cache_dtype, self.device, fill=0.0)
-        self._dummy_prefill(lengths, self.config.prefill_gather_blocks)  # the most copies, each of block 0
-        torch.cuda.synchronize(self.device)
+        config = self.config
+        allocate_kv_caches(self.model, 1, self.block_size, config.cache_dtype, self.device, fill=0.0)
+        graphs = max(min(GRAPH_TOKENS, config.max_num_batched_tokens), config.max_num_seqs) if self.use_graphs else 0
+        scratch = self._peak_scratch(graphs, 0) if graphs else 0
+        num_tokens = min(config.max_num_batched_tokens, config.max_model_len * config.max_num_seqs)
+        scratch += self._peak_scratch(num_tokens, config.prefill_gather_blocks)  # the most copies, each of block 0
         torch.cuda.empty_cache()  # its activations, cached, would count twice: in use and in the peak
+        return scratch
+
+    def _peak_scratch(self, num_tokens: int, copies: int) -> int:
+        """Peak memory above what stays allocated of a dummy prefill of num_tokens tokens, in sequences of
+        at most max_model_len."""
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._dummy_prefill(split_lengths(num_tokens, self.config.max_model_len), copies)
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
 
     def _sampling_bytes(self) -> int:
         """Rank 0's most sampling memory (not in the warm-up's peak), max_num_seqs rows of the vocabulary:
@@ -250,28 +260,6 @@ class ModelRunner:
         return self.graph_output[:batch]
 
     # ---- sampling (rank 0)
-
-    @torch.inference_mode()
-    def _compile_sampler(self) -> None:
-        """Sample once per batch-size bucket of the sampler's configs (powers of two up to
-        max_num_seqs), so no Triton compile (seconds each) lands in the middle of serving."""
-        max_bs = self.config.max_num_seqs
-        vocab = self.hf_config.vocab_size
-        for batch in sorted({min(1 << i, max_bs) for i in range(max_bs.bit_length() + 1)}):
-            logits = torch.zeros(batch, vocab, dtype=self.config.dtype, device=self.device)  # compute_logits' dtype
-            ones = torch.ones(batch, device=self.device)
-            top_k, seeds = (50 * ones).to(torch.int32), ones.to(torch.int64)
-            ids = self.ops.sample(logits, ones, top_k, 0.9 * ones, 0.05 * ones, seeds)
-            self.ops.sample(logits.float(), ones, top_k, 0.9 * ones, 0.05 * ones, seeds)  # after a bias or penalties
-            self.ops.compute_logprobs(logits, ids)
-            # The penalties (on float32 logits) and top logprobs, with the argument dtypes sample() passes.
-            counts = torch.zeros(1, vocab, dtype=torch.int32, device=self.device)
-            mask = torch.zeros(1, vocab, dtype=torch.uint8, device=self.device)
-            self.ops.apply_penalties(logits.float(), counts, mask, 0 * seeds, ones, ones, ones)
-            self.ops.count_tokens(counts, 0 * seeds, ids)
-            self.ops.count_tokens(mask, 0 * seeds, ids)
-            self.ops.compute_top_logprobs(logits, min(20, vocab))
-        torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, seqs: list[Sequence], seeds: list[int],

@@ -1,6 +1,8 @@
 """What the model runner runs before serving, so that no Triton compile lands in the middle of it:
-the batch sizes and context bounds of its decode CUDA graphs, and prefill steps that reach every
-tuning bucket."""
+the batch sizes and context bounds of its decode CUDA graphs, prefill steps that reach every tuning
+bucket, and a pass of the sampler's kernels at each batch bucket."""
+import torch
+
 from tritonllm.kernels.prefill_attention import enough_work_for_hopper
 from tritonllm.kernels.tuning import pow2
 
@@ -28,6 +30,11 @@ def graph_context_bound(max_model_len: int, longest: int) -> int | None:
     return next((bound for bound in graph_context_bounds(max_model_len) if bound >= longest), None)
 
 
+def split_lengths(tokens: int, longest: int) -> list[int]:
+    """Lengths of sequences of at most `longest` tokens (all but the last that long) that add up to `tokens`."""
+    return [longest] * (tokens // longest) + ([tokens % longest] if tokens % longest else [])
+
+
 def prefill_warmup_steps(max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int) -> list[list[int]]:
     """Sequence lengths of prefill steps that together reach every tuning bucket a prefill step can:
     the attention kernels' configs go by the longest query (its power of two, and whether the step
@@ -42,5 +49,26 @@ def prefill_warmup_steps(max_model_len: int, max_num_batched_tokens: int, max_nu
             keys = {("query", pow2(q), enough_work_for_hopper(tokens, q)), ("tokens", pow2(tokens))}
             if not keys <= seen:
                 seen |= keys
-                steps.append([q] * (tokens // q) + ([tokens % q] if tokens % q else []))
+                steps.append(split_lengths(tokens, q))
     return steps
+
+
+@torch.inference_mode()
+def compile_sampler(ops, max_num_seqs: int, vocab: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Sample once per batch-size bucket of the sampler's configs (powers of two up to max_num_seqs)
+    through `ops` (the runner's backend), logits of `dtype` (compute_logits') over `vocab` tokens."""
+    for batch in sorted({min(1 << i, max_num_seqs) for i in range(max_num_seqs.bit_length() + 1)}):
+        logits = torch.zeros(batch, vocab, dtype=dtype, device=device)
+        ones = torch.ones(batch, device=device)
+        top_k, seeds = (50 * ones).to(torch.int32), ones.to(torch.int64)
+        ids = ops.sample(logits, ones, top_k, 0.9 * ones, 0.05 * ones, seeds)
+        ops.sample(logits.float(), ones, top_k, 0.9 * ones, 0.05 * ones, seeds)  # after a bias or penalties
+        ops.compute_logprobs(logits, ids)
+        # The penalties (on float32 logits) and top logprobs, with the argument dtypes sample() passes.
+        counts = torch.zeros(1, vocab, dtype=torch.int32, device=device)
+        mask = torch.zeros(1, vocab, dtype=torch.uint8, device=device)
+        ops.apply_penalties(logits.float(), counts, mask, 0 * seeds, ones, ones, ones)
+        ops.count_tokens(counts, 0 * seeds, ids)
+        ops.count_tokens(mask, 0 * seeds, ids)
+        ops.compute_top_logprobs(logits, min(20, vocab))
+    torch.cuda.synchronize(device)
