@@ -12,7 +12,7 @@ from tritonllm.context import Context, set_context
 from tritonllm.distributed import (all_reduce, broadcast, broadcast_object, close_distributed, init_distributed,
                                    interrupt_after, tp_rank)
 from tritonllm.engine.penalties import PenaltyRows, add_logit_bias
-from tritonllm.engine.prefill_graphs import GRAPH_TOKENS, PrefillGraphs, capture_graph, copy_padded
+from tritonllm.engine.prefill_graphs import PrefillGraphs, capture_graph, copy_padded
 from tritonllm.engine.prompt_logprobs import score_positions
 from tritonllm.engine.sampled_tokens import SampledTokens, agreeing_top
 from tritonllm.engine.sequence import Sequence
@@ -62,9 +62,10 @@ class ModelRunner:
         num_blocks = self.config.num_kv_blocks
         if num_blocks is None:
             if self.device.type == "cuda":
-                scratch = self._warmup()
+                self._warmup()
                 free, total = torch.cuda.mem_get_info(self.device)
-                budget = total * self.config.gpu_memory_utilization - (total - free) - scratch - self._sampling_bytes()
+                used_at_peak = total - free + torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
+                budget = total * self.config.gpu_memory_utilization - used_at_peak - self._sampling_bytes()
             else:
                 budget = CPU_KV_CACHE_BYTES
             # More blocks than max_num_seqs full-length sequences hold would only keep old prefixes.
@@ -80,27 +81,17 @@ class ModelRunner:
             self._compile_prefill()
         return num_blocks
 
-    def _warmup(self) -> int:
-        """The peak activation memory of a largest-possible prefill (with an fp8 cache, the largest
-        copies of its blocks), plus that of the CUDA graphs' largest step: their private pool is held
-        beside the memory eager steps take. Both are known before the cache is sized."""
+    def _warmup(self) -> None:
+        """A largest-possible prefill, so the peak activation memory (with an fp8 cache, the largest
+        copies of its blocks) is known before the cache is sized."""
         torch.cuda.empty_cache()
-        config = self.config
-        allocate_kv_caches(self.model, 1, self.block_size, config.cache_dtype, self.device, fill=0.0)
-        graphs = max(min(GRAPH_TOKENS, config.max_num_batched_tokens), config.max_num_seqs) if self.use_graphs else 0
-        scratch = self._peak_scratch(graphs, 0) if graphs else 0
-        num_tokens = min(config.max_num_batched_tokens, config.max_model_len * config.max_num_seqs)
-        scratch += self._peak_scratch(num_tokens, config.prefill_gather_blocks)  # the most copies, each of block 0
-        torch.cuda.empty_cache()  # its activations, cached, would count twice: in use and in the peak
-        return scratch
-
-    def _peak_scratch(self, num_tokens: int, copies: int) -> int:
-        """Peak memory above what stays allocated of a dummy prefill of num_tokens tokens, in sequences of
-        at most max_model_len."""
         torch.cuda.reset_peak_memory_stats(self.device)
-        self._dummy_prefill(split_lengths(num_tokens, self.config.max_model_len), copies)
+        num_tokens = min(self.config.max_num_batched_tokens, self.config.max_model_len * self.config.max_num_seqs)
+        lengths = split_lengths(num_tokens, self.config.max_model_len)
+        allocate_kv_caches(self.model, 1, self.block_size, self.config.cache_dtype, self.device, fill=0.0)
+        self._dummy_prefill(lengths, self.config.prefill_gather_blocks)  # the most copies, each of block 0
         torch.cuda.synchronize(self.device)
-        return torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
+        torch.cuda.empty_cache()  # its activations, cached, would count twice: in use and in the peak
 
     def _sampling_bytes(self) -> int:
         """Rank 0's most sampling memory (not in the warm-up's peak), max_num_seqs rows of the vocabulary:
