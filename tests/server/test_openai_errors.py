@@ -59,6 +59,7 @@ def test_chat_options_that_cannot_be_served_are_400(client):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "1" * 70}]}, "messages"),  # no max_tokens
     ("/v1/completions", {"prompt": "1" * 60, "max_tokens": 10}, "max_tokens"),
     ("/v1/completions", {"prompt": ["1+1="] * 33, "n": 128, "max_tokens": 1}, "n"),  # more than --max-waiting: never
+    ("/v1/completions", {"prompt": ["1+1="] * 4097, "max_tokens": 1}, "prompt"),  # n is 1: the prompts are too many
 ])
 def test_errors_the_engine_finds_name_the_requests_field(server, path, fields, param):
     status, answer = server.request("POST", path, {"model": MODEL, **fields})

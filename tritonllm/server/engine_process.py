@@ -81,8 +81,9 @@ class EngineWorker:
         """Queue every prompt of one API request, or none of them: a bad one is reported for all."""
         samples = len(prompts) * params.n
         if samples > self.max_waiting:  # never fits, however long the client waits: not a 503
+            queues = f"more than this server queues (--max-waiting {self.max_waiting})"
             message = (f"SamplingParams.n={params.n} is invalid: with {len(prompts)} prompt(s) it asks for {samples} "
-                       f"samples, more than this server queues (--max-waiting {self.max_waiting})")
+                       f"samples, {queues}" if params.n > 1 else f"the request's {samples} prompts are {queues}")
             self.conn.send(("added", key, ("invalid", message), None))
             return
         waiting = self.engine.stats()["num_waiting_seqs"]
