@@ -27,8 +27,8 @@ class SamplingParams:
     that may be drawn (the others' logits -inf; logprobs again raw). prompt_logprobs k (vLLM's) returns each
     prompt token's log-probability given the tokens before it and its rank there (none for the first), and with
     k > 0 the k likeliest tokens at each prompt position; such a prompt is computed in full, never served from
-    the prefix cache. truncate_prompt_tokens k (vLLM's) keeps a prompt's last k tokens (-1: as many as
-    max_model_len).
+    the prefix cache. truncate_prompt_tokens k (vLLM's) keeps a prompt's last k tokens (k at most
+    max_model_len, checked when the request is added; -1: as many as max_model_len).
     """
 
     temperature: float = 1.0

@@ -211,4 +211,6 @@ def test_truncate_prompt_tokens_keeps_the_last_k(llm, tiny_qwen3):
     for value, error in ((0, ValueError), (-2, ValueError), ("3", TypeError)):
         with pytest.raises(error, match="truncate_prompt_tokens"):
             SamplingParams(truncate_prompt_tokens=value)
+    with pytest.raises(ValueError, match=r"truncate_prompt_tokens=513 is invalid: must be <= max_model_len \(512\)"):
+        llm.add_request(prompt, SamplingParams(max_tokens=4, truncate_prompt_tokens=513))
     assert not llm.has_unfinished()

@@ -151,6 +151,7 @@ def test_continuous_usage_stats(client, chat):
 @pytest.mark.parametrize("route, fields, param", [
     ("completions", {"extra_body": {"allowed_token_ids": []}}, "allowed_token_ids"),
     ("completions", {"extra_body": {"truncate_prompt_tokens": 0}}, "truncate_prompt_tokens"),
+    ("completions", {"extra_body": {"truncate_prompt_tokens": 65}}, "truncate_prompt_tokens"),  # past max_model_len
     ("completions", {"extra_body": {"allowed_token_ids": [10**6]}}, "allowed_token_ids"),
     ("completions", {"extra_body": {"prompt_logprobs": 21}}, "prompt_logprobs"),
     ("completions", {"extra_body": {"prompt_logprobs": "2"}}, "prompt_logprobs"),

@@ -138,7 +138,8 @@ class LLMEngine:
 
     def _checked_params(self, params: SamplingParams | None) -> SamplingParams:
         self._check_open()
-        return checked_params(params, self.sampling_defaults, self.tokenizer, self.hf_config.vocab_size, self.eos_ids)
+        return checked_params(params, self.sampling_defaults, self.tokenizer, self.hf_config.vocab_size, self.eos_ids,
+                              self.config.max_model_len)
 
     def _sequence(self, prompt, params: SamplingParams, strict_length: bool = False) -> Sequence:
         """make_sequence, of params from _checked_params: prompts may share them (fit_length copies what it sets)."""

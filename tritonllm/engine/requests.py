@@ -152,12 +152,13 @@ def encode_prompt(prompt, tokenizer, vocab: int, add_special_tokens: bool = True
     return token_ids
 
 
-def checked_params(params: SamplingParams | None, defaults: dict, tokenizer, vocab: int,
-                   eos_ids: set[int]) -> SamplingParams:
+def checked_params(params: SamplingParams | None, defaults: dict, tokenizer, vocab: int, eos_ids: set[int],
+                   max_model_len: int) -> SamplingParams:
     """A validated copy of params (fields may change after construction; None: SamplingParams(**defaults),
     vLLM's use of the checkpoint's generation_config), checked for what SamplingParams cannot check
     alone: stop strings need a tokenizer, token ids the vocabulary (min_tokens bans the stop ids by
-    index), and min_tokens some token it lets be drawn."""
+    index), truncate_prompt_tokens max_model_len (vLLM refuses more), and min_tokens some token it
+    lets be drawn."""
     if params is None:
         params = SamplingParams(**defaults)
     if not isinstance(params, SamplingParams):
@@ -170,6 +171,9 @@ def checked_params(params: SamplingParams | None, defaults: dict, tokenizer, voc
                       ("stop_token_ids", params.stop_token_ids)):
         if ids and max(ids) >= vocab:
             raise ValueError(f"SamplingParams.{name} has token id {max(ids)}: must be in [0, {vocab})")
+    if (params.truncate_prompt_tokens or 0) > max_model_len:
+        raise ValueError(f"SamplingParams.truncate_prompt_tokens={params.truncate_prompt_tokens} is invalid: must be "
+                         f"<= max_model_len ({max_model_len}), or -1 (max_model_len)")
     if not params.min_tokens:
         return params
     never_drawn = eos_ids | set(params.stop_token_ids)  # both in [0, vocab): checked above, eos_token_ids
