@@ -42,8 +42,6 @@ class ModelRunner:
             load_weights(self.model, config.model)
         self.block_size = config.kv_block_size
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
-        # The references index with boolean masks, which syncs the host: they cannot be captured.
-        self.use_graphs = self.device.type == "cuda" and not config.enforce_eager and config.kernels == "triton"
         if self.device.type == "cuda" and self.rank == 0:
             # Before the KV cache is sized: its scratch is gone by then.
             compile_sampler(self.ops, config.max_num_seqs, hf_config.vocab_size, config.dtype, self.device)
@@ -53,7 +51,8 @@ class ModelRunner:
         self.graph_inputs = self.graph_output = None  # the graphs' buffers
         self.prefill_graphs: PrefillGraphs | None = None  # short prefill steps' graphs
         self.stranded = False  # rank 0 left a step midway: the other ranks cannot be brought back in step
-        if self.use_graphs:
+        # The references index with boolean masks, which syncs the host: they cannot be captured.
+        if self.device.type == "cuda" and not config.enforce_eager and config.kernels == "triton":
             self._capture_graphs()
 
     # ---- KV cache
