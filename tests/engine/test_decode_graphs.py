@@ -8,6 +8,7 @@ import torch
 from tiny_qwen3 import build_tiny_qwen3, hf_greedy
 
 from tritonllm import LLM, SamplingParams
+from tritonllm.engine.graphs import DecodeGraphs
 from tritonllm.engine.model_runner import ModelRunner
 from tritonllm.engine.warmup import SHORT_CONTEXT, graph_context_bounds
 
@@ -30,10 +31,10 @@ def test_context_bounds():
     (True, 1, 10, None),
 ])
 def test_a_step_replays_the_smallest_graph_that_holds_it(is_prefill, rows, longest, key):
-    runner = SimpleNamespace(config=SimpleNamespace(max_model_len=4096),
+    graphs = SimpleNamespace(max_model_len=4096,
                              graphs=dict.fromkeys((bound, batch) for bound in (4096, 2048) for batch in (4, 2, 1)))
     inputs = SimpleNamespace(is_prefill=is_prefill, seq_lens=torch.ones(rows), max_seq_len=longest)
-    assert ModelRunner._graph_key(runner, inputs) == key
+    assert DecodeGraphs.key(graphs, inputs) == key
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="decode CUDA graphs need a GPU")
@@ -47,9 +48,30 @@ def test_greedy_across_the_short_bound_equals_hf(tmp_path):
     prompts = [torch.randint(0, 250, (n,), generator=generator).tolist() for n in lengths]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     with LLM(str(path), max_num_seqs=4, max_model_len=2 * SHORT_CONTEXT) as llm:
-        assert {bound for bound, _ in llm.runner.graphs} == {SHORT_CONTEXT, 2 * SHORT_CONTEXT}
+        assert {bound for bound, _ in llm.runner.decode_graphs.graphs} == {SHORT_CONTEXT, 2 * SHORT_CONTEXT}
         together = [out.token_ids for out in llm.generate(prompts[:2], params, use_tqdm=False)]
         alone = [out.token_ids for out in llm.generate(prompts[1:], params, use_tqdm=False)]
     assert together[0] == hf_greedy(path, prompts[0], 12)
     assert together[1] == alone[0] == hf_greedy(path, prompts[1], 12)
     assert alone[1] == hf_greedy(path, prompts[2], 12)
+
+
+def graph_pool_bytes() -> int:
+    """Bytes the caching allocator holds in private pools (the CUDA graphs'), not in the default pool (0, 0)."""
+    return sum(s["total_size"] for s in torch.cuda.memory_snapshot() if tuple(s["segment_pool_id"]) != (0, 0))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="decode CUDA graphs need a GPU")
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_the_kv_budget_holds_the_graphs_pool(tmp_path, monkeypatch, kv_cache_dtype):
+    """The KV cache is sized after a probe captured the largest decode and prefill graphs: the pool
+    that all the graphs hold once captured is no larger than what the probe reserved for it."""
+    probed = []
+    probe = ModelRunner._graph_memory
+    monkeypatch.setattr(ModelRunner, "_graph_memory", lambda runner: probed.append(probe(runner)) or probed[-1])
+    path = build_tiny_qwen3(tmp_path)
+    before = graph_pool_bytes()
+    with LLM(str(path), max_num_seqs=48, max_model_len=512, kv_cache_dtype=kv_cache_dtype) as llm:
+        held = graph_pool_bytes() - before
+        assert len(llm.runner.decode_graphs.graphs) > 1 and len(llm.runner.prefill_graphs.graphs) > 1
+    assert len(probed) == 1 and 0 < held <= probed[0]

@@ -9,7 +9,7 @@ import torch
 from tiny_qwen3 import build_tiny_qwen3, build_tiny_qwen3_moe, hf_greedy
 
 from tritonllm import LLM, SamplingParams
-from tritonllm.engine.prefill_graphs import PrefillGraphs, prefill_graph_key, prefill_graph_keys
+from tritonllm.engine.graphs import PrefillGraphs, prefill_graph_key, prefill_graph_keys
 
 gpu_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 

@@ -12,13 +12,12 @@ from tritonllm.context import Context, set_context
 from tritonllm.distributed import (all_reduce, broadcast, broadcast_object, close_distributed, init_distributed,
                                    interrupt_after, tp_rank)
 from tritonllm.engine.penalties import PenaltyRows, add_logit_bias
-from tritonllm.engine.prefill_graphs import PrefillGraphs, capture_graph, copy_padded
+from tritonllm.engine.graphs import DecodeGraphs, PrefillGraphs
 from tritonllm.engine.prompt_logprobs import score_positions
 from tritonllm.engine.sampled_tokens import SampledTokens, agreeing_top
 from tritonllm.engine.sequence import Sequence
 from tritonllm.engine.step_inputs import StepInputs
-from tritonllm.engine.warmup import (compile_sampler, graph_batch_sizes, graph_context_bound, graph_context_bounds,
-                                     prefill_warmup_steps, split_lengths)
+from tritonllm.engine.warmup import compile_sampler, prefill_warmup_steps, split_lengths
 from tritonllm.layers.attention import Attention, allocate_kv_caches, kv_bytes_per_token
 from tritonllm.layers.ops import backend
 from tritonllm.loader import build_model, init_dummy_weights, load_weights
@@ -45,14 +44,20 @@ class ModelRunner:
         if self.device.type == "cuda" and self.rank == 0:
             # Before the KV cache is sized: its scratch is gone by then.
             compile_sampler(self.ops, config.max_num_seqs, hf_config.vocab_size, config.dtype, self.device)
+        self.decode_graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None  # short prefill steps' graphs
+        # The references index with boolean masks, which syncs the host: they cannot be captured.
+        self.use_graphs = self.device.type == "cuda" and not config.enforce_eager and config.kernels == "triton"
+        if self.use_graphs:  # their buffers before the KV cache is sized, which counts them
+            self.decode_graphs = DecodeGraphs(self._forward, config.max_num_seqs, self.max_blocks_per_seq,
+                                              config.max_model_len, hf_config.hidden_size, config.dtype, self.device)
+            self.prefill_graphs = PrefillGraphs(self._forward, config.max_num_batched_tokens, config.max_num_seqs,
+                                                self.max_blocks_per_seq, config.max_model_len, hf_config.hidden_size,
+                                                config.dtype, self.device)
         self.num_kv_blocks = self._allocate_kv_cache()
         self.penalties = PenaltyRows(self.ops, hf_config.vocab_size, config.max_num_seqs, self.device, self._to_device)
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (context bound, batch) -> decode graph
-        self.graph_inputs = self.graph_output = None  # the graphs' buffers
-        self.prefill_graphs: PrefillGraphs | None = None  # short prefill steps' graphs
         self.stranded = False  # rank 0 left a step midway: the other ranks cannot be brought back in step
-        # The references index with boolean masks, which syncs the host: they cannot be captured.
-        if self.device.type == "cuda" and not config.enforce_eager and config.kernels == "triton":
+        if self.use_graphs:
             self._capture_graphs()
 
     # ---- KV cache
@@ -62,9 +67,11 @@ class ModelRunner:
         if num_blocks is None:
             if self.device.type == "cuda":
                 self._warmup()
+                graph_bytes = self._graph_memory() if self.use_graphs else 0
                 free, total = torch.cuda.mem_get_info(self.device)
                 used_at_peak = total - free + torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
-                budget = total * self.config.gpu_memory_utilization - used_at_peak - self._sampling_bytes()
+                budget = (total * self.config.gpu_memory_utilization - used_at_peak - self._sampling_bytes()
+                          - graph_bytes)
             else:
                 budget = CPU_KV_CACHE_BYTES
             # More blocks than max_num_seqs full-length sequences hold would only keep old prefixes.
@@ -91,6 +98,20 @@ class ModelRunner:
         self._dummy_prefill(lengths, self.config.prefill_gather_blocks)  # the most copies, each of block 0
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()  # its activations, cached, would count twice: in use and in the peak
+
+    def _graph_memory(self) -> int:
+        """Bytes the graphs' memory pool will hold, held from their capture on: the largest decode and
+        prefill graphs captured over the one-block cache into one pool, measured, and dropped."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_reserved(self.device)
+        self._capture_graphs(largest_only=True)
+        held = torch.cuda.memory_reserved(self.device) - before
+        self.decode_graphs.graphs.clear()
+        self.prefill_graphs.graphs.clear()
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        return held
 
     def _sampling_bytes(self) -> int:
         """Rank 0's most sampling memory (not in the warm-up's peak), max_num_seqs rows of the vocabulary:
@@ -168,10 +189,10 @@ class ModelRunner:
         previous_ids: the previous step's sampled ids on the device (rank 0), read by pending rows."""
         to = self._to_device
         token_ids = self._input_ids(inputs, previous_ids)
-        graph_key = self._graph_key(inputs)
+        decode_key = self.decode_graphs.key(inputs) if self.decode_graphs else None
         prefill_key = self.prefill_graphs.key(inputs) if self.prefill_graphs else None
-        if graph_key is not None:
-            hidden = self._replay(inputs, token_ids, graph_key)
+        if decode_key is not None:
+            hidden = self.decode_graphs.replay(inputs, token_ids, decode_key, to)
         elif prefill_key is not None:
             hidden = self.prefill_graphs.replay(inputs, token_ids, prefill_key, to)
         else:
@@ -193,61 +214,15 @@ class ModelRunner:
         finally:
             set_context(None)
 
-    # ---- CUDA graphs: decode steps, and short prefill steps (engine/prefill_graphs.py)
-
-    def _graph_key(self, inputs: StepInputs) -> tuple[int, int] | None:
-        """The graph a decode step replays: of the smallest context bound that holds its longest
-        context, the smallest batch that holds its rows; None for prefill, or where none holds it."""
-        if inputs.is_prefill:
-            return None
-        bound, batch = graph_context_bound(self.config.max_model_len, inputs.max_seq_len), len(inputs.seq_lens)
-        return min((key for key in self.graphs if key[0] == bound and key[1] >= batch), default=None)
+    # ---- CUDA graphs (engine/graphs.py)
 
     @torch.inference_mode()
-    def _capture_graphs(self) -> None:
-        max_bs = self.config.max_num_seqs
-        d = self.device
-        self.graph_inputs = {
-            "token_ids": torch.zeros(max_bs, dtype=torch.long, device=d),
-            "positions": torch.zeros(max_bs, dtype=torch.long, device=d),
-            "slot_mapping": torch.full((max_bs,), -1, dtype=torch.long, device=d),
-            "seq_lens": torch.ones(max_bs, dtype=torch.int32, device=d),
-            "block_tables": torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32, device=d),
-        }
-        self.graph_output = torch.zeros(max_bs, self.hf_config.hidden_size, dtype=self.config.dtype, device=d)
-        pool = None
-        g = self.graph_inputs
-        keys = [(bound, batch) for bound in reversed(graph_context_bounds(self.config.max_model_len))
-                for batch in reversed(graph_batch_sizes(max_bs))]
-        for bound, batch in self._progress(keys, "Capturing decode graphs"):
-            context = Context(False, g["slot_mapping"][:batch], g["seq_lens"][:batch], g["block_tables"][:batch],
-                              None, 1, bound)
-            graph = capture_graph(self._forward, self.graph_output[:batch], g["token_ids"][:batch],
-                                  g["positions"][:batch], context, pool)
-            pool = graph.pool()
-            self.graphs[bound, batch] = graph
-            torch.cuda.synchronize(d)
-        config = self.config
-        self.prefill_graphs = PrefillGraphs(self._forward, config.max_num_batched_tokens, max_bs,
-                                            self.max_blocks_per_seq, config.max_model_len, self.hf_config.hidden_size,
-                                            config.dtype, d)
-        self.prefill_graphs.capture(pool, self._progress)
-        torch.cuda.synchronize(d)
-
-    def _replay(self, inputs: StepInputs, token_ids: torch.Tensor, key: tuple[int, int]) -> torch.Tensor:
-        batch, graph_batch = len(inputs.seq_lens), key[1]
-        g = self.graph_inputs
-        g["token_ids"][:batch].copy_(token_ids)
-        # Rows past the batch are padding: no KV store (slot -1) and one key read (seq_len 1), from
-        # block_tables[row, 0]. Every table entry ever written is a valid block id and entries past a
-        # sequence's length are never read, so the tables are not cleared. The host pads the other
-        # inputs: one copy from pinned memory straight into each graph buffer. The tables' slice of
-        # their buffer is not contiguous, so they go through a device copy.
-        for name, pad_value in (("positions", 0), ("slot_mapping", -1), ("seq_lens", 1)):
-            copy_padded(g[name][:graph_batch], getattr(inputs, name), pad_value)
-        g["block_tables"][:batch, : inputs.block_tables.shape[1]].copy_(self._to_device(inputs.block_tables))
-        self.graphs[key].replay()
-        return self.graph_output[:batch]
+    def _capture_graphs(self, largest_only: bool = False) -> None:
+        """Capture the decode graphs, then the prefill graphs, into one memory pool; largest_only: only
+        the largest of each (the memory probe)."""
+        pool = self.decode_graphs.capture(None, self._progress, largest_only)
+        self.prefill_graphs.capture(pool, self._progress, largest_only)
+        torch.cuda.synchronize(self.device)
 
     # ---- sampling (rank 0)
 
@@ -323,10 +298,12 @@ class ModelRunner:
                 broadcast_object(("exit", None))
             except RuntimeError:  # a peer died since the caller looked
                 peers_alive = False
-        self.graphs.clear()
+        for graphs in (self.decode_graphs, self.prefill_graphs):
+            if graphs is not None:  # before the process group: they may hold its collectives
+                graphs.graphs.clear()
         close_distributed(peers_alive)
         # The weights, the KV cache and the step buffers go now, not when the last reference to the
         # LLM does: a closed LLM still bound to a name would leave a new one no memory.
-        self.model = self.penalties = self.graph_inputs = self.graph_output = self.prefill_graphs = None
+        self.model = self.penalties = self.decode_graphs = self.prefill_graphs = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -1,11 +1,14 @@
-"""CUDA graphs for short prefill steps.
+"""CUDA graphs of the model's forward: decode steps, and short prefill steps.
+
+Decode steps replay a graph captured for the smallest batch (graph_batch_sizes) and context bound
+(graph_context_bounds, engine/warmup.py) that hold them. Padding rows store nothing (slot -1) and
+read one key (seq_len 1).
 
 An eager prefill step launches some 270 kernels, and their launches cost the host about 13 ms on
 a GPU that runs a 512-token step in 2 ms (bench/NOTES-engine.md): a short prompt's first token
 waited on Python. Steps of at most GRAPH_TOKENS new tokens and GRAPH_SEQS sequences replay a graph
 captured for the next power of two of each instead. Over an fp8 cache such steps read the cache in
 place (the engine asks `holds`), not copies of their blocks, whose count varies by step.
-
 Padding: token rows past the step's belong to no sequence (attention leaves them alone, their
 slot -1 stores nothing, and every other kernel works row by row), sequences past the step's have
 no new tokens (their attention programs exit at once). Padding rows carry whatever attention left
@@ -17,26 +20,91 @@ import torch.nn.functional as F
 
 from tritonllm.context import Context
 from tritonllm.engine.step_inputs import StepInputs
+from tritonllm.engine.warmup import graph_batch_sizes, graph_context_bound, graph_context_bounds
 
 GRAPH_TOKENS = 2048
 GRAPH_SEQS = 8
 
 
-def capture_graph(forward, out: torch.Tensor, token_ids, positions, context: Context, pool):
-    """A graph of forward(token_ids, positions, context) writing its hidden states into `out`, captured
-    into the memory pool `pool` (None: a new one) after one eager run that compiles and warms the kernels."""
-    forward(token_ids, positions, context)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool):
-        out.copy_(forward(token_ids, positions, context))
-    return graph
-
-
 def copy_padded(dst: torch.Tensor, src: torch.Tensor, value) -> None:
     """dst <- host tensor src padded with `value` to dst's length; on a GPU straight from pinned memory,
-    so the copy never waits for the step still running there (the decode graphs' inputs too)."""
+    so the copy never waits for the step still running there."""
     padded = F.pad(src, (0, len(dst) - len(src)), value=value)
     dst.copy_(padded.pin_memory() if dst.is_cuda else padded, non_blocking=True)
+
+
+class StepGraphs:
+    """What the decode and prefill graphs share. A subclass sets `forward` (the model runner's
+    forward(token_ids, positions, context) -> hidden), `keys` (largest first, the order of capture),
+    `graphs` (key -> graph), the input buffers `inputs` and the output buffer `output`, and defines
+    `context(*key)` and `tokens(key)`: a graph's forward context (views of the buffers) and its token rows."""
+    kind = ""
+
+    def capture(self, pool, progress, largest_only: bool = False):
+        """Capture every graph (largest_only: the largest) into the memory pool `pool` (None: a new one),
+        each after one eager run that compiles and warms its kernels; returns the pool."""
+        g = self.inputs
+        for key in progress(self.keys[:1] if largest_only else self.keys, f"Capturing {self.kind} graphs"):
+            tokens = self.tokens(key)
+            args = (g["token_ids"][:tokens], g["positions"][:tokens], self.context(*key))
+            self.forward(*args)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool):
+                self.output[:tokens].copy_(self.forward(*args))
+            pool = graph.pool()
+            self.graphs[key] = graph
+        return pool
+
+
+class DecodeGraphs(StepGraphs):
+    """The decode graphs, one per (context bound, batch), and their buffers, which hold max_blocks
+    table entries a sequence."""
+    kind = "decode"
+
+    def __init__(self, forward, max_num_seqs: int, max_blocks: int, max_model_len: int, hidden_size: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.forward, self.max_model_len = forward, max_model_len
+        self.keys = [(bound, batch) for bound in reversed(graph_context_bounds(max_model_len))
+                     for batch in reversed(graph_batch_sizes(max_num_seqs))]  # largest first, the order of capture
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.inputs = {
+            "token_ids": torch.zeros(max_num_seqs, dtype=torch.long, device=device),
+            "positions": torch.zeros(max_num_seqs, dtype=torch.long, device=device),
+            "slot_mapping": torch.full((max_num_seqs,), -1, dtype=torch.long, device=device),
+            "seq_lens": torch.ones(max_num_seqs, dtype=torch.int32, device=device),
+            "block_tables": torch.zeros(max_num_seqs, max_blocks, dtype=torch.int32, device=device),
+        }
+        self.output = torch.zeros(max_num_seqs, hidden_size, dtype=dtype, device=device)
+
+    def context(self, bound: int, batch: int) -> Context:
+        g = self.inputs
+        return Context(False, g["slot_mapping"][:batch], g["seq_lens"][:batch], g["block_tables"][:batch], None, 1, bound)
+
+    def tokens(self, key: tuple[int, int]) -> int:
+        return key[1]
+
+    def key(self, inputs: StepInputs) -> tuple[int, int] | None:
+        """The graph a decode step replays: of the smallest context bound that holds its longest
+        context, the smallest batch that holds its rows; None for prefill, or where none holds it."""
+        if inputs.is_prefill:
+            return None
+        bound, batch = graph_context_bound(self.max_model_len, inputs.max_seq_len), len(inputs.seq_lens)
+        return min((key for key in self.graphs if key[0] == bound and key[1] >= batch), default=None)
+
+    def replay(self, inputs: StepInputs, token_ids: torch.Tensor, key: tuple[int, int], to_device) -> torch.Tensor:
+        """Fill the buffers from the step's inputs (as PrefillGraphs.replay's) and replay; returns the
+        hidden states of the step's rows."""
+        batch, graph_batch = len(inputs.seq_lens), key[1]
+        g = self.inputs
+        g["token_ids"][:batch].copy_(token_ids)
+        # Rows past the batch are padding: no KV store (slot -1) and one key read (seq_len 1), from
+        # block_tables[row, 0]. Every table entry ever written is a valid block id and entries past a
+        # sequence's length are never read, so the tables are not cleared.
+        for name, pad_value in (("positions", 0), ("slot_mapping", -1), ("seq_lens", 1)):
+            copy_padded(g[name][:graph_batch], getattr(inputs, name), pad_value)
+        g["block_tables"][:batch, : inputs.block_tables.shape[1]].copy_(to_device(inputs.block_tables))
+        self.graphs[key].replay()
+        return self.output[:batch]
 
 
 def prefill_graph_keys(max_num_batched_tokens: int, max_num_seqs: int) -> list[tuple[int, int]]:
@@ -54,9 +122,10 @@ def prefill_graph_key(keys, num_tokens: int, num_seqs: int) -> tuple[int, int] |
     return min((key for key in keys if key[0] >= num_tokens and key[1] >= num_seqs), default=None)
 
 
-class PrefillGraphs:
-    """The graphs and their input and output buffers. forward(token_ids, positions, context) -> hidden
-    is the model runner's; buffers hold max_blocks table entries a sequence."""
+class PrefillGraphs(StepGraphs):
+    """The prefill graphs, one per (tokens, sequences), and their buffers, which hold max_blocks table
+    entries a sequence."""
+    kind = "prefill"
 
     def __init__(self, forward, max_num_batched_tokens: int, max_num_seqs: int, max_blocks: int, max_model_len: int,
                  hidden_size: int, dtype: torch.dtype, device: torch.device):
@@ -74,16 +143,6 @@ class PrefillGraphs:
         }
         self.output = torch.zeros(tokens, hidden_size, dtype=dtype, device=device)
 
-    def capture(self, pool, progress):
-        """Capture every graph into the memory pool `pool` (None: a new one); returns the pool."""
-        g = self.inputs
-        for tokens, seqs in progress(self.keys, "Capturing prefill graphs"):
-            graph = capture_graph(self.forward, self.output[:tokens], g["token_ids"][:tokens], g["positions"][:tokens],
-                                  self.context(tokens, seqs), pool)
-            pool = graph.pool()
-            self.graphs[tokens, seqs] = graph
-        return pool
-
     def context(self, tokens: int, seqs: int) -> Context:
         """The forward context of graph (tokens, seqs): views of the input buffers."""
         g = self.inputs
@@ -91,6 +150,9 @@ class PrefillGraphs:
         return Context(True, g["slot_mapping"][:tokens], g["seq_lens"][:seqs], g["block_tables"][:seqs],
                        g["cu_seqlens_q"][:seqs + 1], tokens, self.max_model_len,
                        real_tokens=g["cu_seqlens_q"][seqs:seqs + 1])
+
+    def tokens(self, key: tuple[int, int]) -> int:
+        return key[0]
 
     def holds(self, num_tokens: int, num_seqs: int) -> bool:
         """Whether a prefill step of this size replays a graph (given no copies of an fp8 cache's blocks)."""
