@@ -1,10 +1,12 @@
 """Decode CUDA graphs per context bound: a step replays the graph of the smallest bound that holds
 its longest context (decode attention's split count and config follow the bound), and of the
 smallest batch that holds its rows."""
+import random
 from types import SimpleNamespace
 
 import pytest
 import torch
+from graph_stand_in import count_replays, stand_in
 from tiny_qwen3 import build_tiny_qwen3, hf_greedy
 
 from tritonllm import LLM, SamplingParams
@@ -35,6 +37,24 @@ def test_a_step_replays_the_smallest_graph_that_holds_it(is_prefill, rows, longe
                              graphs=dict.fromkeys((bound, batch) for bound in (4096, 2048) for batch in (4, 2, 1)))
     inputs = SimpleNamespace(is_prefill=is_prefill, seq_lens=torch.ones(rows), max_seq_len=longest)
     assert DecodeGraphs.key(graphs, inputs) == key
+
+
+def test_padded_buffers_compute_what_eager_steps_do(tiny_qwen3):
+    """The replay path's padding, on the CPU too: decode steps run the forward on the graphs' buffers.
+    Three rows decode in the graph of four (its padding row stores nothing and reads one key), then two
+    in the graph of two, then one alone, through the real kernels; greedy tokens equal HF's float32 ones."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(250) for _ in range(n)] for n in (5, 18, 33)]
+    lengths = (3, 5, 7)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    with LLM(tiny_qwen3, max_num_seqs=4, enforce_eager=True) as llm:
+        runner, bound = llm.runner, llm.config.max_model_len
+        runner.decode_graphs = stand_in(DecodeGraphs(runner._forward, 4, runner.max_blocks_per_seq, bound,
+                                                     llm.hf_config.hidden_size, llm.config.dtype, runner.device))
+        replayed = count_replays(llm, "decode")
+        outs = [out.token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+    assert replayed == [(bound, 4)] * 2 + [(bound, 2)] * 2 + [(bound, 1)] * 2
+    assert outs == [hf_greedy(tiny_qwen3, p, n) for p, n in zip(prompts, lengths)]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="decode CUDA graphs need a GPU")

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from graph_stand_in import count_replays, stand_in
 from tiny_qwen3 import build_tiny_qwen3, build_tiny_qwen3_moe, hf_greedy
 
 from tritonllm import LLM, SamplingParams
@@ -49,19 +50,6 @@ def test_steps_under_the_smallest_graph_capture_none():
     assert graphs.key(step) is None
 
 
-class EagerReplay:
-    """A stand-in for a captured graph that runs on any device: replay() runs the forward on the
-    graph's buffers, as the captured launches would."""
-
-    def __init__(self, graphs: PrefillGraphs, tokens: int, seqs: int):
-        g, context = graphs.inputs, graphs.context(tokens, seqs)
-        self.run = lambda: graphs.output[:tokens].copy_(graphs.forward(g["token_ids"][:tokens],
-                                                                       g["positions"][:tokens], context))
-
-    def replay(self):
-        self.run()
-
-
 @pytest.mark.parametrize("fixture", ["tiny_qwen3", "tiny_qwen3_moe"])
 def test_padded_buffers_compute_what_eager_steps_do(fixture, request):
     """The replay path's padding, on the CPU too: prefill steps run the forward on the graphs' buffers,
@@ -76,27 +64,13 @@ def test_padded_buffers_compute_what_eager_steps_do(fixture, request):
         runner = llm.runner
         graphs = PrefillGraphs(runner._forward, 64, 4, runner.max_blocks_per_seq, llm.config.max_model_len,
                                llm.hf_config.hidden_size, llm.config.dtype, runner.device)
-        graphs.graphs = {key: EagerReplay(graphs, *key) for key in graphs.keys}
-        runner.prefill_graphs = graphs
+        runner.prefill_graphs = stand_in(graphs)
         replayed = count_replays(llm)
         together = [out.token_ids for out in llm.generate(prompts + [prompts[1] + [5, 6]], params, use_tqdm=False)]
         hit = llm.generate([prompts[1] + [9]], params, use_tqdm=False)[0]
         assert replayed == [(64, 4), (16, 1)] and hit.num_cached_tokens == 16
     assert together == [hf_greedy(path, p, 4) for p in prompts + [prompts[1] + [5, 6]]]
     assert hit.token_ids == hf_greedy(path, prompts[1] + [9], 4)
-
-
-def count_replays(llm: LLM) -> list[tuple[int, int]]:
-    """The keys of the prefill graphs llm replays from now on, in order."""
-    graphs, replayed = llm.runner.prefill_graphs, []
-    replay = graphs.replay
-
-    def counted(inputs, token_ids, key, to_device):
-        replayed.append(key)
-        return replay(inputs, token_ids, key, to_device)
-
-    graphs.replay = counted
-    return replayed
 
 
 @gpu_only

@@ -37,7 +37,8 @@ class StepGraphs:
     """What the decode and prefill graphs share. A subclass sets `forward` (the model runner's
     forward(token_ids, positions, context) -> hidden), `keys` (largest first, the order of capture),
     `graphs` (key -> graph), the input buffers `inputs` and the output buffer `output`, and defines
-    `context(*key)` and `tokens(key)`: a graph's forward context (views of the buffers) and its token rows."""
+    `context(*key)` and `tokens(key)`, a graph's forward context (views of the buffers) and its token rows,
+    and `padding(key, num_tokens)`: (buffer, rows, value) for each input a replay pads to the graph's size."""
     kind = ""
 
     def capture(self, pool, progress, largest_only: bool = False):
@@ -54,6 +55,18 @@ class StepGraphs:
             pool = graph.pool()
             self.graphs[key] = graph
         return pool
+
+    def replay(self, inputs: StepInputs, token_ids: torch.Tensor, key: tuple[int, int], to_device) -> torch.Tensor:
+        """Fill the buffers from the step's inputs (host tensors but token_ids; to_device as the model
+        runner's, for the block tables, whose slice of their buffer is not contiguous), each padded to
+        graph `key`'s size as `padding` says, and replay; returns the hidden states of the step's tokens."""
+        g, num_tokens = self.inputs, len(token_ids)
+        g["token_ids"][:num_tokens].copy_(token_ids)
+        for name, size, pad_value in self.padding(key, num_tokens):
+            copy_padded(g[name][:size], getattr(inputs, name), pad_value)
+        g["block_tables"][:len(inputs.seq_lens), :inputs.block_tables.shape[1]].copy_(to_device(inputs.block_tables))
+        self.graphs[key].replay()
+        return self.output[:num_tokens]
 
 
 class DecodeGraphs(StepGraphs):
@@ -91,20 +104,12 @@ class DecodeGraphs(StepGraphs):
         bound, batch = graph_context_bound(self.max_model_len, inputs.max_seq_len), len(inputs.seq_lens)
         return min((key for key in self.graphs if key[0] == bound and key[1] >= batch), default=None)
 
-    def replay(self, inputs: StepInputs, token_ids: torch.Tensor, key: tuple[int, int], to_device) -> torch.Tensor:
-        """Fill the buffers from the step's inputs (as PrefillGraphs.replay's) and replay; returns the
-        hidden states of the step's rows."""
-        batch, graph_batch = len(inputs.seq_lens), key[1]
-        g = self.inputs
-        g["token_ids"][:batch].copy_(token_ids)
+    def padding(self, key: tuple[int, int], num_tokens: int) -> tuple:
         # Rows past the batch are padding: no KV store (slot -1) and one key read (seq_len 1), from
         # block_tables[row, 0]. Every table entry ever written is a valid block id and entries past a
         # sequence's length are never read, so the tables are not cleared.
-        for name, pad_value in (("positions", 0), ("slot_mapping", -1), ("seq_lens", 1)):
-            copy_padded(g[name][:graph_batch], getattr(inputs, name), pad_value)
-        g["block_tables"][:batch, : inputs.block_tables.shape[1]].copy_(to_device(inputs.block_tables))
-        self.graphs[key].replay()
-        return self.output[:batch]
+        batch = key[1]
+        return ("positions", batch, 0), ("slot_mapping", batch, -1), ("seq_lens", batch, 1)
 
 
 def prefill_graph_keys(max_num_batched_tokens: int, max_num_seqs: int) -> list[tuple[int, int]]:
@@ -164,16 +169,7 @@ class PrefillGraphs(StepGraphs):
             return None
         return prefill_graph_key(self.keys, len(inputs.positions), len(inputs.seq_lens))
 
-    def replay(self, inputs: StepInputs, token_ids: torch.Tensor, key: tuple[int, int], to_device) -> torch.Tensor:
-        """Fill the buffers from the step's inputs (host tensors but token_ids; to_device as the model
-        runner's, for the block tables, whose slice of their buffer is not contiguous) and replay; returns
-        the hidden states of the step's tokens."""
-        (tokens, seqs), g = key, self.inputs
-        num_tokens, batch = len(inputs.positions), len(inputs.seq_lens)
-        g["token_ids"][:num_tokens].copy_(token_ids)
-        for name, size, pad_value in (("positions", tokens, 0), ("slot_mapping", tokens, -1), ("seq_lens", seqs, 0),
-                                      ("cu_seqlens_q", seqs + 1, num_tokens)):
-            copy_padded(g[name][:size], getattr(inputs, name), pad_value)
-        g["block_tables"][:batch, :inputs.block_tables.shape[1]].copy_(to_device(inputs.block_tables))
-        self.graphs[key].replay()
-        return self.output[:num_tokens]
+    def padding(self, key: tuple[int, int], num_tokens: int) -> tuple:
+        tokens, seqs = key
+        return (("positions", tokens, 0), ("slot_mapping", tokens, -1), ("seq_lens", seqs, 0),
+                ("cu_seqlens_q", seqs + 1, num_tokens))
