@@ -3,7 +3,7 @@
 # with a short summary printed last.
 #   bash bench/gpu_check.sh [tests] [stress] [generate] [kernels [--quick]] [throughput] [tp]
 # STEP_TIMEOUT (seconds) bounds each step; TESTS picks the test paths (default: tests);
-# PYTEST_ADDOPTS, KERNEL_ARGS and THROUGHPUT_ARGS pass options through.
+# PYTEST_ADDOPTS, KERNEL_ARGS and THROUGHPUT_ARGS pass options through (shell words: KERNEL_ARGS='--match "fp8 cache"').
 set -uo pipefail
 step_timeout=${STEP_TIMEOUT:-1800}
 OUT=${OUT:-/tmp/tritonllm-out}
@@ -11,6 +11,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 python -m pip install -q -e . --no-deps --no-build-isolation > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv > "$OUT/gpu.txt"
+eval "kernel_args=(${KERNEL_ARGS:-})"
 summary=""
 quick=""
 [[ " $* " == *" --quick "* ]] && quick="--quick"
@@ -26,7 +27,7 @@ for step in "$@"; do
       timeout "$step_timeout" tritonllm generate > "$OUT/generate.log" 2>&1; rc=$?
       summary+=$'\n== tritonllm generate (rc '$rc$')\n'"$(tail -8 "$OUT/generate.log")" ;;
     kernels)
-      timeout "$step_timeout" python bench/kernels.py $quick ${KERNEL_ARGS:-} --report "$OUT/kernels.md" > "$OUT/kernels.log" 2>&1; rc=$?
+      timeout "$step_timeout" python bench/kernels.py $quick "${kernel_args[@]}" --report "$OUT/kernels.md" > "$OUT/kernels.log" 2>&1; rc=$?
       cp kernels/configs/*.json "$OUT/" 2>/dev/null
       summary+=$'\n== kernels (rc '$rc$')\n'"$(cat "$OUT/kernels.md" 2>/dev/null || tail -20 "$OUT/kernels.log")" ;;
     throughput)
