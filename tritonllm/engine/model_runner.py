@@ -189,12 +189,11 @@ class ModelRunner:
         previous_ids: the previous step's sampled ids on the device (rank 0), read by pending rows."""
         to = self._to_device
         token_ids = self._input_ids(inputs, previous_ids)
-        decode_key = self.decode_graphs.key(inputs) if self.decode_graphs else None
-        prefill_key = self.prefill_graphs.key(inputs) if self.prefill_graphs else None
-        if decode_key is not None:
-            hidden = self.decode_graphs.replay(inputs, token_ids, decode_key, to)
-        elif prefill_key is not None:
-            hidden = self.prefill_graphs.replay(inputs, token_ids, prefill_key, to)
+        for graphs in (self.decode_graphs, self.prefill_graphs):
+            key = graphs.key(inputs) if graphs else None
+            if key is not None:
+                hidden = graphs.replay(inputs, token_ids, key, to)
+                break
         else:
             context = Context(inputs.is_prefill, to(inputs.slot_mapping), to(inputs.seq_lens), to(inputs.block_tables),
                               to(inputs.cu_seqlens_q), inputs.max_q_len, inputs.max_seq_len, to(inputs.gather_blocks),
