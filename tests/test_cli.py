@@ -176,6 +176,15 @@ def test_serve_arguments_are_checked_before_loading(capsys):
         assert exited.value.code == 2 and error in capsys.readouterr().err
 
 
+def test_chat_template_is_a_template_or_a_file(tmp_path):
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (tmp_path / "t.jinja").write_text(template)
+    assert cli.chat_template_text(template) == cli.chat_template_text(str(tmp_path / "t.jinja")) == template
+    assert cli.chat_template_text(None) is None
+    with pytest.raises(ValueError, match=r"--chat-template '.*nothing.jinja' is neither a file nor a Jinja template"):
+        cli.chat_template_text(str(tmp_path / "nothing.jinja"))
+
+
 def test_a_text_prompt_for_a_model_without_a_tokenizer_is_named():
     with pytest.raises(ValueError, match=r"--prompt 'hello': this model has no tokenizer, give token ids"):
         cli.token_ids("hello")

@@ -27,6 +27,7 @@ from tritonllm.validation import check
     ("logprobs", "yes", TypeError), ("logprobs", 21, ValueError), ("logprobs", -1, ValueError),
     ("ignore_eos", "no", TypeError), ("top_k", -2, ValueError),
     ("seed", 1.5, TypeError), ("seed", "7", TypeError), ("temperature", 10**400, ValueError),
+    ("temperature", 1e38, ValueError),  # float32 holds it, but 1 / t is subnormal: the sampler would drop top_p
     ("presence_penalty", -10**400, ValueError), ("skip_special_tokens", 0, TypeError),
     ("include_stop_str_in_output", "yes", TypeError), ("logit_bias", [(5, 1.0)], TypeError),
     ("logit_bias", {5: 101}, ValueError), ("logit_bias", {5: math.nan}, ValueError), ("logit_bias", {5: True}, TypeError),
@@ -77,7 +78,8 @@ def test_validate_normalizes_and_is_idempotent():
     assert dataclasses.asdict(p) == before
     assert SamplingParams(stop_token_ids=np.array([1, 2]), seed=2**100).stop_token_ids == [1, 2]
     assert SamplingParams(seed=-1).seed is None  # vLLM's "no seed"
-    assert [SamplingParams(temperature=t).temperature for t in (0, 1e-6, 0.005, 0.01, 0.5)] == [0, 0.01, 0.01, 0.01, 0.5]
+    assert [SamplingParams(temperature=t).temperature for t in (0, 1e-6, 0.005, 0.01, 0.5, 2.0**126)] == [
+        0, 0.01, 0.01, 0.01, 0.5, 2.0**126]
     bias = SamplingParams(logit_bias={np.int64(3): 2, 4: np.float32(-0.5)}).logit_bias
     assert bias == {3: 2.0, 4: -0.5} and all(type(t) is int and type(b) is float for t, b in bias.items())
     assert SamplingParams(logit_bias={}).logit_bias is None

@@ -153,6 +153,15 @@ def chat(args) -> None:
         history = [*conversation, {"role": "assistant", "content": reply}]
 
 
+def chat_template_text(value: str | None) -> str | None:
+    """--chat-template: the Jinja template itself (it has a "{"), or the path of a file holding it."""
+    if value is None or "{" in value:
+        return value
+    if not Path(value).is_file():
+        raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+    return Path(value).read_text()
+
+
 def serve(args) -> None:
     from tritonllm.server.app import run_server
 
@@ -160,7 +169,8 @@ def serve(args) -> None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes for Qwen3)")
     run_server(args.model, engine_options(args), args.host, args.port, args.served_model_name, args.max_waiting,
                args.shutdown_timeout, args.log_level, args.reasoning_parser,
-               args.tool_call_parser if args.enable_auto_tool_choice else None)
+               args.tool_call_parser if args.enable_auto_tool_choice else None, chat_template_text(args.chat_template),
+               args.trust_request_chat_template)
 
 
 def bench(args) -> None:
@@ -229,6 +239,9 @@ def parser() -> argparse.ArgumentParser:
     server.add_argument("--enable-auto-tool-choice", action="store_true",
                         help="serve tool_choice \"auto\": chat replies' tool calls become tool_calls (vLLM's)")
     server.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, help="the tool calls' format (Qwen3: hermes)")
+    server.add_argument("--chat-template", help="a Jinja chat template, or its file, in place of the tokenizer's")
+    server.add_argument("--trust-request-chat-template", action="store_true",
+                        help="render a chat request's own chat_template (by default refused: a template runs as code)")
     add_engine_options(server)
     server.add_argument("--max-num-seqs", type=int, help="requests in one batch (default 256)")
     server.add_argument("--max-num-batched-tokens", type=int, help="tokens in one step (default 16384)")

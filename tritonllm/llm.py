@@ -223,6 +223,10 @@ class LLM(LLMEngine):
                 bar.update(1)
         return [outputs[i] for i in range(total)]
 
+    def get_tokenizer(self):
+        """The model's tokenizer (None for a model without one), as vLLM's LLM.get_tokenizer() returns it."""
+        return self.tokenizer
+
     def chat(self, messages, sampling_params=None, use_tqdm: bool | Callable = True, stream: bool = False, *,
              chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_kwargs: dict | None = None,

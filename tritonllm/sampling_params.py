@@ -61,7 +61,8 @@ class SamplingParams:
         """Check every field and normalize in place (numbers to float or int, stop to a list). The engine
         runs it again when a request is added, as fields may change after construction; idempotent."""
         field = partial(check_field, self, prefix="SamplingParams.")
-        field("temperature", float, lambda t: t >= 0, ">= 0 (0 = greedy)")
+        # The sampler scales float32 logits by 1 / t: past 2**126 that is no normal float32 (at inf, 0 x -inf = NaN).
+        field("temperature", float, lambda t: 0 <= t <= 2.0**126, "in [0, 8.5e37] (0 = greedy)")
         if 0 < self.temperature < TEMPERATURE_FLOOR:  # vLLM's floor: a request ported from vLLM samples the same
             self.temperature = TEMPERATURE_FLOOR
         field("top_k", int, lambda k: k >= -1, ">= 0 (0 = off; vLLM's -1 too)")

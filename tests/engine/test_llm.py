@@ -180,8 +180,9 @@ def test_use_tqdm_takes_a_bar_factory_as_vllms_does(tiny_qwen3):
 def test_chat_uses_the_template(tiny_qwen3):
     llm = LLM(str(tiny_qwen3), **SMALL, num_kv_blocks=64)
     out = llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False)[0]
-    template = llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
-    assert out.prompt_token_ids == llm.tokenizer.encode(template, add_special_tokens=False)
+    tokenizer = llm.get_tokenizer()  # vLLM's name for it
+    template = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert out.prompt_token_ids == tokenizer.encode(template, add_special_tokens=False)
     assert out.token_ids == hf_greedy(tiny_qwen3, out.prompt_token_ids, 6)
 
 

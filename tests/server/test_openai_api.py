@@ -12,6 +12,7 @@ from tritonllm.server.protocol import ApiError, parse_chat, parse_completion
 from tritonllm.tiny_tasks import problems
 
 MODEL = "bundled"
+SERVER_ARGS = ["--trust-request-chat-template"]  # some tests bring their own chat_template
 AS_IDS = {"return_token_ids": True, "return_tokens_as_token_ids": True}
 
 
@@ -30,6 +31,7 @@ def test_models_health_and_stats(server, client):
     assert stats["num_running_seqs"] == stats["num_waiting_seqs"] == 0
     status, text = server.request("GET", "/metrics")
     assert status == 200 and f"tritonllm_num_kv_blocks {stats['num_kv_blocks']}" in text
+    assert "# TYPE tritonllm_num_kv_blocks gauge" in text and "# TYPE tritonllm_prompt_tokens_total counter" in text
 
 
 def test_greedy_completion_equals_generate(server, client, llm):
@@ -295,6 +297,8 @@ def test_tokenize_and_detokenize(server, client, llm):
     assert client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1).usage.prompt_tokens == len(want)
     assert server.request("POST", "/detokenize", {"tokens": ids}) == (200, {"prompt": "rev abcd="})
     for path, body, param in (("/tokenize", {"prompt": 5}, "prompt"), ("/detokenize", {"tokens": [-1]}, "tokens"),
+                              ("/tokenize", {"prompt": "hello"}, "prompt"),  # "l": as /v1/completions refuses it
+                              ("/tokenize", {"messages": [{"role": "user", "content": "hello"}]}, "messages"),
                               ("/tokenize", {"messages": messages, "tools": [{"type": "function"}]}, "tools"),
                               ("/detokenize", {"tokens": [len(llm.tokenizer)]}, "tokens"),
                               ("/tokenize", {"messages": []}, "messages")):
@@ -342,10 +346,10 @@ def test_documents_and_reasoning_effort_reach_the_template(llm):
                 "{% for m in messages %}{{ m['content'] }}{% endfor %}")
     body = {"messages": [{"role": "user", "content": "1+1"}], "chat_template": template,
             "documents": [{"title": "a"}, {"title": "b"}], "reasoning_effort": "low"}
-    assert parse_chat(body, llm.tokenizer).prompts == ["a,b|low|1+1"]
+    assert parse_chat(body, llm.tokenizer, trust_template=True).prompts == ["a,b|low|1+1"]
     for field, value in (("documents", ["a"]), ("reasoning_effort", 3)):
         with pytest.raises(ApiError) as refused:
-            parse_chat({**body, field: value}, llm.tokenizer)
+            parse_chat({**body, field: value}, llm.tokenizer, trust_template=True)
         assert refused.value.param == field
 
 

@@ -44,6 +44,23 @@ def test_bad_chat_fields_are_400_naming_the_field(client, fields, param):
     assert error.status_code == 400 and error.param == param
 
 
+def test_a_requests_own_chat_template_is_refused_without_trust(server):
+    # A template is code the server runs (a nested loop of a request's held every request for minutes):
+    # vLLM's --trust-request-chat-template, which this server was not started with.
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    messages = [{"role": "user", "content": "1+1"}]
+    for path, fields, param in (("/v1/chat/completions", {"chat_template": template}, "chat_template"),
+                                ("/v1/chat/completions", {"chat_template_kwargs": {"chat_template": template}},
+                                 "chat_template_kwargs"),
+                                ("/tokenize", {"chat_template": template}, "chat_template")):
+        status, answer = server.request("POST", path, {"model": MODEL, "messages": messages, "max_tokens": 1, **fields})
+        assert status == 400 and answer["error"]["param"] == param, answer
+        assert "--trust-request-chat-template" in answer["error"]["message"]
+    status, answer = server.request("POST", "/v1/chat/completions", {"model": MODEL, "messages": messages,
+                                                                      "chat_template_kwargs": {}, "max_tokens": 1})
+    assert status == 200 and answer["choices"][0]["finish_reason"] == "length"
+
+
 def test_chat_options_that_cannot_be_served_are_400(client):
     request = dict(model=MODEL, messages=[{"role": "user", "content": "1+1"}], max_tokens=2)
     error = error_of(lambda: client.chat.completions.create(**request, extra_body={"continue_final_message": True}))

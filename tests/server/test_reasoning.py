@@ -9,7 +9,7 @@ from tritonllm.server.reply import ReasoningSplitter
 
 MODEL = "tiny"
 ON_TINY = True
-SERVER_ARGS = ["--reasoning-parser", "qwen3"]
+SERVER_ARGS = ["--reasoning-parser", "qwen3", "--trust-request-chat-template"]
 HEADER = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 # (prompt, reply, its reasoning, its content): written out by hand.
 CASES = [

@@ -47,6 +47,7 @@ def test_full_queue_is_503(server, client):
     with pytest.raises(openai.APIStatusError) as raised:
         client.completions.create(model=MODEL, prompt="2+2=", max_tokens=2)
     assert raised.value.status_code == 503 and raised.value.code == "queue_full"
+    assert raised.value.response.headers["retry-after"] == "1"  # clients that retry wait this long
     assert server.stats()["num_waiting_seqs"] == 1
     running.close()
     assert "".join(c.choices[0].text for c in waiting) == "2"  # it ran once the first left

@@ -15,7 +15,7 @@ from tritonllm.server.reply import ToolCallSplitter
 
 MODEL = "tiny"
 ON_TINY = True
-SERVER_ARGS = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+SERVER_ARGS = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--trust-request-chat-template"]
 CALL_F = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "°C"}}\n</tool_call>'
 CALL_G = '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'
 F = {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "°C"}'}

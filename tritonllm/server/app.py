@@ -13,7 +13,9 @@ import json
 import socket
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 
 import uvicorn
@@ -23,24 +25,42 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException
 
 from tritonllm.config import EngineConfig
+from tritonllm.engine.requests import encode_prompt
 from tritonllm.server.engine_loop import EngineClient, RequestStream
 from tritonllm.server.protocol import (ApiError, GenerateRequest, check_model, detokenize, parse_chat, parse_completion,
-                                       tokenize)
+                                       refused, tokenize)
 from tritonllm.server.reply import REASONING_PARSERS, TOOL_CALL_PARSERS
 from tritonllm.server.render import Renderer
 
 
 class ServerState:
-    """What the routes share: the engine, the tokenizer, the model's names, which parts chat replies
-    are split into (reasoning, tool calls) and the server's counters."""
+    """What the routes share: the engine, the tokenizer and its thread, the model's names, which parts
+    chat replies are split into (reasoning, tool calls), whether a request may bring its own chat
+    template, and the server's counters."""
 
     def __init__(self, engine: EngineClient, names: tuple[str, ...], tokenizer, reasoning: bool = False,
-                 tool_calls: bool = False):
+                 tool_calls: bool = False, trust_template: bool = False):
         self.engine, self.names, self.tokenizer = engine, names, tokenizer
-        self.reasoning, self.tool_calls = reasoning, tool_calls
+        self.reasoning, self.tool_calls, self.trust_template = reasoning, tool_calls, trust_template
+        # One thread, as a tokenizer is not safe to share between threads.
+        self.tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tritonllm-tokenizer")
         self.created = int(time.time())
         self.token_cache: dict[int, str] = {}
         self.counters = {"requests": 0, "requests_finished": 0, "requests_aborted": 0, "errors": 0}
+
+    async def off_loop(self, fn, *args):
+        """fn(*args) on the tokenizer's thread: while a long prompt is encoded or a chat template
+        renders, the event loop serves the other requests' streams."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, partial(fn, *args))
+
+
+def encode_prompts(parsed: GenerateRequest, tokenizer, vocab_size: int) -> list[list[int]]:
+    """The request's prompts as the engine's checked token ids. Encoded here rather than in the
+    engine's process, where a long prompt would hold up every running request's next step."""
+    try:
+        return [encode_prompt(prompt, tokenizer, vocab_size, parsed.add_special_tokens) for prompt in parsed.prompts]
+    except (ValueError, TypeError) as error:
+        raise refused(str(error), parsed.names) from None
 
 
 def error_response(error: ApiError, headers: dict | None = None) -> JSONResponse:
@@ -125,7 +145,14 @@ class EventStream(StreamingResponse):
 
 async def generate(state: ServerState, request: Request, parsed: GenerateRequest):
     state.counters["requests"] += 1
-    stream = await state.engine.submit(parsed)
+    prompts = parsed.prompts
+    if state.tokenizer is not None and any(isinstance(prompt, str) for prompt in prompts):
+        prompts = await state.off_loop(encode_prompts, parsed, state.tokenizer, state.engine.info["vocab_size"])
+    try:
+        stream = await state.engine.submit(parsed, prompts)
+    except asyncio.CancelledError:  # the client left while the engine was adding it (the engine aborts it)
+        state.counters["requests_aborted"] += 1
+        raise
     renderer = Renderer(parsed, state.names[0], state.tokenizer, state.token_cache, stream.prompt_token_ids,
                         state.reasoning)
     if parsed.stream:
@@ -141,20 +168,23 @@ def prometheus(stats: dict) -> str:
     lines = []
     for name, value in stats.items():
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            lines += [f"# TYPE tritonllm_{name} gauge", f"tritonllm_{name} {value}"]
+            kind = "counter" if name.endswith("_total") else "gauge"
+            lines += [f"# TYPE tritonllm_{name} {kind}", f"tritonllm_{name} {value}"]
     return "\n".join(lines) + "\n"
 
 
 def create_app(engine: EngineClient, names: tuple[str, ...], tokenizer=None, reasoning_parser: str | None = None,
-               tool_call_parser: str | None = None) -> FastAPI:
+               tool_call_parser: str | None = None, trust_request_chat_template: bool = False) -> FastAPI:
     """The app over a started engine; `names[0]` is the model's name in responses, any of `names`
     is accepted as the request's model. reasoning_parser "qwen3" splits chat replies' thinking out,
-    tool_call_parser "hermes" their tool calls, which serves tool_choice "auto" (server/reply.py)."""
+    tool_call_parser "hermes" their tool calls, which serves tool_choice "auto" (server/reply.py).
+    trust_request_chat_template: a chat request's own chat_template is rendered, not refused."""
     for name, value, allowed in (("reasoning_parser", reasoning_parser, REASONING_PARSERS),
                                  ("tool_call_parser", tool_call_parser, TOOL_CALL_PARSERS)):
         if value not in (None, *allowed):
             raise ValueError(f"{name}={value!r} is invalid: must be one of {allowed} or None")
-    state = ServerState(engine, names, tokenizer, reasoning_parser is not None, tool_call_parser is not None)
+    state = ServerState(engine, names, tokenizer, reasoning_parser is not None, tool_call_parser is not None,
+                        trust_request_chat_template)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -163,6 +193,7 @@ def create_app(engine: EngineClient, names: tuple[str, ...], tokenizer=None, rea
         # collection takes ~0.1 ms instead of ~0.4 s over torch's and transformers' objects.
         gc.freeze()
         yield
+        state.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
         await asyncio.to_thread(engine.shutdown)
 
     app = FastAPI(title="tritonllm", lifespan=lifespan)
@@ -173,7 +204,7 @@ def create_app(engine: EngineClient, names: tuple[str, ...], tokenizer=None, rea
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError):
         state.counters["errors"] += 1
-        return error_response(error)
+        return error_response(error, {"Retry-After": "1"} if error.code == "queue_full" else None)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException):  # unknown route, wrong method
@@ -226,14 +257,15 @@ def create_app(engine: EngineClient, names: tuple[str, ...], tokenizer=None, rea
     async def chat_completions(request: Request):
         body = await read_json(request)
         check_model(body, names)
-        return await generate(state, request, parse_chat(body, tokenizer, engine.info["sampling_defaults"],
-                                                         state.tool_calls))
+        parsed = await state.off_loop(parse_chat, body, tokenizer, engine.info["sampling_defaults"], state.tool_calls,
+                                      state.trust_template)
+        return await generate(state, request, parsed)
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request):
         body = await read_json(request)
         check_model(body, names)
-        return tokenize(body, tokenizer, engine.info["max_model_len"])
+        return await state.off_loop(tokenize, body, tokenizer, engine.info["max_model_len"], state.trust_template)
 
     @app.post("/detokenize")
     async def detokenize_route(request: Request):
@@ -283,10 +315,11 @@ class Server(uvicorn.Server):
 
 def run_server(model: str, options: dict, host: str = "127.0.0.1", port: int = 8000, served_model_name: str | None = None,
                max_waiting: int = 4096, shutdown_timeout: float = 5.0, log_level: str = "info",
-               reasoning_parser: str | None = None, tool_call_parser: str | None = None) -> None:
+               reasoning_parser: str | None = None, tool_call_parser: str | None = None, chat_template: str | None = None,
+               trust_request_chat_template: bool = False) -> None:
     """Load the model in the engine process, then serve until SIGINT or SIGTERM: the server stops
     accepting, lets running requests finish for up to shutdown_timeout seconds, aborts the rest
-    and stops the engine."""
+    and stops the engine. chat_template (Jinja text) replaces the tokenizer's."""
     from transformers import AutoTokenizer
 
     EngineConfig.from_options(model, **options)  # the options' own checks, before any process starts
@@ -294,8 +327,12 @@ def run_server(model: str, options: dict, host: str = "127.0.0.1", port: int = 8
         engine = EngineClient(model, options, max_waiting)
         try:
             tokenizer = AutoTokenizer.from_pretrained(engine.info["model"]) if engine.info["has_tokenizer"] else None
+            if chat_template is not None:
+                if tokenizer is None:
+                    raise ValueError("chat_template is given, but this model has no tokenizer to render chats with")
+                tokenizer.chat_template = chat_template
             names = served_names(model, served_model_name)
-            app = create_app(engine, names, tokenizer, reasoning_parser, tool_call_parser)
+            app = create_app(engine, names, tokenizer, reasoning_parser, tool_call_parser, trust_request_chat_template)
             info = engine.info
             address = f"[{host}]" if ":" in host else host
             print(f"tritonllm serve: {names[0]} (max_model_len {info['max_model_len']}, {info['num_kv_blocks']} KV "

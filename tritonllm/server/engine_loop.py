@@ -178,13 +178,14 @@ class EngineClient:
         self.outbox.put(command)
         return await future
 
-    async def submit(self, request: GenerateRequest) -> RequestStream:
-        """Queue an API request's prompts (n samples each); errors are ApiErrors (400 naming the body's
-        field, 503). Not streamed, each choice comes as one output when it finishes."""
+    async def submit(self, request: GenerateRequest, prompts: list) -> RequestStream:
+        """Queue an API request's prompts (n samples each; `prompts` as the engine takes them: token ids
+        where the server encoded them); errors are ApiErrors (400 naming the body's field, 503). Not
+        streamed, each choice comes as one output when it finishes."""
         key = next(self.keys)
         outputs = self.streams[key] = RequestStream(key, request.num_choices)
         try:
-            _, _, error, prompt_ids = await self._ask(("add", key, request.prompts, request.params, request.add_special_tokens,
+            _, _, error, prompt_ids = await self._ask(("add", key, prompts, request.params, request.add_special_tokens,
                                                     request.stream))
         except BaseException:  # cancelled: the client left while the engine was adding it
             self.release(outputs)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from tritonllm.chat import MessageError, chat_prompt, has_chat_template, text_message
 from tritonllm.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from tritonllm.validation import check_known_characters
 
 
 # Field -> the values that leave the output as it is (anything else is refused by name).
@@ -220,10 +221,11 @@ def parse_completion(body: dict, has_tokenizer: bool, defaults: dict | None = No
     return request
 
 
-def parse_chat(body: dict, tokenizer, defaults: dict | None = None, auto_tools: bool = False) -> GenerateRequest:
-    """A chat request; `tokenizer` renders its messages (and tools) through the model's chat template;
-    `defaults` as sampling_params takes them; auto_tools: the server parses tool calls, so it serves
-    tool_choice "auto" (OpenAI's default with tools)."""
+def parse_chat(body: dict, tokenizer, defaults: dict | None = None, auto_tools: bool = False,
+               trust_template: bool = False) -> GenerateRequest:
+    """A chat request; `tokenizer` renders its messages (and tools) through the model's chat template
+    (the request's own only where trust_template); `defaults` as sampling_params takes them; auto_tools:
+    the server parses tool calls, so it serves tool_choice "auto" (OpenAI's default with tools)."""
     _check_unsupported(body)
     if body.get("echo") not in (None, False):
         raise bad(f"echo={body['echo']!r:.60} is not supported by this server's chat", "echo")
@@ -239,7 +241,7 @@ def parse_chat(body: dict, tokenizer, defaults: dict | None = None, auto_tools: 
     if choice == "auto" and not auto_tools:
         raise bad('tool_choice "auto" needs a server started with --enable-auto-tool-choice --tool-call-parser '
                   'hermes (or give tool_choice "none")', "tool_choice")
-    text = _chat_text(body, tokenizer, tools)
+    text = _chat_text(body, tokenizer, tools, trust_template)
     wants = _typed(body, "logprobs", bool, False)
     top = _typed(body, "top_logprobs", int)
     if top and not wants:  # 0 is the default: it asks for nothing
@@ -269,15 +271,20 @@ def _tools(body: dict) -> list[dict] | None:
     return tools or None
 
 
-def _chat_text(body: dict, tokenizer, tools: list[dict] | None) -> str:
+def _chat_text(body: dict, tokenizer, tools: list[dict] | None, trust_template: bool) -> str:
     """The body's messages (and tools) as the chat template renders them, with the body's chat options."""
     template = _typed(body, "chat_template", str)
+    extra = _typed(body, "chat_template_kwargs", dict, {})
+    # A template is code the server runs: one of a request's own could keep the server busy for hours.
+    for name, given in (("chat_template", template), ("chat_template_kwargs", extra.get("chat_template"))):
+        if given is not None and not trust_template:
+            raise bad(f"{name} may not carry a chat template: this server renders its own (start it with "
+                      "--trust-request-chat-template to accept a request's)", name)
     if not has_chat_template(tokenizer, template):
         raise bad("this model has no chat template: use /v1/completions or give chat_template", "messages")
     messages = _messages(body)
     options = {name: _typed(body, name, bool, default)
                for name, default in (("add_generation_prompt", True), ("continue_final_message", False))}
-    extra = _typed(body, "chat_template_kwargs", dict, {})
     # vLLM's: request fields the template reads as its variables (chat_template_kwargs win over them).
     documents = _typed(body, "documents", list)
     if documents is not None and not all(isinstance(document, dict) for document in documents):
@@ -300,19 +307,23 @@ def _add_special_tokens(body: dict, chat: bool) -> bool:
     return _typed(body, "add_special_tokens", bool, not chat)
 
 
-def tokenize(body: dict, tokenizer, max_model_len: int) -> dict:
+def tokenize(body: dict, tokenizer, max_model_len: int, trust_template: bool = False) -> dict:
     """vLLM's POST /tokenize: the token ids of a prompt (with the tokenizer's special tokens unless
     add_special_tokens is false) or of a chat's rendered messages (without, unless true), as the
-    completions and chat routes encode them."""
+    completions and chat routes encode them (characters the tokenizer does not know are refused)."""
     if tokenizer is None:
         raise bad("this model has no tokenizer", "prompt")
     chat = "messages" in body
     if chat:
         _check_unsupported(body)  # what would change the rendered text
-        prompt = _chat_text(body, tokenizer, _tools(body))
+        prompt = _chat_text(body, tokenizer, _tools(body), trust_template)
     elif not isinstance(prompt := body.get("prompt"), str):
         raise bad(f"prompt must be a string, got {prompt!r:.60}", "prompt")
     ids = tokenizer.encode(prompt, add_special_tokens=_add_special_tokens(body, chat))
+    try:
+        check_known_characters(tokenizer, prompt, ids)
+    except ValueError as error:
+        raise bad(str(error), "messages" if chat else "prompt") from None
     strs = tokenizer.convert_ids_to_tokens(ids) if _typed(body, "return_token_strs", bool, False) else None
     return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs}
 
