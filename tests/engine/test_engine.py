@@ -123,6 +123,8 @@ def test_abort_takes_one_id_or_a_list_and_refuses_other_types(llm, expected):
     assert [finals[ids[0]].token_ids, finals[ids[3]].token_ids] == [expected[0], expected[3]]
     with pytest.raises(TypeError, match="add_request takes \\(prompt, params, stream\\)"):
         llm.add_request("request-0", PROMPTS[0], PARAMS)  # vLLM's order
+    with pytest.raises(TypeError, match=r"stream must be a bool \(True or False\), got str 'yes'"):
+        llm.add_request(PROMPTS[0], PARAMS, stream="yes")  # it was taken as true
     assert_clean(llm)
 
 

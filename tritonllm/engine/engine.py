@@ -30,6 +30,7 @@ from tritonllm.engine.sequence import Sequence, SequenceStatus
 from tritonllm.engine.step_inputs import build_step_inputs
 from tritonllm.loader import eos_token_ids, has_tokenizer, load_config, load_generation_config
 from tritonllm.sampling_params import SamplingParams, generation_defaults
+from tritonllm.validation import check
 
 
 @dataclass
@@ -154,7 +155,7 @@ class LLMEngine:
 
     def queue(self, seq: Sequence, stream: bool = True) -> int:
         """Queue a sequence from make_sequence as sample 0 of its request; returns the request id."""
-        request = make_request(seq, stream, self.tokenizer, self.silent_ids)
+        request = make_request(seq, check("stream", stream, bool), self.tokenizer, self.silent_ids)
         with self._lock:
             self._requests[request.request_id] = request
             self._samples.update((sample.seq.seq_id, sample) for sample in request.samples)
