@@ -23,7 +23,8 @@ def error_of(call) -> openai.APIStatusError:
     ({"stream": True, "temperature": -1}, "temperature"),
     ({"extra_body": {"include_stop_str_in_output": 1}}, "include_stop_str_in_output"),
     ({"logit_bias": {"b": 1}}, "logit_bias"), ({"logit_bias": {"14": 101}}, "logit_bias"),
-    ({"logit_bias": {"999999": 1}}, "logit_bias"), ({"logit_bias": {"9" * 5000: 1}}, "logit_bias")])
+    ({"logit_bias": {"999999": 1}}, "logit_bias"), ({"logit_bias": {"9" * 5000: 1}}, "logit_bias"),
+    ({"best_of": True}, "best_of")])  # true == 1, the neutral value, but not an integer
 def test_bad_completion_fields_are_400_naming_the_field(client, fields, param):
     request = {"model": MODEL, "prompt": "1+1=", "max_tokens": 2, **fields}
     error = error_of(lambda: client.completions.create(**request))
@@ -37,7 +38,8 @@ def test_bad_completion_fields_are_400_naming_the_field(client, fields, param):
     ({"logprobs": True, "top_logprobs": 30}, "top_logprobs"), ({"tools": [{"type": "function"}]}, "tools"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),  # "auto" without a parser
     ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}, "tool_choice"),
-    ({"tool_choice": "auto"}, "tool_choice")])
+    ({"tool_choice": "auto"}, "tool_choice"), ({"extra_body": {"echo": 0}}, "echo"),
+    ({"extra_body": {"include_reasoning": 1}}, "include_reasoning")])
 def test_bad_chat_fields_are_400_naming_the_field(client, fields, param):
     request = {"model": MODEL, "messages": [{"role": "user", "content": "1+1"}], **fields}
     error = error_of(lambda: client.chat.completions.create(**request))

@@ -93,7 +93,7 @@ IGNORED_TYPES = {"user": str, "metadata": dict, "service_tier": str, "store": bo
 
 def _check_unsupported(body: dict) -> None:
     for name, neutral in NEUTRAL.items():
-        if name in body and body[name] not in neutral:
+        if name in body and not any(body[name] == v and type(body[name]) is type(v) for v in neutral):  # true is not 1
             raise bad(f"{name}={body[name]!r:.60} is not supported by this server", name)
     for name, kind in IGNORED_TYPES.items():
         _typed(body, name, kind)
@@ -227,7 +227,7 @@ def parse_chat(body: dict, tokenizer, defaults: dict | None = None, auto_tools: 
     (the request's own only where trust_template); `defaults` as sampling_params takes them; auto_tools:
     the server parses tool calls, so it serves tool_choice "auto" (OpenAI's default with tools)."""
     _check_unsupported(body)
-    if body.get("echo") not in (None, False):
+    if body.get("echo") is not None and body["echo"] is not False:
         raise bad(f"echo={body['echo']!r:.60} is not supported by this server's chat", "echo")
     tools = _tools(body)
     choice = body.get("tool_choice")
