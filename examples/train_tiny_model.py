@@ -30,6 +30,7 @@ CHAT_TEMPLATE = (BUNDLED_MODEL / "chat_template.jinja").read_text()
 def build_tokenizer() -> PreTrainedTokenizerFast:
     vocab = {token: i for i, token in enumerate(SPECIAL + list(ALPHABET) + ["\n"])}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    tokenizer.add_special_tokens(SPECIAL)  # as Qwen3's: decoding with skip_special_tokens drops all three
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tokenizer.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>",

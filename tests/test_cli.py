@@ -70,6 +70,14 @@ def test_bundled_model_scores_as_in_transformers():
     assert sum(o == answer for o, (_, answer) in zip(ours, tasks)) >= 0.9 * len(tasks)
 
 
+def test_bundled_tokenizer_skips_its_special_tokens_as_qwen3s_does():
+    # <|im_start|> was a plain vocabulary entry: a reply held past EOS (min_tokens) showed it in its text.
+    tokenizer = AutoTokenizer.from_pretrained(BUNDLED_MODEL)
+    special = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    assert tokenizer.decode([4, *special, 5], skip_special_tokens=True) == "12"
+    assert tokenizer.decode([4, *special, 5]) == "1<|endoftext|><|im_start|><|im_end|>2"
+
+
 def test_bundled_chat_template_gives_the_model_its_problem():
     tokenizer = AutoTokenizer.from_pretrained(BUNDLED_MODEL)
     history = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "12+34="},
