@@ -338,6 +338,10 @@ def test_a_bad_stream_option_is_named_as_the_body_nests_it():
     with pytest.raises(ApiError) as refused:
         parse_completion({"prompt": "1+1=", "stream": True, "stream_options": {"include_usage": "yes"}}, True)
     assert refused.value.param == "stream_options.include_usage"
+    for options in ({}, {"include_usage": False}):  # {} passed while {"include_usage": false} was refused
+        with pytest.raises(ApiError) as refused:
+            parse_completion({"prompt": "1+1=", "stream_options": options}, True)
+        assert refused.value.param == "stream_options"
 
 
 def test_documents_and_reasoning_effort_reach_the_template(llm):

@@ -192,7 +192,7 @@ def _prompts(body: dict) -> list:
 def _usage_options(body: dict, stream: bool) -> tuple[bool, bool]:
     """(include_usage, continuous_usage_stats), the second only with the first (vLLM's)."""
     options = _typed(body, "stream_options", dict, {})
-    if options and not stream:
+    if body.get("stream_options") is not None and not stream:  # OpenAI's rule, an empty object too
         raise bad("stream_options is only allowed with stream=true", "stream_options")
     try:
         include = _typed(options, "include_usage", bool, False)
