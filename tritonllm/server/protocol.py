@@ -91,9 +91,14 @@ def check_model(body: dict, names: tuple[str, ...]) -> None:
 IGNORED_TYPES = {"user": str, "metadata": dict, "service_tier": str, "store": bool}
 
 
+def _is_neutral(value, neutral: tuple) -> bool:
+    """Whether value is one of the neutral values, with its JSON type (true is not 1, 0 is not false)."""
+    return any(value == v and type(value) is type(v) for v in neutral)
+
+
 def _check_unsupported(body: dict) -> None:
     for name, neutral in NEUTRAL.items():
-        if name in body and not any(body[name] == v and type(body[name]) is type(v) for v in neutral):  # true is not 1
+        if name in body and not _is_neutral(body[name], neutral):
             raise bad(f"{name}={body[name]!r:.60} is not supported by this server", name)
     for name, kind in IGNORED_TYPES.items():
         _typed(body, name, kind)
@@ -191,9 +196,10 @@ def _prompts(body: dict) -> list:
 
 def _usage_options(body: dict, stream: bool) -> tuple[bool, bool]:
     """(include_usage, continuous_usage_stats), the second only with the first (vLLM's)."""
-    options = _typed(body, "stream_options", dict, {})
-    if body.get("stream_options") is not None and not stream:  # OpenAI's rule, an empty object too
+    options = _typed(body, "stream_options", dict)
+    if options is not None and not stream:  # OpenAI's rule, an empty object too
         raise bad("stream_options is only allowed with stream=true", "stream_options")
+    options = options or {}
     try:
         include = _typed(options, "include_usage", bool, False)
         return include, include and _typed(options, "continuous_usage_stats", bool, False)
@@ -227,7 +233,7 @@ def parse_chat(body: dict, tokenizer, defaults: dict | None = None, auto_tools: 
     (the request's own only where trust_template); `defaults` as sampling_params takes them; auto_tools:
     the server parses tool calls, so it serves tool_choice "auto" (OpenAI's default with tools)."""
     _check_unsupported(body)
-    if body.get("echo") is not None and body["echo"] is not False:
+    if not _is_neutral(body.get("echo"), (None, False)):
         raise bad(f"echo={body['echo']!r:.60} is not supported by this server's chat", "echo")
     tools = _tools(body)
     choice = body.get("tool_choice")
