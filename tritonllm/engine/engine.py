@@ -4,7 +4,6 @@ Each step launches the next batch on the device and then brings in the previous 
 tokens while the device runs, so the device does not wait on Python between steps. That
 launched-but-unresolved step is the engine's one piece of in-flight state (`InFlight`).
 """
-import os
 import random
 import threading
 import time
@@ -16,12 +15,11 @@ import torch
 from transformers import AutoTokenizer
 
 from tritonllm.config import EngineConfig
-from tritonllm.distributed import close_distributed, dp_group, free_port
+from tritonllm.distributed import dp_group
 from tritonllm.engine.block_manager import BlockManager
-from tritonllm.engine.model_runner import ModelRunner
 from tritonllm.engine.output import RequestOutput, silent_ids
 from tritonllm.engine.prompt_logprobs import PromptSpan, add_prompt_logprobs, prompt_logprob_spans
-from tritonllm.engine.ranks import abandon, check_ranks, shut_down, start_ranks
+from tritonllm.engine.ranks import abandon, check_ranks, shut_down, start_runner
 from tritonllm.engine.requests import (Request, Sample, checked_params, encode_prompt, finish_reason, fit_length,
                                       flush_text, make_request, min_tokens_bans, request_id_list, step_output)
 from tritonllm.engine.sampled_tokens import SampledTokens
@@ -55,13 +53,9 @@ class LLMEngine:
         """share_stop: on a data-parallel replica that rank 0 spawned, the shared byte telling it to drop
         its share of a generate (ranks.start_ranks); passed by the engine, not by callers."""
         self.config = config = EngineConfig.from_options(model, **options)
-        world_size = config.tensor_parallel_size * config.data_parallel_size
         if config.data_parallel_size > 1 and not self.SERVES_REPLICAS:
             raise ValueError(f"data_parallel_size={config.data_parallel_size} needs tritonllm.LLM, whose generate deals "
                              f"prompts out to the replicas; {type(self).__name__} runs one replica (data_parallel_size=1)")
-        if world_size > 1 and "RANK" not in os.environ and torch.distributed.is_initialized():
-            raise RuntimeError("a process group is open in this process (another tensor- or data-parallel LLM): "
-                               "close() it before making this one")
         self.hf_config = hf_config = load_config(config.model)
         config.resolve(hf_config)
         self.tokenizer, self.silent_ids = None, frozenset()
@@ -71,22 +65,8 @@ class LLMEngine:
         generation = load_generation_config(config.model)
         self.eos_id, self.eos_ids = eos_token_ids(config.model, hf_config, self.tokenizer, generation)
         self.sampling_defaults = generation_defaults(generation)  # for requests without SamplingParams
-        self._workers, self._rank_errors = [], None
-        rank, init_method = int(os.environ.get("RANK", 0)), None
-        had_group = torch.distributed.is_initialized()
-        try:
-            if world_size > 1 and "RANK" not in os.environ:
-                port = free_port()
-                init_method = f"tcp://127.0.0.1:{port}"
-                share_stop, self._rank_errors = start_ranks(self._workers, type(self), model, options, config,
-                                                            hf_config, init_method, port)
-            self.runner = ModelRunner(config, hf_config, rank, init_method)
-        except BaseException:  # the workers would wait for rank 0 forever
-            for process in self._workers:
-                process.kill()
-            if self._workers and not had_group:  # the group made for them: a later LLM makes its own
-                close_distributed(peers_alive=False)
-            raise
+        self.runner, self._workers, self._rank_errors, share_stop = start_runner(type(self), model, options, config,
+                                                                                 hf_config, share_stop)
         if self.runner.rank > 0:  # a spawned or torchrun worker: serve its replica's rank 0 until it shuts down
             self.runner.worker_loop()
             return

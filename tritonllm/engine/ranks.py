@@ -8,10 +8,11 @@ runner's worker loop for its leader. Ranks started by torchrun instead never com
 import os
 import signal
 
+import torch
 import torch.multiprocessing as mp
 
 from tritonllm.config import EngineConfig
-from tritonllm.distributed import release_replicas
+from tritonllm.distributed import close_distributed, free_port, release_replicas
 from tritonllm.engine.model_runner import ModelRunner
 
 
@@ -41,6 +42,34 @@ def _replica(engine_class, model: str, options: dict, rank: int, world_size: int
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     started.set()
     engine_class(model, share_stop=share_stop, **options)
+
+
+def start_runner(engine_class, model: str, options: dict, config: EngineConfig, hf_config, share_stop):
+    """This process's model runner. Rank 0 of a parallel engine started here (not by torchrun) first
+    spawns the other ranks (start_ranks), and kills them if its own runner fails: they would wait for
+    it forever. Returns the runner, the spawned processes, their error queue (None without any) and
+    the replicas' shared stop byte (share_stop as given where nothing was spawned)."""
+    world_size = config.tensor_parallel_size * config.data_parallel_size
+    spawns = world_size > 1 and "RANK" not in os.environ
+    had_group = torch.distributed.is_initialized()
+    if spawns and had_group:
+        raise RuntimeError("a process group is open in this process (another tensor- or data-parallel LLM): "
+                           "close() it before making this one")
+    processes, errors, init_method = [], None, None
+    try:
+        if spawns:
+            port = free_port()
+            init_method = f"tcp://127.0.0.1:{port}"
+            share_stop, errors = start_ranks(processes, engine_class, model, options, config, hf_config,
+                                             init_method, port)
+        runner = ModelRunner(config, hf_config, int(os.environ.get("RANK", 0)), init_method)
+    except BaseException:
+        for process in processes:
+            process.kill()
+        if processes:  # the group made for them: a later engine makes its own
+            close_distributed(peers_alive=False)
+        raise
+    return runner, processes, errors, share_stop
 
 
 def start_ranks(processes: list, engine_class, model: str, options: dict, config: EngineConfig, hf_config,
