@@ -230,6 +230,15 @@ def test_serve_checks_the_engine_options_before_starting_the_engine(monkeypatch,
         assert exited.value.code == 2 and error in err and "ValueError" not in err, err
 
 
+def test_serve_refuses_a_chat_template_for_a_model_without_a_tokenizer_before_loading(monkeypatch, capsys):
+    # It was refused after the engine process had loaded the model.
+    monkeypatch.setattr("tritonllm.server.app.EngineClient", None)  # never called
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["serve", "--model", "qwen3-0.6b", "--chat-template", "{{ messages }}"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "model 'qwen3-0.6b' has no tokenizer to render chats with" in err, err
+
+
 def test_serve_refuses_a_busy_port_or_an_unknown_host_before_loading(monkeypatch, capsys):
     # It loaded the model first (minutes for a real checkpoint), printed that it served, then uvicorn failed.
     monkeypatch.setattr("tritonllm.server.app.EngineClient", None)  # never called

@@ -15,7 +15,7 @@ from tiny_qwen3 import hf_greedy, hf_prompt_ids
 from tqdm import tqdm
 from transformers.models.qwen3 import Qwen3ForCausalLM as HFQwen3
 
-import tritonllm.engine.engine
+import tritonllm.engine.ranks
 from tritonllm import LLM, SamplingParams
 from tritonllm.distributed import free_port
 from tritonllm.kernels import reference
@@ -268,7 +268,7 @@ def test_a_closed_llm_says_so(tiny_qwen3):
 @two_ranks
 def test_close_and_del_leave_no_worker_or_port_and_a_second_llm_works(tiny_qwen3, expected, monkeypatch):
     ports = []
-    monkeypatch.setattr(tritonllm.engine.engine, "free_port", lambda: ports.append(free_port()) or ports[-1])
+    monkeypatch.setattr(tritonllm.engine.ranks, "free_port", lambda: ports.append(free_port()) or ports[-1])
     for release in ("close", "del"):
         llm = LLM(str(tiny_qwen3), **SMALL, tensor_parallel_size=2, num_kv_blocks=64)
         assert completions(llm) == expected[1]

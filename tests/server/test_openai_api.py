@@ -8,7 +8,8 @@ from test_engine_worker import Pipe
 
 from tritonllm import SamplingParams
 from tritonllm.server.engine_process import EngineWorker
-from tritonllm.server.protocol import ApiError, parse_chat, parse_completion
+from tritonllm.server.fields import ApiError
+from tritonllm.server.protocol import parse_chat, parse_completion
 from tritonllm.tiny_tasks import problems
 
 MODEL = "bundled"

@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from tritonllm.server.engine_loop import RequestStream
-from tritonllm.server.protocol import ApiError
+from tritonllm.server.fields import ApiError
 
 
 def output(choice: int, final: bool) -> tuple:

@@ -9,7 +9,8 @@ from server_process import ServerProcess
 from tiny_qwen3 import build_tokenizer
 
 from tritonllm import SamplingParams
-from tritonllm.server.protocol import ApiError, parse_chat
+from tritonllm.server.fields import ApiError
+from tritonllm.server.protocol import parse_chat
 from tritonllm.server.render import Renderer
 from tritonllm.server.reply import ToolCallSplitter
 

@@ -26,9 +26,11 @@ from starlette.exceptions import HTTPException
 
 from tritonllm.config import EngineConfig
 from tritonllm.engine.requests import encode_prompt
+from tritonllm.loader import has_tokenizer
+from tritonllm.server.chat_body import detokenize, tokenize
 from tritonllm.server.engine_loop import EngineClient, RequestStream
-from tritonllm.server.protocol import (ApiError, GenerateRequest, check_model, detokenize, parse_chat, parse_completion,
-                                       refused, tokenize)
+from tritonllm.server.fields import ApiError, check_model
+from tritonllm.server.protocol import GenerateRequest, parse_chat, parse_completion, refused
 from tritonllm.server.reply import REASONING_PARSERS, TOOL_CALL_PARSERS
 from tritonllm.server.render import Renderer
 
@@ -322,14 +324,14 @@ def run_server(model: str, options: dict, host: str = "127.0.0.1", port: int = 8
     and stops the engine. chat_template (Jinja text) replaces the tokenizer's."""
     from transformers import AutoTokenizer
 
-    EngineConfig.from_options(model, **options)  # the options' own checks, before any process starts
+    config = EngineConfig.from_options(model, **options)  # the options' own checks, before any process starts
+    if chat_template is not None and not has_tokenizer(config.model):
+        raise ValueError(f"chat_template is given, but model {model!r} has no tokenizer to render chats with")
     with bound_socket(host, port) as sock:  # a busy port or an unknown host fails before the model loads
         engine = EngineClient(model, options, max_waiting)
         try:
             tokenizer = AutoTokenizer.from_pretrained(engine.info["model"]) if engine.info["has_tokenizer"] else None
             if chat_template is not None:
-                if tokenizer is None:
-                    raise ValueError("chat_template is given, but this model has no tokenizer to render chats with")
                 tokenizer.chat_template = chat_template
             names = served_names(model, served_model_name)
             app = create_app(engine, names, tokenizer, reasoning_parser, tool_call_parser, trust_request_chat_template)

@@ -33,7 +33,8 @@ import threading
 from collections import deque
 
 from tritonllm.server.engine_process import engine_main
-from tritonllm.server.protocol import ApiError, GenerateRequest, refused
+from tritonllm.server.fields import ApiError
+from tritonllm.server.protocol import GenerateRequest, refused
 
 STOP_TIMEOUT_S = 30  # how long the engine process gets to exit before it is killed
 

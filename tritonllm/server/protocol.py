@@ -1,49 +1,11 @@
-"""OpenAI request bodies parsed into SamplingParams, vLLM's /tokenize and /detokenize, and the API's
-error shape.
-
-Fields that change nothing in the output (user, metadata, store, ...) and fields nobody defined
-are accepted and ignored; a field that would change the output and that this server does not
-implement (response_format, a chat's echo, ...) is an error unless it holds its neutral value.
-"""
+"""OpenAI completions and chat request bodies parsed into checked GenerateRequests (their sampling
+fields into SamplingParams), and the engine's refusals named as the body names the field."""
 import re
 from dataclasses import dataclass
 
-from tritonllm.chat import MessageError, chat_prompt, has_chat_template, text_message
 from tritonllm.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
-from tritonllm.validation import check_known_characters
-
-
-# Field -> the values that leave the output as it is (anything else is refused by name).
-NEUTRAL = {
-    "suffix": (None, ""), "best_of": (None, 1),
-    "functions": (None, []),
-    "function_call": (None, "none", "auto"), "response_format": (None, {"type": "text"}),
-    "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,),
-    # vLLM's extras
-    "use_beam_search": (None, False), "bad_words": (None, []), "logits_processors": (None, []),
-    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
-    "structured_outputs": (None,), "include_reasoning": (None, True),
-}
-
-JSON_NAMES = {bool: "a boolean", int: "an integer", str: "a string", dict: "an object", list: "an array"}
-ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
-               422: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
-
-
-class ApiError(Exception):
-    """An error the client gets as {"error": {"message", "type", "param", "code"}} with its status."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "server_error"),
-                          "param": self.param, "code": self.code}}
-
-
-def bad(message: str, param: str | None = None) -> ApiError:
-    return ApiError(400, message, param, "invalid_value" if param else None)
+from tritonllm.server.chat_body import chat_text, chat_tools
+from tritonllm.server.fields import ApiError, add_special_tokens, bad, check_unsupported, is_neutral, typed
 
 
 @dataclass
@@ -70,40 +32,6 @@ class GenerateRequest:
         return len(self.prompts) * self.params.n
 
 
-def _typed(body: dict, name: str, kind: type, default=None):
-    """body[name] if it is of `kind` (None or absent: default)."""
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise bad(f"{name} must be {JSON_NAMES[kind]}, got {type(value).__name__} {value!r:.60}", name)
-    return value
-
-
-def check_model(body: dict, names: tuple[str, ...]) -> None:
-    model = _typed(body, "model", str)
-    if model is not None and model not in names:
-        raise ApiError(404, f"The model `{model}` does not exist; this server serves {names[0]!r}", "model",
-                       "model_not_found")
-
-
-# Fields that change nothing here, but whose type OpenAI checks.
-IGNORED_TYPES = {"user": str, "metadata": dict, "service_tier": str, "store": bool}
-
-
-def _is_neutral(value, neutral: tuple) -> bool:
-    """Whether value is one of the neutral values, with its JSON type (true is not 1, 0 is not false)."""
-    return any(value == v and type(value) is type(v) for v in neutral)
-
-
-def _check_unsupported(body: dict) -> None:
-    for name, neutral in NEUTRAL.items():
-        if name in body and not _is_neutral(body[name], neutral):
-            raise bad(f"{name}={body[name]!r:.60} is not supported by this server", name)
-    for name, kind in IGNORED_TYPES.items():
-        _typed(body, name, kind)
-
-
 def _stop(body: dict):
     stop = body.get("stop")
     if stop is None or isinstance(stop, str):
@@ -115,7 +43,7 @@ def _stop(body: dict):
 
 def _logit_bias(body: dict) -> dict[int, float] | None:
     """OpenAI's logit_bias: token ids as JSON object keys (strings) -> numbers; ranges are SamplingParams'."""
-    bias = _typed(body, "logit_bias", dict)
+    bias = typed(body, "logit_bias", dict)
     if bias is None:
         return None
     bad_keys = [key for key in bias if not (key.isascii() and key.isdigit() and len(key) <= 18)]
@@ -196,13 +124,13 @@ def _prompts(body: dict) -> list:
 
 def _usage_options(body: dict, stream: bool) -> tuple[bool, bool]:
     """(include_usage, continuous_usage_stats), the second only with the first (vLLM's)."""
-    options = _typed(body, "stream_options", dict)
+    options = typed(body, "stream_options", dict)
     if options is not None and not stream:  # OpenAI's rule, an empty object too
         raise bad("stream_options is only allowed with stream=true", "stream_options")
     options = options or {}
     try:
-        include = _typed(options, "include_usage", bool, False)
-        return include, include and _typed(options, "continuous_usage_stats", bool, False)
+        include = typed(options, "include_usage", bool, False)
+        return include, include and typed(options, "continuous_usage_stats", bool, False)
     except ApiError as error:  # named as the body nests it
         raise bad(error.message, f"stream_options.{error.param}") from None
 
@@ -213,12 +141,12 @@ def _without_generation(body: dict) -> bool:
 
 
 def parse_completion(body: dict, has_tokenizer: bool, defaults: dict | None = None) -> GenerateRequest:
-    _check_unsupported(body)
+    check_unsupported(body)
     prompts = _prompts(body)
-    logprobs = _typed(body, "logprobs", int)
+    logprobs = typed(body, "logprobs", int)
     if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
         raise bad(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}", "logprobs")
-    echo = _typed(body, "echo", bool, False)
+    echo = typed(body, "echo", bool, False)
     if echo and not has_tokenizer:
         raise bad("echo needs a tokenizer, and this model has none", "echo")
     params = sampling_params(body, False, 16, logprobs, defaults, echo)
@@ -232,10 +160,10 @@ def parse_chat(body: dict, tokenizer, defaults: dict | None = None, auto_tools: 
     """A chat request; `tokenizer` renders its messages (and tools) through the model's chat template
     (the request's own only where trust_template); `defaults` as sampling_params takes them; auto_tools:
     the server parses tool calls, so it serves tool_choice "auto" (OpenAI's default with tools)."""
-    _check_unsupported(body)
-    if not _is_neutral(body.get("echo"), (None, False)):
+    check_unsupported(body)
+    if not is_neutral(body.get("echo"), (None, False)):
         raise bad(f"echo={body['echo']!r:.60} is not supported by this server's chat", "echo")
-    tools = _tools(body)
+    tools = chat_tools(body)
     choice = body.get("tool_choice")
     if choice is None:  # OpenAI's default
         choice = "auto" if tools else "none"
@@ -247,121 +175,32 @@ def parse_chat(body: dict, tokenizer, defaults: dict | None = None, auto_tools: 
     if choice == "auto" and not auto_tools:
         raise bad('tool_choice "auto" needs a server started with --enable-auto-tool-choice --tool-call-parser '
                   'hermes (or give tool_choice "none")', "tool_choice")
-    text = _chat_text(body, tokenizer, tools, trust_template)
-    wants = _typed(body, "logprobs", bool, False)
-    top = _typed(body, "top_logprobs", int)
+    text = chat_text(body, tokenizer, tools, trust_template)
+    wants = typed(body, "logprobs", bool, False)
+    top = typed(body, "top_logprobs", int)
     if top and not wants:  # 0 is the default: it asks for nothing
         raise bad("top_logprobs requires logprobs=true", "top_logprobs")
     if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
         raise bad(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}", "top_logprobs")
     logprobs = (top or 0) if wants else None
     if body.get("max_completion_tokens") is not None:  # it wins (vLLM's), but a max_tokens beside it is still checked
-        beside = _typed(body, "max_tokens", int)
+        beside = typed(body, "max_tokens", int)
         if beside is not None and beside < 1:
             raise bad(f"max_tokens must be >= 1, got {beside}", "max_tokens")
     request = _request(body, True, [text], sampling_params(body, True, None, logprobs, defaults), logprobs, True)
     request.parse_tools = bool(tools) and choice == "auto"
-    request.parallel_tool_calls = _typed(body, "parallel_tool_calls", bool, True)
+    request.parallel_tool_calls = typed(body, "parallel_tool_calls", bool, True)
     return request
-
-
-def _tools(body: dict) -> list[dict] | None:
-    """OpenAI's tools: function tools, each with a name; they reach the chat template as given."""
-    tools = body.get("tools")
-    if tools is None:
-        return None
-    if not isinstance(tools, list) or not all(
-            isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
-            and isinstance(t["function"].get("name"), str) for t in tools):
-        raise bad('tools must be an array of {"type": "function", "function": {"name", ...}} objects', "tools")
-    return tools or None
-
-
-def _chat_text(body: dict, tokenizer, tools: list[dict] | None, trust_template: bool) -> str:
-    """The body's messages (and tools) as the chat template renders them, with the body's chat options."""
-    template = _typed(body, "chat_template", str)
-    extra = _typed(body, "chat_template_kwargs", dict, {})
-    # A template is code the server runs: one of a request's own could keep the server busy for hours.
-    for name, given in (("chat_template", template), ("chat_template_kwargs", extra.get("chat_template"))):
-        if given is not None and not trust_template:
-            raise bad(f"{name} may not carry a chat template: this server renders its own (start it with "
-                      "--trust-request-chat-template to accept a request's)", name)
-    if not has_chat_template(tokenizer, template):
-        raise bad("this model has no chat template: use /v1/completions or give chat_template", "messages")
-    messages = _messages(body)
-    options = {name: _typed(body, name, bool, default)
-               for name, default in (("add_generation_prompt", True), ("continue_final_message", False))}
-    # vLLM's: request fields the template reads as its variables (chat_template_kwargs win over them).
-    documents = _typed(body, "documents", list)
-    if documents is not None and not all(isinstance(document, dict) for document in documents):
-        raise bad("documents must be an array of objects", "documents")
-    effort = _typed(body, "reasoning_effort", str)
-    fields = {"documents": documents, "reasoning_effort": effort}
-    extra = {**{name: value for name, value in fields.items() if value is not None}, **extra}
-    try:
-        text = chat_prompt(tokenizer, messages, chat_template=template, chat_template_kwargs=extra, tools=tools,
-                           **options)
-    except ValueError as error:  # both options true
-        raise bad(str(error), "continue_final_message") from None
-    except Exception as error:  # the template's own checks (roles, order), or bad chat_template_kwargs
-        raise bad(f"the chat template refused these messages: {error}", "messages") from None
-    return text
-
-
-def _add_special_tokens(body: dict, chat: bool) -> bool:
-    """vLLM's add_special_tokens: by default a completion's prompt gets them, a chat's rendered text not."""
-    return _typed(body, "add_special_tokens", bool, not chat)
-
-
-def tokenize(body: dict, tokenizer, max_model_len: int, trust_template: bool = False) -> dict:
-    """vLLM's POST /tokenize: the token ids of a prompt (with the tokenizer's special tokens unless
-    add_special_tokens is false) or of a chat's rendered messages (without, unless true), as the
-    completions and chat routes encode them (characters the tokenizer does not know are refused)."""
-    if tokenizer is None:
-        raise bad("this model has no tokenizer", "prompt")
-    chat = "messages" in body
-    if chat:
-        _check_unsupported(body)  # what would change the rendered text
-        prompt = _chat_text(body, tokenizer, _tools(body), trust_template)
-    elif not isinstance(prompt := body.get("prompt"), str):
-        raise bad(f"prompt must be a string, got {prompt!r:.60}", "prompt")
-    ids = tokenizer.encode(prompt, add_special_tokens=_add_special_tokens(body, chat))
-    try:
-        check_known_characters(tokenizer, prompt, ids)
-    except ValueError as error:
-        raise bad(str(error), "messages" if chat else "prompt") from None
-    strs = tokenizer.convert_ids_to_tokens(ids) if _typed(body, "return_token_strs", bool, False) else None
-    return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs}
-
-
-def detokenize(body: dict, tokenizer) -> dict:
-    """vLLM's POST /detokenize: token ids back to text."""
-    if tokenizer is None:
-        raise bad("this model has no tokenizer", "tokens")
-    tokens = body.get("tokens")
-    if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < len(tokenizer) for t in tokens):
-        raise bad(f"tokens must be an array of token ids in [0, {len(tokenizer)}), got {tokens!r:.60}", "tokens")
-    return {"prompt": tokenizer.decode(tokens)}
-
-
-def _messages(body: dict) -> list[dict]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise bad("messages must be a non-empty array of {role, content} objects", "messages")
-    try:
-        return [text_message(message, f"messages[{i}]") for i, message in enumerate(messages)]
-    except MessageError as e:
-        raise bad(str(e), e.param) from None
 
 
 def _request(body: dict, chat: bool, prompts: list, params: SamplingParams, logprobs, has_tokenizer: bool) -> GenerateRequest:
     if params.stop and not has_tokenizer:
         raise bad("stop strings need a tokenizer, and this model has none: use stop_token_ids", "stop")
-    stream = _typed(body, "stream", bool, False)
+    stream = typed(body, "stream", bool, False)
     if stream and body.get("prompt_logprobs") is not None and params.prompt_logprobs:  # vLLM's rule: 0 passes
         raise bad("prompt_logprobs > 0 is not available with stream=true", "prompt_logprobs")
     include_usage, continuous_usage = _usage_options(body, stream)
     return GenerateRequest(chat, prompts, params, stream, include_usage, logprobs,
-                           _typed(body, "return_token_ids", bool, False) or not has_tokenizer,
-                           _typed(body, "return_tokens_as_token_ids", bool, False) or not has_tokenizer,
-                           field_names(body, chat), _add_special_tokens(body, chat), continuous_usage=continuous_usage)
+                           typed(body, "return_token_ids", bool, False) or not has_tokenizer,
+                           typed(body, "return_tokens_as_token_ids", bool, False) or not has_tokenizer,
+                           field_names(body, chat), add_special_tokens(body, chat), continuous_usage=continuous_usage)
