@@ -147,11 +147,11 @@ class LLM(LLMEngine):
             self.after_step(lambda: self._let_go(requests, live))
 
     def _let_go(self, requests: dict[int, tuple[int, int]], live: dict[int, int]) -> None:
-        """A loop's end: its requests unowned, the unfinished ones aborted, their abort outputs dropped."""
+        """A loop's end (an after_step work): its requests unowned, the unfinished ones aborted, their
+        abort outputs dropped."""
         for request_id in requests:
             self._owners.pop(request_id, None)
-            if request_id in live:
-                self.abort(request_id)
+        self._abort([request_id for request_id in requests if request_id in live])
         self._pending = [output for output in self._pending if output.request_id not in requests]
 
     def stream(self, prompts, sampling_params=None) -> Iterator[StreamOutput]:

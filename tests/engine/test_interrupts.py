@@ -171,3 +171,35 @@ def test_a_stream_collected_inside_a_step(llm, expected, monkeypatch, where):
     assert collected and dropped() is None
     assert_clean(llm)
     assert_serving(llm, expected)
+
+
+def test_a_stream_collected_while_another_loop_lets_go(llm, expected, monkeypatch):
+    """Outside a step, one stream is closed, and another, dropped in a reference cycle, is collected
+    while the first one's abort makes its final output. The second abort waits for the first to end:
+    run inside it, its output was dropped and then written back with the first one's, so the next
+    step() reported a request whose loop had ended."""
+    original, collected = engine_module.step_output, []
+
+    def collect_then_call(*args):
+        if not collected:
+            collected.append(gc.collect())
+        return original(*args)
+
+    gc.disable()
+    try:
+        closed = llm.stream(PROMPTS[:1], PARAMS)
+        next(closed)
+        cycle = {"stream": llm.stream(PROMPTS[1:2], PARAMS)}
+        cycle["self"] = cycle
+        next(cycle["stream"])
+        dropped = weakref.ref(cycle["stream"])
+        del cycle
+        monkeypatch.setattr(engine_module, "step_output", collect_then_call)
+        closed.close()
+    finally:
+        gc.enable()
+    monkeypatch.undo()
+    assert collected and dropped() is None
+    assert llm.step() == []
+    assert_clean(llm)
+    assert_serving(llm, expected)

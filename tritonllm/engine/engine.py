@@ -87,7 +87,7 @@ class LLMEngine:
         # Outputs for the next step to return: aborted requests' final ones, and those a failed step made.
         self._pending: list[RequestOutput] = []
         self._in_flight: InFlight | None = None
-        self._stepping, self._after_step = False, []  # inside step(); work deferred to its end (after_step)
+        self._busy, self._after_step = False, []  # inside step() or after_step work; work deferred to its end
         # The live requests that the step which just raised had launched or in flight (empty if it
         # failed before launching): those a server fails with it.
         self.failed_request_ids: set[int] = set()
@@ -181,28 +181,33 @@ class LLMEngine:
         self._pending += [step_output(request, flush_text(sample), True, self.tokenizer) for request, sample in stopped]
 
     def after_step(self, work) -> None:
-        """Run work() now, or at the end of the step this thread is in (an abort from a stream that the
-        garbage collector closed in the middle of a step must not change the queues it walks)."""
+        """Run work() now, or, when this thread is inside a step or another such work, once that ends:
+        an abort from a stream that the garbage collector closed midway must not change the queues and
+        outputs that the interrupted code is changing."""
         with self._lock:
-            if self._stepping:
+            if self._busy:
                 self._after_step.append(work)
-            else:
+                return
+            with self._step_scope():
                 work()
 
     @contextmanager
     def _step_scope(self):
-        """The lock for a step, and the work deferred during it run at its end (once, if nested)."""
+        """The lock for a step (or an after_step work), and the work deferred during it run at its end,
+        still inside the scope, so that work deferred by those runs after them (once, if nested)."""
         with self._lock:
-            if self._stepping:
+            if self._busy:
                 yield
                 return
-            self._stepping = True
+            self._busy = True
             try:
                 yield
             finally:
-                self._stepping = False
-                while self._after_step:
-                    self._after_step.pop(0)()
+                try:
+                    while self._after_step:
+                        self._after_step.pop(0)()
+                finally:
+                    self._busy = False
 
     def has_unfinished(self) -> bool:
         """Whether step() has more to do or to report: unfinished requests, or outputs it has not returned
