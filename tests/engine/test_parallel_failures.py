@@ -28,6 +28,15 @@ def expected(tiny_qwen3):
         return tokens(llm)
 
 
+@pytest.fixture
+def ctrl_c():
+    """Ctrl-C raising KeyboardInterrupt, as in a terminal: a job a script starts in the background
+    has SIGINT ignored, and Python keeps it so."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @ranks(2)
 def test_a_step_that_fails_on_rank_0_alone_ends_the_engine_not_in_a_hang(tiny_qwen3, expected):
     # Rank 0 raises after telling rank 1 to run the step: rank 1 waits in a collective that never
@@ -49,7 +58,7 @@ def test_a_step_that_fails_on_rank_0_alone_ends_the_engine_not_in_a_hang(tiny_qw
 
 
 @ranks(2)
-def test_ctrl_c_during_a_tensor_parallel_step_lands_after_it(tiny_qwen3, expected):
+def test_ctrl_c_during_a_tensor_parallel_step_lands_after_it(tiny_qwen3, expected, ctrl_c):
     with LLM(str(tiny_qwen3), **SMALL, tensor_parallel_size=2) as llm:
         execute = llm.runner.execute
 
@@ -88,7 +97,7 @@ def test_replicas_draw_unseeded_samples_of_their_own(tiny_qwen3):
 
 
 @ranks(2)
-def test_ctrl_c_in_a_data_parallel_generate_drops_every_share(tiny_qwen3, expected):
+def test_ctrl_c_in_a_data_parallel_generate_drops_every_share(tiny_qwen3, expected, ctrl_c):
     with LLM(str(tiny_qwen3), **SMALL, data_parallel_size=2) as llm:
         step, steps = llm._step_and_route, []
 
