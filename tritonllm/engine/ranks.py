@@ -51,8 +51,7 @@ def start_runner(engine_class, model: str, options: dict, config: EngineConfig, 
     the replicas' shared stop byte (share_stop as given where nothing was spawned)."""
     world_size = config.tensor_parallel_size * config.data_parallel_size
     spawns = world_size > 1 and "RANK" not in os.environ
-    had_group = torch.distributed.is_initialized()
-    if spawns and had_group:
+    if spawns and torch.distributed.is_initialized():
         raise RuntimeError("a process group is open in this process (another tensor- or data-parallel LLM): "
                            "close() it before making this one")
     processes, errors, init_method = [], None, None
