@@ -184,12 +184,8 @@ class LLMEngine:
         """Run work() now, or, when this thread is inside a step or another such work, once that ends:
         an abort from a stream that the garbage collector closed midway must not change the queues and
         outputs that the interrupted code is changing."""
-        with self._lock:
-            if self._busy:
-                self._after_step.append(work)
-                return
-            with self._step_scope():
-                work()
+        with self._step_scope():  # the outermost scope runs the queue at its end
+            self._after_step.append(work)
 
     @contextmanager
     def _step_scope(self):

@@ -18,6 +18,9 @@ NEUTRAL = {
     "structured_outputs": (None,), "include_reasoning": (None, True),
 }
 
+# Fields that change nothing here, but whose type OpenAI checks.
+IGNORED_TYPES = {"user": str, "metadata": dict, "service_tier": str, "store": bool}
+
 JSON_NAMES = {bool: "a boolean", int: "an integer", str: "a string", dict: "an object", list: "an array"}
 ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
                422: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
@@ -54,10 +57,6 @@ def check_model(body: dict, names: tuple[str, ...]) -> None:
     if model is not None and model not in names:
         raise ApiError(404, f"The model `{model}` does not exist; this server serves {names[0]!r}", "model",
                        "model_not_found")
-
-
-# Fields that change nothing here, but whose type OpenAI checks.
-IGNORED_TYPES = {"user": str, "metadata": dict, "service_tier": str, "store": bool}
 
 
 def is_neutral(value, neutral: tuple) -> bool:
